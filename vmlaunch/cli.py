@@ -1,0 +1,130 @@
+"""The `vmlaunch` command: a thin layer that turns arguments into calls and errors into exit codes.
+
+Start-up is kept light: each command imports what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn, Optional
+
+from vmlaunch import __version__
+from vmlaunch.errors import EXIT_INTERRUPTED, SpecError, UsageError, VmlaunchError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message, f"see `{self.prog} --help`")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="vmlaunch",
+        description="Declarative QEMU/KVM labs: a TOML spec of VMs and networks, compiled into "
+        "QEMU command lines that follow KVM best practice.",
+        epilog="Exit status: 0 ok, 2 the spec is wrong, 3 the host cannot do it, 4 a run-time "
+        "failure, 64 bad usage, 130 interrupted.",
+    )
+    parser.add_argument("--version", action="version", version=f"vmlaunch {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands.required = True
+
+    validate = commands.add_parser(
+        "validate", help="check a spec and print a one-line summary",
+        description="Check a spec: structure (the JSON schema), references, sizes and clashes. "
+        "Prints a one-line summary, or every problem as FILE:LINE: key.path: message.",
+    )
+    validate.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
+    validate.set_defaults(run=cmd_validate)
+
+    cmdline = commands.add_parser(
+        "cmdline", help="print each VM's QEMU command line",
+        description="Print the QEMU command line of each VM (or of the VMs named), one "
+        "shell-quoted line per VM that can be pasted into a shell, or JSON with --json. "
+        "Which accelerator was chosen, and why, goes to standard error.",
+    )
+    cmdline.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
+    cmdline.add_argument("vms", metavar="VM", nargs="*", help="only these VMs")
+    cmdline.add_argument("--json", action="store_true",
+                         help='print {"VM": ["qemu-system-x86_64", ...], ...}')
+    cmdline.set_defaults(run=cmd_cmdline)
+    return parser
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from vmlaunch.model import BridgeNetwork
+    from vmlaunch.spec import load_lab
+
+    lab = load_lab(args.spec)
+    nets = ", ".join(
+        f"{net.name} (bridge {net.bridge})" if isinstance(net, BridgeNetwork)
+        else f"{net.name} ({net.type.value})"
+        for net in lab.networks
+    )
+    disks = sum(len(vm.disks) for vm in lab.vms)
+    print(f"{args.spec}: valid: lab {lab.name}: {_count(len(lab.vms), 'VM')} "
+          f"({', '.join(vm.name for vm in lab.vms)}), {_count(len(lab.networks), 'network')}"
+          f"{f' ({nets})' if nets else ''}, {_count(disks, 'disk')}")
+    return 0
+
+
+def cmd_cmdline(args: argparse.Namespace) -> int:
+    import json
+    import shlex
+
+    from vmlaunch.compiler import compile_lab
+    from vmlaunch.host import detect_host
+    from vmlaunch.spec import load_lab
+
+    lab = load_lab(args.spec)
+    plan = compile_lab(lab, detect_host(), args.vms)
+    for vm in plan.vms:
+        print(f"vmlaunch: {vm.name}: {vm.accel.accel.value}: {vm.accel.reason}", file=sys.stderr)
+        for note in vm.notes:
+            print(f"vmlaunch: note: {note}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({vm.name: list(vm.argv) for vm in plan.vms}, indent=2))
+        return 0
+    for vm in plan.vms:
+        if len(plan.vms) > 1:
+            print(f"# {vm.name}")
+        print(shlex.join(vm.argv))
+    return 0
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.run(args))
+    except SpecError as exc:
+        print(exc, file=sys.stderr)
+        count = len(exc.problems)
+        print(f"vmlaunch: {count} problem{'s' if count != 1 else ''} in the spec", file=sys.stderr)
+        return exc.exit_code
+    except VmlaunchError as exc:
+        print(f"vmlaunch: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("vmlaunch: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # `vmlaunch cmdline lab.toml | head -1`: not an error worth a message
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as exc:  # a bug in vmlaunch, not the user's mistake
+        if os.environ.get("VMLAUNCH_DEBUG"):
+            raise
+        print(f"vmlaunch: internal error: {type(exc).__name__}: {exc}\n"
+              "  this is a bug in vmlaunch; VMLAUNCH_DEBUG=1 shows the traceback", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

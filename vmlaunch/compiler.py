@@ -1,0 +1,283 @@
+"""compile(lab, host) -> Plan: a pure function from the spec and the host's facts to QEMU argv.
+
+No I/O happens here. Every default that depends on the host is decided here, and every option that a
+spec value reaches is built in JSON form or through `qemuopts.opts`, which escapes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Optional
+
+from vmlaunch.errors import HostError, KeyPath, Location, UsageError
+from vmlaunch.host import Host
+from vmlaunch.model import (
+    Accel,
+    Aio,
+    BridgeNetwork,
+    Disk,
+    DiskBus,
+    Lab,
+    Nic,
+    NicModel,
+    PciDriver,
+    UserNetwork,
+    Vm,
+)
+from vmlaunch.plan import (
+    AccelChoice,
+    BindPci,
+    CreateBridge,
+    CreateImage,
+    CreateTap,
+    HostAction,
+    Plan,
+    VmPlan,
+)
+from vmlaunch.qemuopts import json_arg, opts
+
+UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the NUL
+NIC_DEVICES = {
+    NicModel.VIRTIO: "virtio-net-pci",
+    NicModel.E1000: "e1000",
+    NicModel.E1000E: "e1000e",
+    NicModel.RTL8139: "rtl8139",
+}
+DISK_DEVICES = {DiskBus.VIRTIO: "virtio-blk-pci", DiskBus.SCSI: "scsi-hd", DiskBus.SATA: "ide-hd"}
+SATA_PORTS = 6  # q35's built-in AHCI controller
+
+
+def compile_lab(lab: Lab, host: Host, only: Sequence[str] = ()) -> Plan:
+    """The plan for the VMs named in `only` (all of them when empty)."""
+    unknown = [name for name in only if name not in {vm.name for vm in lab.vms}]
+    if unknown:
+        names = ", ".join(vm.name for vm in lab.vms)
+        raise UsageError(f"{lab.file}: no VM named {', '.join(map(repr, unknown))}",
+                         f"VMs in this lab: {names}")
+    vms = [vm for vm in lab.vms if not only or vm.name in only]
+    run_dir = host.run_root / lab.name
+    compiler = _Compiler(lab, host, run_dir)
+    plans = tuple(compiler.vm(vm) for vm in vms)
+    return Plan(lab=lab.name, run_dir=run_dir, actions=tuple(host_actions(lab, vms)), vms=plans)
+
+
+def tap_name(lab: str, vm: str, index: int) -> str:
+    """A tap name that fits IFNAMSIZ, is stable, and differs between labs: vl-<hash>-<nic>."""
+    digest = hashlib.sha256(f"{lab}\0{vm}".encode()).hexdigest()
+    return f"vl-{digest[:8]}-{index}"
+
+
+def host_actions(lab: Lab, vms: Sequence[Vm]) -> Iterator[HostAction]:
+    """In the order `up` carries them out: PCI first (checked before anything else changes)."""
+    for vm in vms:
+        for dev in vm.pci:
+            yield BindPci(address=dev.host, driver=dev.driver, vm=vm.name)
+    for vm in vms:
+        for disk in vm.disks:
+            if disk.size is not None:
+                yield CreateImage(path=disk.file, size=disk.size, format=disk.format, vm=vm.name)
+    used = {nic.network for vm in vms for nic in vm.nics}
+    for net in lab.networks:
+        if isinstance(net, BridgeNetwork) and net.name in used:
+            yield CreateBridge(name=net.bridge, network=net.name, mtu=net.mtu, uplink=net.uplink)
+    for vm in vms:
+        for index, nic in enumerate(vm.nics):
+            net = lab.network(nic.network)
+            if isinstance(net, BridgeNetwork):
+                yield CreateTap(ifname=tap_name(lab.name, vm.name, index), bridge=net.bridge,
+                                vm=vm.name, mtu=net.mtu, multi_queue=nic.queues > 1)
+
+
+class _Compiler:
+    def __init__(self, lab: Lab, host: Host, run_dir: Path) -> None:
+        self.lab = lab
+        self.host = host
+        self.run_dir = run_dir
+
+    def fail(self, path: KeyPath, message: str, hint: Optional[str] = None) -> HostError:
+        line = self.lab.source.line_of(path) if self.lab.source is not None else 1
+        return HostError(message, hint, Location(self.lab.file, line, path))
+
+    def need_device(self, path: KeyPath, device: str) -> None:
+        if device not in self.host.qemu.devices:
+            raise self.fail(path, f"this QEMU ({self.host.qemu.version_text}) has no {device} "
+                            "device", f"`{self.host.qemu.binary} -device help` lists what it has")
+
+    def vm(self, vm: Vm) -> VmPlan:
+        path: KeyPath = ("vm", vm.name)
+        accel = self.accel(vm)
+        plan = VmPlan(name=vm.name, argv=(), accel=accel, run_dir=self.run_dir)
+        for sock in (plan.qmp_socket, plan.console_socket):
+            if len(str(sock).encode()) > UNIX_PATH_MAX:
+                raise HostError(f"socket path {sock} is longer than {UNIX_PATH_MAX} bytes",
+                                "set VMLAUNCH_RUN_DIR to a shorter directory")
+        cpu = vm.cpu_model or ("host" if accel.accel is Accel.KVM else "max")
+        argv = [
+            self.host.qemu.binary,
+            "-name", opts("", guest=vm.name, process=f"vl-{vm.name}", debug_threads=True),
+            "-machine", opts(vm.machine),
+            "-accel", accel.accel.value,
+            "-cpu", cpu,
+            "-smp", str(vm.cpus),
+            "-m", f"{vm.memory_mib}M",
+            "-nodefaults",
+            "-no-user-config",
+            "-display", "none",
+            "-msg", "timestamp=on",
+            "-chardev", opts("socket", id="qmp", path=str(plan.qmp_socket), server=True, wait=False),
+            "-mon", "chardev=qmp,mode=control",
+            "-chardev", opts("socket", id="console", path=str(plan.console_socket), server=True,
+                             wait=False, logfile=str(plan.serial_log), logappend=True),
+            "-serial", "chardev:console",
+            "-pidfile", str(plan.pidfile),
+        ]
+        if vm.kernel is not None:
+            argv += ["-kernel", str(vm.kernel)]
+        if vm.initrd is not None:
+            argv += ["-initrd", str(vm.initrd)]
+        if vm.append is not None:
+            argv += ["-append", vm.append]
+        argv += self.disks(path, vm)
+        argv += self.nics(path, vm)
+        argv += self.pci(path, vm)
+        if vm.balloon.enabled:
+            self.need_device((*path, "balloon"), "virtio-balloon-pci")
+            argv += ["-device", json_arg({
+                "driver": "virtio-balloon-pci",
+                "id": "balloon0",
+                "deflate-on-oom": vm.balloon.deflate_on_oom,
+                "free-page-reporting": vm.balloon.free_page_reporting,
+            })]
+        return VmPlan(name=vm.name, argv=tuple(argv), accel=accel, run_dir=self.run_dir,
+                      notes=tuple(self.notes(vm)))
+
+    def accel(self, vm: Vm) -> AccelChoice:
+        kvm = self.host.kvm
+        if vm.accel is Accel.TCG:
+            return AccelChoice(Accel.TCG, "accel = \"tcg\" in the spec")
+        if vm.accel is Accel.KVM:
+            if not kvm.usable:
+                raise self.fail(("vm", vm.name, "accel"), f"accel = \"kvm\", but {kvm.reason}",
+                                "use accel = \"auto\" (falls back to TCG) or \"tcg\"")
+            return AccelChoice(Accel.KVM, "accel = \"kvm\" in the spec")
+        if kvm.usable:
+            return AccelChoice(Accel.KVM, kvm.reason)
+        return AccelChoice(Accel.TCG, f"KVM not usable: {kvm.reason}; TCG emulates (slower)")
+
+    def notes(self, vm: Vm) -> Iterator[str]:
+        if vm.cpus > self.host.cpus:
+            yield (f"{vm.name}: {vm.cpus} vCPUs on a host with {self.host.cpus} CPUs; over-committed "
+                   "vCPUs slow every guest (allocate the fewest vCPUs that do the job)")
+
+    def disks(self, vm_path: KeyPath, vm: Vm) -> Iterator[str]:
+        sata = [disk for disk in vm.disks if disk.bus is DiskBus.SATA]
+        if sata and not vm.machine.startswith("q35"):
+            raise self.fail((*vm_path, "machine"), "bus = \"sata\" disks need machine = \"q35\" "
+                            "(its built-in AHCI controller)")
+        if len(sata) > SATA_PORTS:
+            raise self.fail((*vm_path, "disk"), f"at most {SATA_PORTS} sata disks (AHCI ports)")
+        if any(disk.bus is DiskBus.SCSI for disk in vm.disks):
+            self.need_device(vm_path, "virtio-scsi-pci")
+            yield from ("-device", json_arg({"driver": "virtio-scsi-pci", "id": "scsi0"}))
+        sata_port = 0
+        for index, disk in enumerate(vm.disks):
+            path = (*vm_path, "disk", index)
+            node = f"disk{index}"
+            yield from ("-blockdev", json_arg(self.file_node(path, disk, f"{node}-file")))
+            cache = {"direct": disk.cache.direct, "no-flush": disk.cache.no_flush}
+            fmt: dict[str, object] = {"driver": disk.format.value, "node-name": node,
+                                      "file": f"{node}-file", "cache": cache,
+                                      "read-only": disk.readonly}
+            if disk.discard:
+                fmt.update({"discard": "unmap", "detect-zeroes": "unmap"})
+            yield from ("-blockdev", json_arg(fmt))
+            self.need_device(path, DISK_DEVICES[disk.bus])
+            device: dict[str, object] = {"driver": DISK_DEVICES[disk.bus], "id": node,
+                                         "drive": node,
+                                         "write-cache": "on" if disk.cache.write_cache else "off"}
+            if disk.bus is DiskBus.SCSI:
+                device["bus"] = "scsi0.0"
+            elif disk.bus is DiskBus.SATA:
+                device["bus"] = f"ide.{sata_port}"
+                sata_port += 1
+            if vm.kernel is None and index == 0:
+                device["bootindex"] = 0
+            yield from ("-device", json_arg(device))
+
+    def file_node(self, path: KeyPath, disk: Disk, name: str) -> dict[str, object]:
+        aio = disk.aio or self.best_aio(disk)
+        if aio is Aio.IO_URING and not self.host.qemu.io_uring:
+            raise self.fail((*path, "aio"), "aio = \"io_uring\", but this QEMU or kernel cannot "
+                            "use io_uring", "leave aio out to get the fastest that works")
+        node: dict[str, object] = {
+            "driver": "file",
+            "filename": str(disk.file),
+            "node-name": name,
+            "aio": aio.value,
+            "cache": {"direct": disk.cache.direct, "no-flush": disk.cache.no_flush},
+            "read-only": disk.readonly,
+        }
+        if disk.discard:
+            node["discard"] = "unmap"
+        return node
+
+    def best_aio(self, disk: Disk) -> Aio:
+        """io_uring when it works (fastest measured, any cache mode); native needs O_DIRECT."""
+        if self.host.qemu.io_uring:
+            return Aio.IO_URING
+        return Aio.NATIVE if disk.cache.direct else Aio.THREADS
+
+    def nics(self, vm_path: KeyPath, vm: Vm) -> Iterator[str]:
+        for index, nic in enumerate(vm.nics):
+            path = (*vm_path, "nic", index)
+            net = self.lab.network(nic.network)
+            netdev = f"net{index}"
+            if isinstance(net, UserNetwork):
+                backend: dict[str, object] = {"type": "user", "id": netdev}
+                if net.forward:
+                    backend["hostfwd"] = [{"str": rule} for rule in net.forward]
+            else:
+                backend = self.tap(nic, netdev, tap_name(self.lab.name, vm.name, index))
+            yield from ("-netdev", json_arg(backend))
+            yield from ("-device", json_arg(self.nic_device(path, nic, net, netdev, index)))
+
+    def tap(self, nic: Nic, netdev: str, ifname: str) -> dict[str, object]:
+        backend: dict[str, object] = {"type": "tap", "id": netdev, "ifname": ifname,
+                                      "script": "no", "downscript": "no"}
+        # vhost moves the data path into the kernel; QEMU aborts when asked for it without the device.
+        if self.host.vhost_net and nic.model is NicModel.VIRTIO:
+            backend["vhost"] = True
+        if nic.queues > 1:
+            backend["queues"] = nic.queues
+        return backend
+
+    def nic_device(
+        self, path: KeyPath, nic: Nic, net: object, netdev: str, index: int
+    ) -> dict[str, object]:
+        driver = NIC_DEVICES[nic.model]
+        self.need_device((*path, "model"), driver)
+        device: dict[str, object] = {"driver": driver, "id": f"nic{index}", "netdev": netdev,
+                                     "mac": nic.mac}
+        if nic.model is NicModel.VIRTIO:
+            if nic.queues > 1:
+                device.update({"mq": True, "vectors": 2 * nic.queues + 2})
+            if isinstance(net, BridgeNetwork) and net.mtu:
+                device["host_mtu"] = net.mtu  # the guest driver picks the bridge's MTU up
+        return device
+
+    def pci(self, vm_path: KeyPath, vm: Vm) -> Iterator[str]:
+        for index, dev in enumerate(vm.pci):
+            path = (*vm_path, "pci", index)
+            if dev.driver is PciDriver.VFIO:
+                self.need_device(path, "vfio-pci")
+                device = {"driver": "vfio-pci", "id": f"hostdev{index}", "host": dev.host}
+            elif "pci-assign" in self.host.qemu.devices:
+                device = {"driver": "pci-assign", "id": f"hostdev{index}", "host": dev.host}
+            else:
+                raise self.fail((*path, "driver"), "driver = \"pci-stub\" is for QEMU's legacy "
+                                "device assignment (-pcidevice, pci-assign), which this QEMU "
+                                f"({self.host.qemu.version_text}) no longer has",
+                                "use driver = \"vfio-pci\"")
+            yield from ("-device", json_arg(device))

@@ -1,0 +1,117 @@
+"""Typed errors. Raised deep, turned into a message and an exit code only in `cli.main`.
+
+Exit codes (documented in the README):
+  2   the spec is wrong (every problem is listed, `FILE:LINE: key.path: message`)
+  3   the host cannot do what the spec asks (no QEMU, KVM unusable, a missing QEMU feature)
+  4   a run-time failure (QEMU refused to start, a host resource is busy)
+  64  the command line itself is wrong (usage)
+  130 interrupted
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Optional, Union
+
+import attrs
+
+KeyPath = tuple[Union[str, int], ...]
+
+EXIT_SPEC = 2
+EXIT_HOST = 3
+EXIT_RUNTIME = 4
+EXIT_USAGE = 64
+EXIT_INTERRUPTED = 130
+
+
+def format_key_path(path: Sequence[Union[str, int]]) -> str:
+    """`("vm", "web", "disk", 0, "cache")` -> `vm.web.disk[0].cache`."""
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+@attrs.frozen
+class Location:
+    """Where in a spec file a problem is: the file, the 1-based line and the key path."""
+
+    file: Path
+    line: int
+    key_path: KeyPath = ()
+
+    def __str__(self) -> str:
+        prefix = f"{self.file}:{self.line}:"
+        key = format_key_path(self.key_path)
+        return f"{prefix} {key}:" if key else prefix
+
+
+@attrs.frozen
+class Problem:
+    """One thing wrong with a spec."""
+
+    location: Location
+    message: str
+    hint: Optional[str] = None
+
+    def __str__(self) -> str:
+        text = f"{self.location} {self.message}"
+        return f"{text} ({self.hint})" if self.hint else text
+
+
+class VmlaunchError(Exception):
+    """Base of every error a user may see; `exit_code` is what `main` returns."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message}\n  hint: {self.hint}" if self.hint else self.message
+
+
+class SpecError(VmlaunchError):
+    """The spec is wrong; carries every problem found, sorted by line."""
+
+    exit_code = EXIT_SPEC
+
+    def __init__(self, problems: Sequence[Problem]) -> None:
+        self.problems = tuple(sorted(problems, key=lambda p: (str(p.location.file), p.location.line)))
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class HostError(VmlaunchError):
+    """The host (QEMU, KVM, sysfs, the kernel) cannot do what was asked.
+
+    `location` names the spec key that asked for it, when there is one.
+    """
+
+    exit_code = EXIT_HOST
+
+    def __init__(
+        self, message: str, hint: Optional[str] = None, location: Optional[Location] = None
+    ) -> None:
+        super().__init__(f"{location} {message}" if location else message, hint)
+        self.location = location
+
+
+class RuntimeFailure(VmlaunchError):
+    """Something failed while running: a command, QEMU start-up, a busy resource."""
+
+    exit_code = EXIT_RUNTIME
+
+
+class UsageError(VmlaunchError):
+    """The command line is wrong (an unknown VM name, a bad option value)."""
+
+    exit_code = EXIT_USAGE

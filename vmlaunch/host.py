@@ -1,0 +1,225 @@
+"""Facts about this host that the compiler needs, gathered once into a frozen `Host`.
+
+Probing QEMU (version, devices, io_uring) and KVM costs a second or more, so the result is cached in
+the cache dir, keyed by the QEMU binary (path, size, mtime), the kernel and the boot: a new QEMU, a new
+kernel or a reboot probes again. Cheap facts (/dev/vhost-net, CPUs, memory, run dir) are read live.
+Tests build a `Host` by hand instead of detecting one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import attrs
+
+from vmlaunch import __version__
+from vmlaunch.errors import HostError
+from vmlaunch.spec import cache_dir
+
+QEMU_BINARY = "qemu-system-x86_64"
+KVM_PROBE_TIMEOUT = 3.0
+INSTALL_HINT = "install Debian's qemu-system-x86 and qemu-utils (`make setup` does)"
+
+
+@attrs.frozen
+class KvmStatus:
+    """Whether KVM runs a guest here, and the evidence."""
+
+    usable: bool
+    reason: str
+
+
+@attrs.frozen
+class QemuInfo:
+    binary: str
+    version: tuple[int, int, int]
+    devices: frozenset[str]
+    io_uring: bool  # this QEMU and kernel open images with aio=io_uring
+    img: Optional[str] = None  # qemu-img, for creating images
+
+    @property
+    def version_text(self) -> str:
+        return ".".join(map(str, self.version))
+
+
+@attrs.frozen
+class Host:
+    qemu: QemuInfo
+    kvm: KvmStatus
+    vhost_net: bool = False
+    cpus: int = 1
+    memory_mib: int = 1024
+    run_root: Path = Path("/run/vmlaunch")
+
+
+def detect_host() -> Host:
+    """The Host for this machine: cached QEMU and KVM facts plus live cheap ones."""
+    binary = os.environ.get("VMLAUNCH_QEMU") or shutil.which(QEMU_BINARY)
+    if not binary or not os.access(binary, os.X_OK):
+        raise HostError(f"{os.environ.get('VMLAUNCH_QEMU') or QEMU_BINARY} not found", INSTALL_HINT)
+    qemu, kvm = _cached_probe(binary)
+    return Host(
+        qemu=qemu,
+        kvm=kvm,
+        vhost_net=os.path.exists("/dev/vhost-net"),
+        cpus=os.cpu_count() or 1,
+        memory_mib=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20,
+        run_root=run_root(),
+    )
+
+
+def run_root() -> Path:
+    """Where labs keep their run dirs: VMLAUNCH_RUN_DIR, /run/vmlaunch as root, else XDG_RUNTIME_DIR."""
+    if os.environ.get("VMLAUNCH_RUN_DIR"):
+        return Path(os.environ["VMLAUNCH_RUN_DIR"])
+    if os.geteuid() == 0:
+        return Path("/run/vmlaunch")
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/vmlaunch-{os.geteuid()}"
+    return Path(runtime) / "vmlaunch"
+
+
+def _probe_key(binary: str) -> dict[str, Any]:
+    st = os.stat(binary)
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot_id = ""
+    return {
+        "vmlaunch": __version__,
+        "binary": binary,
+        "size": st.st_size,
+        "mtime": st.st_mtime_ns,
+        "kernel": os.uname().release,
+        "boot": boot_id,
+        "kvm": os.access("/dev/kvm", os.R_OK | os.W_OK),
+    }
+
+
+def _cached_probe(binary: str) -> tuple[QemuInfo, KvmStatus]:
+    key = _probe_key(binary)
+    cache = cache_dir() / "host.json"
+    try:
+        saved = json.loads(cache.read_text())
+        if saved["key"] == key:
+            return _qemu_from_json(saved["qemu"]), KvmStatus(**saved["kvm"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    qemu = probe_qemu(binary)
+    kvm = probe_kvm(binary)
+    record = {"key": key, "qemu": attrs.asdict(qemu), "kvm": attrs.asdict(kvm)}
+    record["qemu"]["devices"] = sorted(qemu.devices)
+    _write_atomic(cache, json.dumps(record, indent=1))
+    return qemu, kvm
+
+
+def _qemu_from_json(data: dict[str, Any]) -> QemuInfo:
+    return QemuInfo(
+        binary=data["binary"],
+        version=tuple(data["version"]),  # type: ignore[arg-type]
+        devices=frozenset(data["devices"]),
+        io_uring=data["io_uring"],
+        img=data["img"],
+    )
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as tmp:
+            tmp.write(text)
+        os.replace(tmp.name, path)
+    except OSError:
+        pass  # without a cache every run probes again: slower, still right
+
+
+def _run(argv: list[str], timeout: float = 20) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise HostError(f"`{' '.join(argv)}` failed: {exc}", INSTALL_HINT) from None
+
+
+def probe_qemu(binary: str) -> QemuInfo:
+    out = _run([binary, "-version"])
+    found = re.search(r"version (\d+)\.(\d+)(?:\.(\d+))?", out.stdout)
+    if out.returncode != 0 or not found:
+        raise HostError(f"`{binary} -version` did not report a version: {out.stderr.strip()}",
+                        INSTALL_HINT)
+    version = (int(found.group(1)), int(found.group(2)), int(found.group(3) or 0))
+    help_out = _run([binary, "-nodefaults", "-machine", "none", "-device", "help"])
+    devices = frozenset(re.findall(r'^name "([^"]+)"', help_out.stdout, re.MULTILINE))
+    img = shutil.which("qemu-img", path=f"{Path(binary).parent}:{os.environ.get('PATH', '')}")
+    return QemuInfo(binary=binary, version=version, devices=devices,
+                    io_uring=_probe_io_uring(img), img=img)
+
+
+def _probe_io_uring(img: Optional[str]) -> bool:
+    """Open a file with aio=io_uring through qemu-img: proves both the QEMU build and the kernel."""
+    if img is None:
+        return False
+    with tempfile.NamedTemporaryFile(prefix="vmlaunch-probe-") as tmp:
+        tmp.write(b"\0" * 4096)
+        tmp.flush()
+        spec = f"driver=file,filename={tmp.name.replace(',', ',,')},aio=io_uring"
+        return _run([img, "info", "--image-opts", spec]).returncode == 0
+
+
+# A flat 64 KiB BIOS (tools/kvm-probe.S): from the reset vector it enters protected mode, then long
+# mode with paging, writes through the page tables and writes 0x13 to isa-debug-exit, so QEMU exits
+# with status (0x13 << 1) | 1 = 39. A KVM that can only run real-mode code (seen: a paravirtual nested
+# KVM) hangs on the way, which a bare `/dev/kvm` open or query-kvm cannot tell.
+_PROBE_CODE = bytes.fromhex(
+    "fa31c08ed82e660f0116c0000f20c06683c8010f22c066ea1e000f00080066b810008ed88ec08ed0bf00100000"
+    "31c0b9000c0000f3abc7050010000003200000c7050020000003300000c70500300000830000000f20e083c820"
+    "0f22e0b8001000000f22d8b9800000c00f320d000100000f300f20c00d000000800f22c0ea85000f00180066b8"
+    "10008ed848c704250040000034120000b013e6f4f48db400000000000000000000ffff0000009acf00ffff0000"
+    "0092cf00ffff0000009aaf001f00a0000f00"
+)
+_PROBE_RESET = bytes.fromhex("ea000000f0")  # ljmp f000:0000
+_PROBE_EXIT = 39
+
+
+def probe_bios() -> bytes:
+    image = bytearray(0x10000)
+    image[: len(_PROBE_CODE)] = _PROBE_CODE
+    image[0xFFF0 : 0xFFF0 + len(_PROBE_RESET)] = _PROBE_RESET
+    return bytes(image)
+
+
+def probe_kvm(binary: str, cpu: str = "host") -> KvmStatus:
+    """Boot the probe BIOS under KVM with the CPU model vmlaunch would use; see `_PROBE_CODE`."""
+    if not os.path.exists("/dev/kvm"):
+        return KvmStatus(False, "no /dev/kvm (KVM module not loaded, or not virtualisation-capable)")
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return KvmStatus(False, "/dev/kvm is not readable and writable by this user (join group kvm)")
+    with tempfile.NamedTemporaryFile(prefix="vmlaunch-kvm-probe-", suffix=".bin") as bios:
+        bios.write(probe_bios())
+        bios.flush()
+        argv = [binary, "-accel", "kvm", "-cpu", cpu, "-machine", "pc", "-m", "16", "-nodefaults",
+                "-no-user-config", "-display", "none", "-bios", bios.name,
+                "-device", "isa-debug-exit,iobase=0xf4,iosize=0x04"]
+        start = time.monotonic()
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=KVM_PROBE_TIMEOUT,
+                                  stdin=subprocess.DEVNULL, check=False)
+        except subprocess.TimeoutExpired:
+            return KvmStatus(False, f"/dev/kvm opens, but a test guest did not reach 64-bit mode "
+                             f"within {KVM_PROBE_TIMEOUT:g} s (a nested or paravirtual KVM that "
+                             "does not run ordinary guests)")
+        except OSError as exc:
+            return KvmStatus(False, f"could not run {binary}: {exc}")
+    elapsed = time.monotonic() - start
+    if done.returncode == _PROBE_EXIT:
+        return KvmStatus(True, f"KVM ran a test guest to 64-bit mode in {elapsed:.2f} s")
+    lines = [line for line in done.stderr.splitlines() if "warning" not in line]
+    detail = lines[0] if lines else f"exit status {done.returncode}"
+    return KvmStatus(False, f"QEMU could not run a test guest under KVM with -cpu {cpu}: {detail}")

@@ -1,0 +1,173 @@
+"""The lab as frozen, typed values. After `spec.load_lab` nothing is a raw dict.
+
+Each default lives here (or in the compiler, when it depends on the host) with the reason for it.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Optional, Union
+
+import attrs
+
+from vmlaunch.sourcemap import SourceMap
+
+
+class Accel(enum.Enum):
+    AUTO = "auto"  # KVM when it really runs a guest on this host, else TCG
+    KVM = "kvm"
+    TCG = "tcg"
+
+
+class CacheMode(enum.Enum):
+    """QEMU's cache modes; each is (write-back cache, O_DIRECT, ignore flushes)."""
+
+    NONE = "none"
+    WRITEBACK = "writeback"
+    WRITETHROUGH = "writethrough"
+    DIRECTSYNC = "directsync"
+    UNSAFE = "unsafe"
+
+    @property
+    def write_cache(self) -> bool:
+        return self in (CacheMode.NONE, CacheMode.WRITEBACK, CacheMode.UNSAFE)
+
+    @property
+    def direct(self) -> bool:
+        return self in (CacheMode.NONE, CacheMode.DIRECTSYNC)
+
+    @property
+    def no_flush(self) -> bool:
+        return self is CacheMode.UNSAFE
+
+
+class Aio(enum.Enum):
+    IO_URING = "io_uring"
+    NATIVE = "native"  # Linux AIO: needs O_DIRECT (cache none or directsync)
+    THREADS = "threads"
+
+
+class DiskFormat(enum.Enum):
+    RAW = "raw"
+    QCOW2 = "qcow2"
+
+
+class DiskBus(enum.Enum):
+    VIRTIO = "virtio"  # virtio-blk: the paravirtual default (seed 000: "use virtio")
+    SCSI = "scsi"  # virtio-scsi: many disks on one controller, SCSI passthrough commands
+    SATA = "sata"  # AHCI: for guests without virtio drivers
+
+
+class NicModel(enum.Enum):
+    VIRTIO = "virtio"  # virtio-net-pci: the paravirtual default
+    E1000 = "e1000"  # emulated, for guests without virtio drivers
+    E1000E = "e1000e"
+    RTL8139 = "rtl8139"
+
+
+class PciDriver(enum.Enum):
+    VFIO = "vfio-pci"
+    PCI_STUB = "pci-stub"
+
+
+class NetworkType(enum.Enum):
+    BRIDGE = "bridge"
+    USER = "user"
+
+
+@attrs.frozen
+class BridgeNetwork:
+    """A Linux bridge on the host; each NIC on it gets a tap device enslaved to it."""
+
+    name: str
+    bridge: str
+    mtu: Optional[int] = None
+    uplink: Optional[str] = None
+
+    type = NetworkType.BRIDGE
+
+
+@attrs.frozen
+class UserNetwork:
+    """QEMU's user-mode network (slirp): NAT to the host, no root, `forward` = hostfwd rules."""
+
+    name: str
+    forward: tuple[str, ...] = ()
+
+    type = NetworkType.USER
+
+
+Network = Union[BridgeNetwork, UserNetwork]
+
+
+@attrs.frozen
+class Disk:
+    file: Path  # absolute
+    format: DiskFormat
+    size: Optional[int] = None  # bytes; the image is created (sparse) when missing
+    cache: CacheMode = CacheMode.NONE
+    aio: Optional[Aio] = None  # None: the fastest this host supports (the compiler picks)
+    bus: DiskBus = DiskBus.VIRTIO
+    readonly: bool = False
+    discard: bool = True  # pass guest TRIM through: images stay sparse
+
+
+@attrs.frozen
+class Nic:
+    network: str
+    mac: str  # always set: explicit, or derived from (lab, vm, index)
+    model: NicModel = NicModel.VIRTIO
+    queues: int = 1
+
+
+@attrs.frozen
+class PciDevice:
+    host: str  # normalised "0000:15:00.0"
+    driver: PciDriver = PciDriver.VFIO
+
+
+@attrs.frozen
+class Balloon:
+    enabled: bool = True
+    deflate_on_oom: bool = True  # the guest may take memory back rather than OOM-kill
+    free_page_reporting: bool = True  # freed guest pages go back to the host
+
+
+@attrs.frozen
+class Vm:
+    name: str
+    memory_mib: int
+    cpus: int = 1
+    accel: Accel = Accel.AUTO
+    cpu_model: Optional[str] = None  # None: "host" under KVM, "max" under TCG
+    machine: str = "q35"
+    kernel: Optional[Path] = None
+    initrd: Optional[Path] = None
+    append: Optional[str] = None
+    disks: tuple[Disk, ...] = ()
+    nics: tuple[Nic, ...] = ()
+    pci: tuple[PciDevice, ...] = ()
+    balloon: Balloon = Balloon()
+
+
+@attrs.frozen
+class Lab:
+    name: str
+    file: Path  # the spec file, absolute
+    source: SourceMap = attrs.field(eq=False, repr=False)  # key path -> line, for messages
+    networks: tuple[Network, ...] = ()
+    vms: tuple[Vm, ...] = ()
+    mac_prefix: str = "52:54:00"
+
+    def network(self, name: str) -> Network:
+        for net in self.networks:
+            if net.name == name:
+                return net
+        raise KeyError(name)
+
+    def vm(self, name: str) -> Vm:
+        for vm in self.vms:
+            if vm.name == name:
+                return vm
+        raise KeyError(name)

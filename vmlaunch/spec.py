@@ -1,0 +1,494 @@
+"""Read a TOML lab spec into a `model.Lab`, or raise `SpecError` listing every problem found.
+
+Three passes: TOML syntax, structure (the JSON schema in schemas/, the single source of structure),
+then meaning (references, sizes, clashes), which only looks at the parts the schema accepted so that
+one typo does not hide the other problems nor drown them in follow-on errors.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import re
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from vmlaunch import __version__
+from vmlaunch.errors import KeyPath, Location, Problem, SpecError, format_key_path
+from vmlaunch.model import (
+    Accel,
+    Aio,
+    Balloon,
+    BridgeNetwork,
+    CacheMode,
+    Disk,
+    DiskBus,
+    DiskFormat,
+    Lab,
+    Network,
+    Nic,
+    NicModel,
+    PciDevice,
+    PciDriver,
+    UserNetwork,
+    Vm,
+)
+from vmlaunch.sourcemap import SourceMap
+from vmlaunch.units import parse_size
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.9/3.10 only
+    import tomli as tomllib
+
+SCHEMA_FILE = Path(__file__).resolve().parent / "vmlaunch.schema.json"
+DEFAULT_MAC_PREFIX = "52:54:00"
+IFNAMSIZ = 16  # the kernel's limit, including the terminating NUL
+
+Doc = dict[str, Any]
+
+
+def cache_dir() -> Path:
+    """Where vmlaunch keeps what it learned once: host facts, specs that validated clean."""
+    if "VMLAUNCH_CACHE_DIR" in os.environ:
+        return Path(os.environ["VMLAUNCH_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "vmlaunch"
+
+
+class _Problems:
+    """Collects problems for one spec file, resolving key paths to lines."""
+
+    def __init__(self, file: Path, source: SourceMap) -> None:
+        self.file = file
+        self.source = source
+        self.items: list[Problem] = []
+
+    def add(self, path: KeyPath, message: str, hint: Optional[str] = None) -> None:
+        location = Location(self.file, self.source.line_of(path), path)
+        self.items.append(Problem(location, message, hint))
+
+
+def load_lab(path: Union[str, Path]) -> Lab:
+    """Parse, check and build the lab of the spec at `path`."""
+    file = Path(path)
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise SpecError([Problem(Location(file, 1), f"cannot read the spec: {reason}")]) from None
+    return parse_lab(data, file)
+
+
+def parse_lab(data: bytes, file: Path) -> Lab:
+    """Like `load_lab` for spec text already read; relative paths resolve against `file`'s folder."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise SpecError([Problem(Location(file, line), "the spec is not UTF-8 text")]) from None
+    doc = _parse_toml(text, file)
+    source = SourceMap.from_text(text)
+    problems = _Problems(file, source)
+    invalid = _check_structure(doc, data, problems)
+    lab = _Builder(doc, file.resolve(), source, problems, invalid).build()
+    if problems.items:
+        raise SpecError(problems.items)
+    return lab
+
+
+def _parse_toml(text: str, file: Path) -> Doc:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        message = str(exc)
+        line = getattr(exc, "lineno", None)
+        found = re.search(r"\(at line (\d+), column (\d+)\)", message)
+        if found:
+            line = line or int(found.group(1))
+            message = f"{message[: found.start()].strip()} (column {found.group(2)})"
+        elif "end of document" in message:
+            line = line or text.count("\n") + 1
+        problem = Problem(Location(file, line or 1), f"TOML syntax error: {message}")
+        raise SpecError([problem]) from None
+
+
+# --- structure ------------------------------------------------------------------------------------
+
+
+def _check_structure(doc: Doc, data: bytes, problems: _Problems) -> list[KeyPath]:
+    """Validate against the JSON schema; return the key paths of the parts it rejected.
+
+    A spec that validated clean before (same bytes, same schema, same vmlaunch) is remembered by
+    hash, so the common case skips importing jsonschema (~70 ms, more than Python's own start-up).
+    """
+    schema_bytes = SCHEMA_FILE.read_bytes()
+    digest = hashlib.sha256(b"\0".join([__version__.encode(), schema_bytes, data])).hexdigest()
+    stamp = cache_dir() / "valid" / digest
+    if stamp.exists():
+        return []
+    invalid = []
+    for path, message, hint in _schema_errors(doc, json.loads(schema_bytes)):
+        problems.add(path, message, hint)
+        invalid.append(path)
+    if not invalid:
+        _touch(stamp)
+    return invalid
+
+
+def _touch(stamp: Path) -> None:
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.touch()
+    except OSError:
+        pass  # a read-only cache only costs speed
+
+
+def _schema_errors(doc: Doc, schema: Doc) -> Iterator[tuple[KeyPath, str, Optional[str]]]:
+    import jsonschema  # heavy: only when a spec is not known to be valid
+
+    validator = jsonschema.Draft202012Validator(schema)
+    for error in validator.iter_errors(doc):
+        yield _describe(error)
+
+
+def _describe(error: Any) -> tuple[KeyPath, str, Optional[str]]:
+    """Turn a jsonschema error into (key path, message, hint) a user can act on."""
+    path: KeyPath = tuple(error.absolute_path)
+    kind = error.validator
+    value = error.instance
+    schema = error.schema
+    if "propertyNames" in error.absolute_schema_path:
+        return (*path, value), f"the name {value!r} {_schema_message(error)}", None
+    if kind == "required":
+        missing = [key for key in error.validator_value if key not in value]
+        return path, f"missing required key {', '.join(map(repr, missing))}", None
+    if kind == "additionalProperties":
+        allowed = sorted(schema.get("properties", {}))
+        extra = [key for key in value if key not in allowed]
+        key = extra[0] if extra else "?"
+        close = difflib.get_close_matches(key, allowed, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(allowed)}"
+        return (*path, key), f"unknown key {key!r}", hint
+    if kind in ("enum", "const"):
+        options = error.validator_value if kind == "enum" else [error.validator_value]
+        return path, f"{value!r} is not one of {', '.join(map(str, options))}", None
+    if kind == "type":
+        return path, f"expected {_type_words(error.validator_value)}, got {_toml_type(value)}", None
+    if kind == "minProperties":
+        return path, _schema_message(error), None
+    if kind == "minimum":
+        return path, f"{value} is less than the minimum {error.validator_value}", None
+    if kind == "maximum":
+        return path, f"{value} is more than the maximum {error.validator_value}", None
+    if kind == "minLength":
+        return path, "must not be empty", None
+    if kind == "uniqueItems":
+        return path, "has duplicate entries", None
+    if kind == "pattern":
+        return path, f"{value!r} {_schema_message(error)}", None
+    return path, str(error.message), None
+
+
+def _schema_message(error: Any) -> str:
+    message = error.schema.get("x-message")
+    return str(message) if message else str(error.message)
+
+
+def _type_words(types: Union[str, list[str]]) -> str:
+    words = {
+        "string": "a string",
+        "integer": "an integer",
+        "boolean": "true or false",
+        "object": "a table",
+        "array": "an array",
+        "number": "a number",
+    }
+    names = [types] if isinstance(types, str) else types
+    return " or ".join(words.get(name, name) for name in names)
+
+
+def _toml_type(value: object) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    return type(value).__name__  # dates and times
+
+
+# --- meaning --------------------------------------------------------------------------------------
+
+
+def derive_mac(prefix: str, lab: str, vm: str, index: int) -> str:
+    """A MAC that is stable across runs and differs between labs, VMs and NICs."""
+    digest = hashlib.sha256(f"{lab}\0{vm}\0{index}".encode()).digest()
+    return prefix.lower() + "".join(f":{byte:02x}" for byte in digest[:3])
+
+
+def default_bridge_name(lab: str, network: str) -> str:
+    return f"vl-{lab}-{network}"
+
+
+def normalise_pci_address(text: str) -> str:
+    """ "15:00.0" -> "0000:15:00.0"."""
+    text = text.lower()
+    return text if text.count(":") == 2 else f"0000:{text}"
+
+
+def interface_name_problem(name: str) -> Optional[str]:
+    """Why the kernel would refuse `name` as a network interface name, or None."""
+    if len(name.encode()) >= IFNAMSIZ:
+        return f"{name!r} is {len(name.encode())} bytes; interface names have at most {IFNAMSIZ - 1}"
+    if name in (".", "..") or any(c in name for c in "/:") or any(c.isspace() for c in name):
+        return f"{name!r} is not a valid interface name (no '/', ':' or spaces; not '.' or '..')"
+    return None
+
+
+def _format_from_name(file: str) -> DiskFormat:
+    return DiskFormat.QCOW2 if file.lower().endswith(".qcow2") else DiskFormat.RAW
+
+
+class _Builder:
+    """Builds the typed lab from a schema-checked document, adding semantic problems."""
+
+    def __init__(
+        self, doc: Doc, file: Path, source: SourceMap, problems: _Problems, invalid: list[KeyPath]
+    ) -> None:
+        self.doc = doc
+        self.file = file
+        self.base = file.parent
+        self.source = source
+        self.problems = problems
+        self.invalid = invalid
+        self.macs: dict[str, KeyPath] = {}
+        self.writable_images: dict[Path, KeyPath] = {}
+        self.pci_hosts: dict[str, KeyPath] = {}
+
+    def is_valid(self, path: KeyPath) -> bool:
+        """True when the schema found nothing wrong at or below `path`."""
+        return not any(bad[: len(path)] == path for bad in self.invalid)
+
+    def table(self, path: KeyPath) -> Doc:
+        node: Any = self.doc
+        for key in path:
+            node = node.get(key, {}) if isinstance(node, dict) else {}
+        return node if isinstance(node, dict) else {}
+
+    def build(self) -> Lab:
+        lab = self.table(("lab",))
+        lab_ok = self.is_valid(("lab",))
+        name = str(lab.get("name", "lab")) if lab_ok else "lab"
+        prefix = str(lab.get("mac_prefix", DEFAULT_MAC_PREFIX)) if lab_ok else DEFAULT_MAC_PREFIX
+        if int(prefix[:2], 16) & 1:
+            self.problems.add(("lab", "mac_prefix"), f"{prefix!r} is a multicast prefix",
+                              "the first octet must be even, e.g. 52:54:00")
+        self.lab_name, self.mac_prefix = name, prefix
+        networks = tuple(self.networks())
+        known = {net.name for net in networks}
+        broken = {key for key in self.table(("network",)) if key not in known}
+        vms = tuple(self.vms(known, broken))
+        return Lab(name=name, file=self.file, source=self.source, networks=networks, vms=vms,
+                   mac_prefix=prefix.lower())
+
+    def networks(self) -> Iterator[Network]:
+        bridges: dict[str, KeyPath] = {}
+        for net_name, raw in self.table(("network",)).items():
+            path: KeyPath = ("network", net_name)
+            if not self.is_valid(path):
+                continue
+            if raw.get("type") == "user":
+                yield UserNetwork(name=net_name, forward=tuple(raw.get("forward", ())))
+                continue
+            bridge_path = (*path, "bridge") if "bridge" in raw else path
+            bridge = raw.get("bridge") or default_bridge_name(self.lab_name, net_name)
+            problem = interface_name_problem(bridge)
+            if problem:
+                hint = None if "bridge" in raw else 'name it with bridge = "..."'
+                self.problems.add(bridge_path, f"bridge {problem}", hint)
+            elif bridge in bridges:
+                first = bridges[bridge][1]
+                self.problems.add(bridge_path, f"bridge {bridge!r} is also network {first!r}'s",
+                                  "two networks of one lab cannot share a bridge")
+            bridges.setdefault(bridge, path)
+            uplink = raw.get("uplink")
+            if uplink is not None and interface_name_problem(uplink):
+                self.problems.add((*path, "uplink"), f"uplink {interface_name_problem(uplink)}")
+            yield BridgeNetwork(name=net_name, bridge=bridge, mtu=raw.get("mtu"), uplink=uplink)
+
+    def vms(self, networks: set[str], broken: set[str]) -> Iterator[Vm]:
+        for vm_name in self.table(("vm",)):
+            path: KeyPath = ("vm", vm_name)
+            vm = self.vm(path, vm_name, networks, broken)
+            if vm is not None:
+                yield vm
+
+    def vm(self, path: KeyPath, name: str, networks: set[str], broken: set[str]) -> Optional[Vm]:
+        raw = self.table(path)
+        disks = tuple(self.disks(path, raw.get("disk", [])))
+        nics = tuple(self.nics(path, name, raw.get("nic", []), networks, broken))
+        pci = tuple(self.pci(path, raw.get("pci", [])))
+        if not self.is_valid(path):
+            return None  # the schema already reported it; its parts were checked above
+        memory = self.memory_mib((*path, "memory"), raw["memory"])
+        kernel = self.path_of(raw.get("kernel"))
+        for key in ("initrd", "append"):
+            if key in raw and kernel is None:
+                self.problems.add((*path, key), f"{key} needs kernel", "add kernel = \"...\"")
+        if kernel is None and not raw.get("disk"):
+            self.problems.add(path, "nothing to boot", "add kernel = \"...\" or a [[disk]]")
+        balloon = Balloon(**raw.get("balloon", {}))
+        return Vm(
+            name=name,
+            memory_mib=memory or 1,
+            cpus=raw.get("cpus", 1),
+            accel=Accel(raw.get("accel", "auto")),
+            cpu_model=raw.get("cpu_model"),
+            machine=raw.get("machine", "q35"),
+            kernel=kernel,
+            initrd=self.path_of(raw.get("initrd")),
+            # A direct-boot kernel without a console= argument would leave the serial log empty.
+            append=raw.get("append", "console=ttyS0" if kernel else None),
+            disks=disks,
+            nics=nics,
+            pci=pci,
+            balloon=balloon,
+        )
+
+    def path_of(self, value: Optional[str]) -> Optional[Path]:
+        if value is None:
+            return None
+        # Absolute, so no spec value can look like an option ("-x", "help") or a protocol ("a:b").
+        return self.base / os.path.expanduser(value)
+
+    def memory_mib(self, path: KeyPath, value: Union[str, int]) -> Optional[int]:
+        try:
+            size = parse_size(value, default_unit="M")
+        except ValueError as exc:
+            self.problems.add(path, str(exc))
+            return None
+        if size % (1 << 20):
+            self.problems.add(path, f"{value!r} is not a whole number of MiB")
+            return None
+        if size < 16 << 20:
+            self.problems.add(path, f"{value!r} is too little memory", "at least 16M")
+            return None
+        return size >> 20
+
+    def disks(self, vm_path: KeyPath, items: Iterable[Doc]) -> Iterator[Disk]:
+        for index, raw in enumerate(items):
+            path = (*vm_path, "disk", index)
+            if self.is_valid(path):
+                disk = self.disk(path, raw)
+                if disk is not None:
+                    yield disk
+
+    def disk(self, path: KeyPath, raw: Doc) -> Optional[Disk]:
+        ok = True
+        size = None
+        if "size" in raw:
+            try:
+                size = parse_size(raw["size"])
+            except ValueError as exc:
+                self.problems.add((*path, "size"), str(exc))
+                ok = False
+        cache = CacheMode(raw.get("cache", "none"))
+        if cache is CacheMode.UNSAFE and not raw.get("accept_data_loss", False):
+            self.problems.add((*path, "cache"), "cache = \"unsafe\" ignores flushes: a host crash "
+                              "corrupts the image", "add accept_data_loss = true if that is fine")
+            ok = False
+        aio = Aio(raw["aio"]) if "aio" in raw else None
+        if aio is Aio.NATIVE and not cache.direct:
+            self.problems.add((*path, "aio"), f"aio = \"native\" needs O_DIRECT, which cache = "
+                              f"\"{cache.value}\" does not use", "use cache = \"none\" or "
+                              "\"directsync\", or aio = \"io_uring\" or \"threads\"")
+            ok = False
+        file = self.path_of(raw["file"])
+        assert file is not None
+        readonly = bool(raw.get("readonly", False))
+        if not readonly:
+            key = Path(os.path.normpath(file))
+            first = self.writable_images.get(key)
+            if first is not None:
+                self.problems.add((*path, "file"), f"{raw['file']!r} is already a writable disk "
+                                  f"at {format_key_path(first)}", "two writers corrupt an image; use "
+                                  "readonly = true or a qcow2 overlay per VM")
+                ok = False
+            self.writable_images.setdefault(key, path)
+        if not ok:
+            return None
+        return Disk(
+            file=file,
+            format=DiskFormat(raw["format"]) if "format" in raw else _format_from_name(raw["file"]),
+            size=size,
+            cache=cache,
+            aio=aio,
+            bus=DiskBus(raw.get("bus", "virtio")),
+            readonly=readonly,
+            discard=raw.get("discard", True),
+        )
+
+    def nics(
+        self, vm_path: KeyPath, vm: str, items: Iterable[Doc], networks: set[str], broken: set[str]
+    ) -> Iterator[Nic]:
+        for index, raw in enumerate(items):
+            path = (*vm_path, "nic", index)
+            if not self.is_valid(path):
+                continue
+            network = raw["network"]
+            if network not in networks:
+                if network not in broken:
+                    known = ", ".join(sorted(networks)) or "none defined"
+                    self.problems.add((*path, "network"), f"no network named {network!r}",
+                                      f"networks: {known}")
+                continue
+            mac = self.mac(path, raw.get("mac"), vm, index)
+            model = NicModel(raw.get("model", "virtio"))
+            queues = raw.get("queues", 1)
+            if queues > 1 and model is not NicModel.VIRTIO:
+                self.problems.add((*path, "queues"), "multi-queue needs model = \"virtio\"")
+            if mac is not None:
+                yield Nic(network=network, mac=mac, model=model, queues=queues)
+
+    def mac(self, path: KeyPath, explicit: Optional[str], vm: str, index: int) -> Optional[str]:
+        if explicit is not None:
+            mac = explicit.lower()
+            if int(mac[:2], 16) & 1:
+                self.problems.add((*path, "mac"), f"{explicit!r} is a multicast address",
+                                  "the first octet must be even")
+                return None
+        else:
+            mac = derive_mac(self.mac_prefix, self.lab_name, vm, index)
+        first = self.macs.get(mac)
+        if first is not None:
+            where = (*path, "mac") if explicit else path
+            self.problems.add(where, f"MAC {mac} is also used at {format_key_path(first)}",
+                              "every NIC in a lab needs its own MAC; set mac = \"...\"")
+            return None
+        self.macs[mac] = path
+        return mac
+
+    def pci(self, vm_path: KeyPath, items: Iterable[Doc]) -> Iterator[PciDevice]:
+        for index, raw in enumerate(items):
+            path = (*vm_path, "pci", index)
+            if not self.is_valid(path):
+                continue
+            host = normalise_pci_address(raw["host"])
+            first = self.pci_hosts.get(host)
+            if first is not None:
+                self.problems.add((*path, "host"), f"PCI device {host} is already passed "
+                                  f"through at {format_key_path(first)}")
+                continue
+            self.pci_hosts[host] = path
+            yield PciDevice(host=host, driver=PciDriver(raw.get("driver", "vfio-pci")))
