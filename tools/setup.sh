@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Set up everything vmlaunch and its tests need on a Debian machine, idempotently:
+# QEMU and friends from Debian's packages, the package in .venv, the test guest in examples/guest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+# qemu-system-x86 + qemu-utils: QEMU and qemu-img; iproute2: `ip`, used by the tests' network
+# namespaces; util-linux: `unshare`.
+DEB_PACKAGES=(qemu-system-x86 qemu-utils iproute2 util-linux)
+
+missing=()
+for pkg in "${DEB_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "setup: these Debian packages are missing: ${missing[*]}" >&2
+        echo "setup: install them as root: apt-get update && apt-get install ${missing[*]}" >&2
+        exit 3
+    fi
+    echo "setup: installing ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q -e '.[test]'
+    touch "$stamp"
+fi
+
+.venv/bin/python tools/build_guest.py
