@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn, Optional
+from typing import NoReturn
 
 from vmlaunch import __version__
 from vmlaunch.errors import EXIT_INTERRUPTED, SpecError, UsageError, VmlaunchError
@@ -99,7 +99,7 @@ def _count(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return int(args.run(args))

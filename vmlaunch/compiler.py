@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Optional
 
 from vmlaunch.errors import HostError, KeyPath, Location, UsageError
 from vmlaunch.host import Host
@@ -96,7 +95,7 @@ class _Compiler:
         self.host = host
         self.run_dir = run_dir
 
-    def fail(self, path: KeyPath, message: str, hint: Optional[str] = None) -> HostError:
+    def fail(self, path: KeyPath, message: str, hint: str | None = None) -> HostError:
         line = self.lab.source.line_of(path) if self.lab.source is not None else 1
         return HostError(message, hint, Location(self.lab.file, line, path))
 

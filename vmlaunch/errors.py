@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 import attrs
 
@@ -25,7 +25,7 @@ EXIT_USAGE = 64
 EXIT_INTERRUPTED = 130
 
 
-def format_key_path(path: Sequence[Union[str, int]]) -> str:
+def format_key_path(path: Sequence[str | int]) -> str:
     """`("vm", "web", "disk", 0, "cache")` -> `vm.web.disk[0].cache`."""
     out = ""
     for part in path:
@@ -56,7 +56,7 @@ class Problem:
 
     location: Location
     message: str
-    hint: Optional[str] = None
+    hint: str | None = None
 
     def __str__(self) -> str:
         text = f"{self.location} {self.message}"
@@ -68,7 +68,7 @@ class VmlaunchError(Exception):
 
     exit_code = 1
 
-    def __init__(self, message: str, hint: Optional[str] = None) -> None:
+    def __init__(self, message: str, hint: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
@@ -99,7 +99,7 @@ class HostError(VmlaunchError):
     exit_code = EXIT_HOST
 
     def __init__(
-        self, message: str, hint: Optional[str] = None, location: Optional[Location] = None
+        self, message: str, hint: str | None = None, location: Location | None = None
     ) -> None:
         super().__init__(f"{location} {message}" if location else message, hint)
         self.location = location

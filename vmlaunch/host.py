@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
-import subprocess
-import tempfile
-import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from vmlaunch import __version__
 from vmlaunch.errors import HostError
 from vmlaunch.spec import cache_dir
+
+if TYPE_CHECKING:
+    import subprocess
+
+# subprocess, tempfile, shutil and re are imported inside the probes: a cached host needs none of them.
 
 QEMU_BINARY = "qemu-system-x86_64"
 KVM_PROBE_TIMEOUT = 3.0
@@ -43,7 +43,7 @@ class QemuInfo:
     version: tuple[int, int, int]
     devices: frozenset[str]
     io_uring: bool  # this QEMU and kernel open images with aio=io_uring
-    img: Optional[str] = None  # qemu-img, for creating images
+    img: str | None = None  # qemu-img, for creating images
 
     @property
     def version_text(self) -> str:
@@ -62,7 +62,7 @@ class Host:
 
 def detect_host() -> Host:
     """The Host for this machine: cached QEMU and KVM facts plus live cheap ones."""
-    binary = os.environ.get("VMLAUNCH_QEMU") or shutil.which(QEMU_BINARY)
+    binary = os.environ.get("VMLAUNCH_QEMU") or _which(QEMU_BINARY)
     if not binary or not os.access(binary, os.X_OK):
         raise HostError(f"{os.environ.get('VMLAUNCH_QEMU') or QEMU_BINARY} not found", INSTALL_HINT)
     qemu, kvm = _cached_probe(binary)
@@ -74,6 +74,14 @@ def detect_host() -> Host:
         memory_mib=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20,
         run_root=run_root(),
     )
+
+
+def _which(name: str, path: str | None = None) -> str | None:
+    for folder in (path or os.environ.get("PATH", os.defpath)).split(os.pathsep):
+        candidate = os.path.join(folder, name)
+        if folder and os.access(candidate, os.X_OK) and not os.path.isdir(candidate):
+            return candidate
+    return None
 
 
 def run_root() -> Path:
@@ -123,7 +131,7 @@ def _cached_probe(binary: str) -> tuple[QemuInfo, KvmStatus]:
 def _qemu_from_json(data: dict[str, Any]) -> QemuInfo:
     return QemuInfo(
         binary=data["binary"],
-        version=tuple(data["version"]),  # type: ignore[arg-type]
+        version=(int(data["version"][0]), int(data["version"][1]), int(data["version"][2])),
         devices=frozenset(data["devices"]),
         io_uring=data["io_uring"],
         img=data["img"],
@@ -131,6 +139,8 @@ def _qemu_from_json(data: dict[str, Any]) -> QemuInfo:
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    import tempfile
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as tmp:
@@ -141,6 +151,8 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _run(argv: list[str], timeout: float = 20) -> subprocess.CompletedProcess[str]:
+    import subprocess
+
     try:
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL, check=False)
@@ -149,6 +161,8 @@ def _run(argv: list[str], timeout: float = 20) -> subprocess.CompletedProcess[st
 
 
 def probe_qemu(binary: str) -> QemuInfo:
+    import re
+
     out = _run([binary, "-version"])
     found = re.search(r"version (\d+)\.(\d+)(?:\.(\d+))?", out.stdout)
     if out.returncode != 0 or not found:
@@ -157,13 +171,15 @@ def probe_qemu(binary: str) -> QemuInfo:
     version = (int(found.group(1)), int(found.group(2)), int(found.group(3) or 0))
     help_out = _run([binary, "-nodefaults", "-machine", "none", "-device", "help"])
     devices = frozenset(re.findall(r'^name "([^"]+)"', help_out.stdout, re.MULTILINE))
-    img = shutil.which("qemu-img", path=f"{Path(binary).parent}:{os.environ.get('PATH', '')}")
+    img = _which("qemu-img", f"{Path(binary).parent}:{os.environ.get('PATH', '')}")
     return QemuInfo(binary=binary, version=version, devices=devices,
                     io_uring=_probe_io_uring(img), img=img)
 
 
-def _probe_io_uring(img: Optional[str]) -> bool:
+def _probe_io_uring(img: str | None) -> bool:
     """Open a file with aio=io_uring through qemu-img: proves both the QEMU build and the kernel."""
+    import tempfile
+
     if img is None:
         return False
     with tempfile.NamedTemporaryFile(prefix="vmlaunch-probe-") as tmp:
@@ -197,6 +213,10 @@ def probe_bios() -> bytes:
 
 def probe_kvm(binary: str, cpu: str = "host") -> KvmStatus:
     """Boot the probe BIOS under KVM with the CPU model vmlaunch would use; see `_PROBE_CODE`."""
+    import subprocess
+    import tempfile
+    import time
+
     if not os.path.exists("/dev/kvm"):
         return KvmStatus(False, "no /dev/kvm (KVM module not loaded, or not virtualisation-capable)")
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 import attrs
 
@@ -82,8 +82,8 @@ class BridgeNetwork:
 
     name: str
     bridge: str
-    mtu: Optional[int] = None
-    uplink: Optional[str] = None
+    mtu: int | None = None
+    uplink: str | None = None
 
     type = NetworkType.BRIDGE
 
@@ -105,9 +105,9 @@ Network = Union[BridgeNetwork, UserNetwork]
 class Disk:
     file: Path  # absolute
     format: DiskFormat
-    size: Optional[int] = None  # bytes; the image is created (sparse) when missing
+    size: int | None = None  # bytes; the image is created (sparse) when missing
     cache: CacheMode = CacheMode.NONE
-    aio: Optional[Aio] = None  # None: the fastest this host supports (the compiler picks)
+    aio: Aio | None = None  # None: the fastest this host supports (the compiler picks)
     bus: DiskBus = DiskBus.VIRTIO
     readonly: bool = False
     discard: bool = True  # pass guest TRIM through: images stay sparse
@@ -140,11 +140,11 @@ class Vm:
     memory_mib: int
     cpus: int = 1
     accel: Accel = Accel.AUTO
-    cpu_model: Optional[str] = None  # None: "host" under KVM, "max" under TCG
+    cpu_model: str | None = None  # None: "host" under KVM, "max" under TCG
     machine: str = "q35"
-    kernel: Optional[Path] = None
-    initrd: Optional[Path] = None
-    append: Optional[str] = None
+    kernel: Path | None = None
+    initrd: Path | None = None
+    append: str | None = None
     disks: tuple[Disk, ...] = ()
     nics: tuple[Nic, ...] = ()
     pci: tuple[PciDevice, ...] = ()

@@ -6,7 +6,7 @@ A Plan is plain data: `cmdline` and `up --dry-run` print it, the executor carrie
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 import attrs
 
@@ -25,8 +25,8 @@ class CreateBridge:
 
     name: str
     network: str
-    mtu: Optional[int] = None
-    uplink: Optional[str] = None
+    mtu: int | None = None
+    uplink: str | None = None
 
     def describe(self) -> str:
         extra = "".join([f" mtu {self.mtu}" if self.mtu else "",
@@ -41,7 +41,7 @@ class CreateTap:
     ifname: str
     bridge: str
     vm: str
-    mtu: Optional[int] = None
+    mtu: int | None = None
     multi_queue: bool = False
 
     def describe(self) -> str:

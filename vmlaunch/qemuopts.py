@@ -8,6 +8,7 @@ no escaping at all; the few options without a JSON form go through `opts`, which
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Union
 
 Value = Union[str, int, bool]
@@ -35,6 +36,6 @@ def opts(implied: str, **pairs: Value) -> str:
     return ",".join(parts)
 
 
-def json_arg(obj: dict[str, object]) -> str:
+def json_arg(obj: Mapping[str, object]) -> str:
     """The JSON form QEMU accepts for -device, -blockdev, -netdev and -object."""
     return json.dumps(obj, separators=(",", ":"), sort_keys=False)

@@ -7,15 +7,12 @@ one typo does not hide the other problems nor drown them in follow-on errors.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
-import json
 import os
-import re
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 from vmlaunch import __version__
 from vmlaunch.errors import KeyPath, Location, Problem, SpecError, format_key_path
@@ -68,12 +65,12 @@ class _Problems:
         self.source = source
         self.items: list[Problem] = []
 
-    def add(self, path: KeyPath, message: str, hint: Optional[str] = None) -> None:
+    def add(self, path: KeyPath, message: str, hint: str | None = None) -> None:
         location = Location(self.file, self.source.line_of(path), path)
         self.items.append(Problem(location, message, hint))
 
 
-def load_lab(path: Union[str, Path]) -> Lab:
+def load_lab(path: str | Path) -> Lab:
     """Parse, check and build the lab of the spec at `path`."""
     file = Path(path)
     try:
@@ -102,6 +99,8 @@ def parse_lab(data: bytes, file: Path) -> Lab:
 
 
 def _parse_toml(text: str, file: Path) -> Doc:
+    import re
+
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -131,6 +130,8 @@ def _check_structure(doc: Doc, data: bytes, problems: _Problems) -> list[KeyPath
     stamp = cache_dir() / "valid" / digest
     if stamp.exists():
         return []
+    import json
+
     invalid = []
     for path, message, hint in _schema_errors(doc, json.loads(schema_bytes)):
         problems.add(path, message, hint)
@@ -148,7 +149,7 @@ def _touch(stamp: Path) -> None:
         pass  # a read-only cache only costs speed
 
 
-def _schema_errors(doc: Doc, schema: Doc) -> Iterator[tuple[KeyPath, str, Optional[str]]]:
+def _schema_errors(doc: Doc, schema: Doc) -> Iterator[tuple[KeyPath, str, str | None]]:
     import jsonschema  # heavy: only when a spec is not known to be valid
 
     validator = jsonschema.Draft202012Validator(schema)
@@ -156,7 +157,7 @@ def _schema_errors(doc: Doc, schema: Doc) -> Iterator[tuple[KeyPath, str, Option
         yield _describe(error)
 
 
-def _describe(error: Any) -> tuple[KeyPath, str, Optional[str]]:
+def _describe(error: Any) -> tuple[KeyPath, str, str | None]:
     """Turn a jsonschema error into (key path, message, hint) a user can act on."""
     path: KeyPath = tuple(error.absolute_path)
     kind = error.validator
@@ -171,6 +172,8 @@ def _describe(error: Any) -> tuple[KeyPath, str, Optional[str]]:
         allowed = sorted(schema.get("properties", {}))
         extra = [key for key in value if key not in allowed]
         key = extra[0] if extra else "?"
+        import difflib
+
         close = difflib.get_close_matches(key, allowed, n=1)
         hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(allowed)}"
         return (*path, key), f"unknown key {key!r}", hint
@@ -199,7 +202,7 @@ def _schema_message(error: Any) -> str:
     return str(message) if message else str(error.message)
 
 
-def _type_words(types: Union[str, list[str]]) -> str:
+def _type_words(types: str | list[str]) -> str:
     words = {
         "string": "a string",
         "integer": "an integer",
@@ -247,7 +250,7 @@ def normalise_pci_address(text: str) -> str:
     return text if text.count(":") == 2 else f"0000:{text}"
 
 
-def interface_name_problem(name: str) -> Optional[str]:
+def interface_name_problem(name: str) -> str | None:
     """Why the kernel would refuse `name` as a network interface name, or None."""
     if len(name.encode()) >= IFNAMSIZ:
         return f"{name!r} is {len(name.encode())} bytes; interface names have at most {IFNAMSIZ - 1}"
@@ -297,6 +300,8 @@ class _Builder:
         self.lab_name, self.mac_prefix = name, prefix
         networks = tuple(self.networks())
         known = {net.name for net in networks}
+        self.forwarding: dict[str, KeyPath] = {
+            net.name: () for net in networks if isinstance(net, UserNetwork) and net.forward}
         broken = {key for key in self.table(("network",)) if key not in known}
         vms = tuple(self.vms(known, broken))
         return Lab(name=name, file=self.file, source=self.source, networks=networks, vms=vms,
@@ -334,7 +339,7 @@ class _Builder:
             if vm is not None:
                 yield vm
 
-    def vm(self, path: KeyPath, name: str, networks: set[str], broken: set[str]) -> Optional[Vm]:
+    def vm(self, path: KeyPath, name: str, networks: set[str], broken: set[str]) -> Vm | None:
         raw = self.table(path)
         disks = tuple(self.disks(path, raw.get("disk", [])))
         nics = tuple(self.nics(path, name, raw.get("nic", []), networks, broken))
@@ -366,13 +371,13 @@ class _Builder:
             balloon=balloon,
         )
 
-    def path_of(self, value: Optional[str]) -> Optional[Path]:
+    def path_of(self, value: str | None) -> Path | None:
         if value is None:
             return None
         # Absolute, so no spec value can look like an option ("-x", "help") or a protocol ("a:b").
         return self.base / os.path.expanduser(value)
 
-    def memory_mib(self, path: KeyPath, value: Union[str, int]) -> Optional[int]:
+    def memory_mib(self, path: KeyPath, value: str | int) -> int | None:
         try:
             size = parse_size(value, default_unit="M")
         except ValueError as exc:
@@ -394,7 +399,7 @@ class _Builder:
                 if disk is not None:
                     yield disk
 
-    def disk(self, path: KeyPath, raw: Doc) -> Optional[Disk]:
+    def disk(self, path: KeyPath, raw: Doc) -> Disk | None:
         ok = True
         size = None
         if "size" in raw:
@@ -453,6 +458,14 @@ class _Builder:
                     self.problems.add((*path, "network"), f"no network named {network!r}",
                                       f"networks: {known}")
                 continue
+            forwarded = self.forwarding.get(network)
+            if forwarded is not None:
+                if forwarded:
+                    self.problems.add((*path, "network"), f"network {network!r} forwards host ports "
+                                      f"and is already used at {format_key_path(forwarded)}",
+                                      "a forwarded host port reaches one NIC: give each VM its own "
+                                      "user network")
+                self.forwarding[network] = path
             mac = self.mac(path, raw.get("mac"), vm, index)
             model = NicModel(raw.get("model", "virtio"))
             queues = raw.get("queues", 1)
@@ -461,7 +474,7 @@ class _Builder:
             if mac is not None:
                 yield Nic(network=network, mac=mac, model=model, queues=queues)
 
-    def mac(self, path: KeyPath, explicit: Optional[str], vm: str, index: int) -> Optional[str]:
+    def mac(self, path: KeyPath, explicit: str | None, vm: str, index: int) -> str | None:
         if explicit is not None:
             mac = explicit.lower()
             if int(mac[:2], 16) & 1:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from typing import Union
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
 _FACTOR = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -12,7 +11,7 @@ _FACTOR = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 SIZE_PATTERN = r"^\s*[0-9]+(\.[0-9]+)?\s*([KMGTkmgt]?)([iI]?[bB])?\s*$"
 
 
-def parse_size(text: Union[str, int], default_unit: str = "") -> int:
+def parse_size(text: str | int, default_unit: str = "") -> int:
     """Return a size in bytes. A bare number (or an int) is in `default_unit` ("" = bytes, "M" = MiB).
 
     Raises ValueError with a message fit for a user.

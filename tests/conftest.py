@@ -1,0 +1,86 @@
+"""Shared fixtures: a fake Host for pure tests, the real host and test guest for QEMU tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vmlaunch.host import Host, KvmStatus, QemuInfo
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+GUEST_DIR = EXAMPLES / "guest"
+
+FAKE_DEVICES = frozenset({
+    "virtio-blk-pci", "virtio-scsi-pci", "scsi-hd", "ide-hd", "virtio-net-pci", "e1000",
+    "e1000e", "rtl8139", "virtio-balloon-pci", "vfio-pci",
+})
+
+
+def fake_host(**changes: object) -> Host:
+    """A host with QEMU 7.2 at /usr/bin, io_uring, no usable KVM, no vhost-net: like this machine."""
+    qemu = QemuInfo(binary="/usr/bin/qemu-system-x86_64", version=(7, 2, 0), devices=FAKE_DEVICES,
+                    io_uring=True, img="/usr/bin/qemu-img")
+    host = Host(qemu=qemu, kvm=KvmStatus(False, "fake: no KVM"), vhost_net=False, cpus=2,
+                memory_mib=24000, run_root=Path("/run/vmlaunch"))
+    return host if not changes else _evolve(host, changes)
+
+
+def _evolve(host: Host, changes: dict[str, object]) -> Host:
+    import attrs
+
+    qemu_changes = {k: v for k, v in changes.items() if k in attrs.fields_dict(QemuInfo)}
+    host_changes = {k: v for k, v in changes.items() if k not in qemu_changes}
+    return attrs.evolve(host, qemu=attrs.evolve(host.qemu, **qemu_changes), **host_changes)
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests never read or write the user's cache; the host probe is shared by the whole session."""
+    monkeypatch.setenv("VMLAUNCH_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def write_spec(tmp_path: Path, text: str, name: str = "lab.toml") -> Path:
+    spec = tmp_path / name
+    spec.write_text(text)
+    return spec
+
+
+@pytest.fixture(scope="session")
+def qemu_binary() -> str:
+    binary = shutil.which("qemu-system-x86_64")
+    if binary is None:
+        pytest.fail("qemu-system-x86_64 is missing: run `make setup`")
+    return binary
+
+
+@pytest.fixture(scope="session")
+def test_guest() -> Path:
+    """The test guest (kernel + busybox initramfs), built once and cached by tools/build_guest.py."""
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "build_guest.py")],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.fail(f"building the test guest failed:\n{done.stdout}\n{done.stderr}")
+    return GUEST_DIR
+
+
+def netns_argv(argv: list[str]) -> list[str]:
+    """Run argv in a private network namespace, so the host's own network is never touched."""
+    return ["unshare", "-n", "--", *argv] if os.geteuid() == 0 else ["unshare", "-rn", "--", *argv]
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A short run dir (unix socket paths have a 107-byte limit)."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="vl-"))
+    monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

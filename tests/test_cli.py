@@ -1,0 +1,100 @@
+"""The command as a user runs it: output, exit codes, never a traceback, a light start-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import EXAMPLES, write_spec
+from vmlaunch import __version__
+from vmlaunch.cli import main
+
+
+def vmlaunch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vmlaunch", *args], capture_output=True, text=True,
+                          check=False, env={**os.environ, **(env or {})}, timeout=60)
+
+
+def test_validate_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(EXAMPLES / "lab.toml")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    assert "valid: lab demo: 2 VMs (alpha, beta), 2 networks" in out
+
+
+def test_validate_lists_every_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = write_spec(tmp_path, '[lab]\nname = "x"\n[vm.a]\nmemory = "1X"\nkernel = "k"\n'
+                      '[[vm.a.nic]]\nnetwork = "nowhere"\n')
+    assert main(["validate", str(spec)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"{spec}:4: vm.a.memory: '1X' is not a size (examples: 256M, 2G, 1.5G)",
+        f"{spec}:7: vm.a.nic[0].network: no network named 'nowhere' (networks: none defined)",
+        "vmlaunch: 2 problems in the spec",
+    ]
+
+
+def test_cmdline_json_and_shell(capsys: pytest.CaptureFixture[str], qemu_binary: str) -> None:
+    assert main(["cmdline", str(EXAMPLES / "lab.toml"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    argvs = json.loads(out)
+    assert list(argvs) == ["alpha", "beta"]
+    assert argvs["alpha"][0].endswith("qemu-system-x86_64")
+    assert "alpha: tcg: " in err or "alpha: kvm: " in err  # the choice and its reason
+    assert main(["cmdline", str(EXAMPLES / "lab.toml"), "beta"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert "\n" not in line
+    assert shlex.split(line) == argvs["beta"]  # pasteable: the shell gives back the same argv
+
+
+@pytest.mark.parametrize(("args", "code", "message"), [
+    (["validate", "/nonexistent/lab.toml"], 2, "cannot read the spec"),
+    (["cmdline", str(EXAMPLES / "lab.toml"), "gamma"], 64, "no VM named 'gamma'"),
+    (["frobnicate"], 64, "invalid choice: 'frobnicate'"),
+    ([], 64, "the following arguments are required: COMMAND"),
+])
+def test_errors_have_exit_codes_and_no_traceback(args: list[str], code: int, message: str) -> None:
+    done = vmlaunch(*args)
+    assert done.returncode == code
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_missing_qemu_is_a_host_error(tmp_path: Path) -> None:
+    done = vmlaunch("cmdline", str(EXAMPLES / "lab.toml"),
+                    env={"VMLAUNCH_QEMU": str(tmp_path / "no-qemu"),
+                         "VMLAUNCH_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 3
+    assert "no-qemu not found" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_toml_syntax_error(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, '[lab]\nname = "x"\n[vm.a\n')
+    done = vmlaunch("validate", str(spec))
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"{spec}:3: TOML syntax error:")
+
+
+def test_help_and_version() -> None:
+    assert vmlaunch("--version").stdout.strip() == f"vmlaunch {__version__}"
+    for command in ("validate", "cmdline"):
+        done = vmlaunch(command, "--help")
+        assert done.returncode == 0 and "SPEC" in done.stdout
+
+
+def test_start_up_stays_light(tmp_path: Path) -> None:
+    """validate and cmdline of a known-valid spec import no heavy library (see bench/startup.py)."""
+    env = {"VMLAUNCH_CACHE_DIR": str(tmp_path)}
+    for args in (["validate"], ["cmdline"]):
+        vmlaunch(*args, str(EXAMPLES / "lab.toml"), env=env)  # warm the caches
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "vmlaunch", *args, str(EXAMPLES / "lab.toml")],
+            capture_output=True, text=True, check=True, env={**os.environ, **env})
+        imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines()}
+        assert not imported & {"pyroute2", "qemu.qmp", "jsonschema", "asyncio"}, args

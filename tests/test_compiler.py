@@ -1,0 +1,202 @@
+"""The compiler against a fake Host: golden argv per example, defaults, host-driven choices, safety."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import EXAMPLES, fake_host, write_spec
+from tests.test_qemuopts import split_qemu_opts
+from vmlaunch.compiler import compile_lab, tap_name
+from vmlaunch.errors import HostError, UsageError
+from vmlaunch.host import KvmStatus
+from vmlaunch.model import Accel
+from vmlaunch.plan import BindPci, CreateBridge, CreateImage, CreateTap
+from vmlaunch.spec import load_lab
+
+GOLDEN = Path(__file__).parent / "golden"
+EXAMPLE_SPECS = sorted(EXAMPLES.glob("*.toml"))
+HEAD = '[lab]\nname = "t"\n'
+
+
+def argv_of(spec: Path, vm: str = "a", **host: object) -> list[str]:
+    return list(compile_lab(load_lab(spec), fake_host(**host)).vm(vm).argv)
+
+
+def option(argv: list[str], name: str) -> list[str]:
+    return [argv[i + 1] for i, arg in enumerate(argv) if arg == name]
+
+
+def devices(argv: list[str]) -> list[dict[str, object]]:
+    return [json.loads(arg) for arg in option(argv, "-device")]
+
+
+@pytest.mark.parametrize("spec", EXAMPLE_SPECS, ids=lambda p: p.stem)
+def test_golden_argv(spec: Path) -> None:
+    """Set UPDATE_GOLDEN=1 to rewrite the golden files after an intended change."""
+    plan = compile_lab(load_lab(spec), fake_host())
+    got = {vm.name: [arg.replace(str(EXAMPLES), "{EXAMPLES}") for arg in vm.argv]
+           for vm in plan.vms}
+    golden = GOLDEN / f"{spec.stem}.json"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(json.dumps(got, indent=1) + "\n")
+    assert got == json.loads(golden.read_text())
+
+
+def test_demo_plan_actions() -> None:
+    plan = compile_lab(load_lab(EXAMPLES / "lab.toml"), fake_host())
+    assert plan.run_dir == Path("/run/vmlaunch/demo")
+    assert plan.actions == (
+        CreateImage(path=EXAMPLES / "alpha.img", size=64 << 20, format=plan.actions[0].format,
+                    vm="alpha"),
+        CreateBridge(name="vlbr-demo", network="lan"),
+        CreateTap(ifname=tap_name("demo", "alpha", 0), bridge="vlbr-demo", vm="alpha"),
+        CreateTap(ifname=tap_name("demo", "beta", 0), bridge="vlbr-demo", vm="beta"),
+    )
+    assert all(len(a.ifname) <= 15 for a in plan.actions if isinstance(a, CreateTap))
+
+
+def test_only_named_vms() -> None:
+    plan = compile_lab(load_lab(EXAMPLES / "lab.toml"), fake_host(), ["beta"])
+    assert [vm.name for vm in plan.vms] == ["beta"]
+    assert not any(isinstance(a, CreateImage) for a in plan.actions)
+    with pytest.raises(UsageError, match="no VM named 'gamma'"):
+        compile_lab(load_lab(EXAMPLES / "lab.toml"), fake_host(), ["gamma"])
+
+
+def test_best_practice_defaults(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, HEAD + '[network.n]\n[vm.a]\nmemory = 64\nkernel = "k"\n'
+                      '[[vm.a.disk]]\nfile = "d.img"\n[[vm.a.nic]]\nnetwork = "n"\n')
+    argv = argv_of(spec)
+    assert option(argv, "-machine") == ["q35"]
+    assert option(argv, "-cpu") == ["max"]  # TCG: -cpu host needs KVM
+    assert option(argv, "-smp") == ["1"]
+    file_node, fmt_node = (json.loads(a) for a in option(argv, "-blockdev"))
+    assert file_node["aio"] == "io_uring"
+    assert file_node["cache"] == {"direct": True, "no-flush": False}  # cache=none
+    blk, nic, balloon = devices(argv)
+    assert (blk["driver"], blk["write-cache"]) == ("virtio-blk-pci", "on")
+    assert nic["driver"] == "virtio-net-pci"
+    assert "vhost" not in json.loads(option(argv, "-netdev")[0])
+    assert balloon["driver"] == "virtio-balloon-pci"
+    assert "-nodefaults" in argv and "-pidfile" in argv
+
+
+def test_kvm_when_it_runs_guests(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\nkernel = "k"\n')
+    plan = compile_lab(load_lab(spec), fake_host(kvm=KvmStatus(True, "ran a guest")))
+    assert plan.vms[0].accel.accel is Accel.KVM
+    assert option(list(plan.vms[0].argv), "-accel") == ["kvm"]
+    assert option(list(plan.vms[0].argv), "-cpu") == ["host"]
+
+
+def test_explicit_kvm_on_a_host_without_it(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\naccel = "kvm"\nkernel = "k"\n')
+    with pytest.raises(HostError) as info:
+        compile_lab(load_lab(spec), fake_host())
+    assert str(info.value).startswith(f"{spec}:5: vm.a.accel: accel = \"kvm\", but fake: no KVM")
+
+
+@pytest.mark.parametrize(("cache", "io_uring", "aio"), [
+    ("none", True, "io_uring"), ("writeback", True, "io_uring"),
+    ("none", False, "native"), ("directsync", False, "native"),
+    ("writeback", False, "threads"), ("writethrough", False, "threads"),
+])
+def test_fastest_aio_this_host_supports(tmp_path: Path, cache: str, io_uring: bool,
+                                        aio: str) -> None:
+    spec = write_spec(tmp_path, HEAD + f'[vm.a]\nmemory = 64\n[[vm.a.disk]]\nfile = "d"\n'
+                      f'cache = "{cache}"\n')
+    file_node = json.loads(option(argv_of(spec, io_uring=io_uring), "-blockdev")[0])
+    assert file_node["aio"] == aio
+
+
+def test_io_uring_asked_for_but_missing(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\n[[vm.a.disk]]\nfile = "d"\n'
+                      'aio = "io_uring"\n')
+    with pytest.raises(HostError, match=r":7: vm.a.disk\[0\].aio: aio = \"io_uring\", but"):
+        argv_of(spec, io_uring=False)
+
+
+def test_vhost_only_with_dev_vhost_net(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, HEAD + '[network.n]\n[vm.a]\nmemory = 64\nkernel = "k"\n'
+                      '[[vm.a.nic]]\nnetwork = "n"\nqueues = 4\n')
+    netdev = json.loads(option(argv_of(spec, vhost_net=True), "-netdev")[0])
+    assert (netdev["vhost"], netdev["queues"]) == (True, 4)
+    assert devices(argv_of(spec))[0]["vectors"] == 10
+
+
+def test_boot_from_first_disk(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\n[[vm.a.disk]]\nfile = "a"\n'
+                      '[[vm.a.disk]]\nfile = "b"\nbus = "sata"\n')
+    first, second = devices(argv_of(spec))[:2]
+    assert first["bootindex"] == 0 and "bootindex" not in second
+    assert (second["driver"], second["bus"]) == ("ide-hd", "ide.0")
+
+
+def test_pass_through(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\nkernel = "k"\n'
+                      '[[vm.a.pci]]\nhost = "15:00.0"\n')
+    plan = compile_lab(load_lab(spec), fake_host())
+    assert devices(list(plan.vms[0].argv))[0] == {"driver": "vfio-pci", "id": "hostdev0",
+                                                  "host": "0000:15:00.0"}
+    assert plan.actions[0] == BindPci(address="0000:15:00.0", driver=plan.actions[0].driver,
+                                      vm="a")
+    assert "-pcidevice" not in plan.vms[0].argv
+
+
+def test_pci_stub_needs_legacy_assignment(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\nkernel = "k"\n'
+                      '[[vm.a.pci]]\nhost = "15:00.0"\ndriver = "pci-stub"\n')
+    with pytest.raises(HostError, match=r":8: vm.a.pci\[0\].driver: driver = \"pci-stub\" is for "
+                       r"QEMU's legacy device assignment"):
+        argv_of(spec)
+    old = fake_host(devices=frozenset({"pci-assign", "virtio-balloon-pci"}))
+    argv = list(compile_lab(load_lab(spec), old).vms[0].argv)
+    assert devices(argv)[0]["driver"] == "pci-assign"
+
+
+def test_missing_device_is_named(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\nkernel = "k"\n')
+    with pytest.raises(HostError, match=r"vm.a.balloon: this QEMU \(7.2.0\) has no "
+                       "virtio-balloon-pci device"):
+        argv_of(spec, devices=frozenset())
+
+
+def test_long_run_dir_is_refused(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\nkernel = "k"\n')
+    with pytest.raises(HostError, match="VMLAUNCH_RUN_DIR"):
+        argv_of(spec, run_root=Path("/" + "x" * 100))
+
+
+def test_vcpu_overcommit_is_noted() -> None:
+    plan = compile_lab(load_lab(EXAMPLES / "seed-passthrough.toml"), fake_host())
+    assert "8 vCPUs on a host with 2 CPUs" in plan.vms[0].notes[0]
+
+
+NASTY = st.text(alphabet=st.sampled_from(list(",=:\"'{}\\ -?a/.\n")), min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=NASTY, append=NASTY)
+def test_no_spec_value_adds_an_option(tmp_path: Path, name: str, append: str) -> None:
+    """File names and kernel arguments stay single values, whatever they contain."""
+    spec = tmp_path / "lab.toml"
+    spec.write_text(HEAD + f"[vm.a]\nmemory = 64\nkernel = {json.dumps(name)}\n"
+                    f"append = {json.dumps(append)}\n[[vm.a.disk]]\nfile = {json.dumps(name)}\n")
+    argv = argv_of(spec)
+    expected = str(tmp_path / os.path.expanduser(name))
+    assert option(argv, "-kernel") == [expected]
+    assert option(argv, "-append") == [append]
+    assert json.loads(option(argv, "-blockdev")[0])["filename"] == expected
+    for value in option(argv, "-chardev"):
+        assert all("=" in part for part in split_qemu_opts(value)[1:])
+    plain = argv_of(write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\nkernel = "k"\n'
+                               'append = "x"\n[[vm.a.disk]]\nfile = "d"\n', "plain.toml"))
+    assert len(argv) == len(plain)
+    assert [a for a, p in zip(argv, plain) if p.startswith("-")] == [
+        p for p in plain if p.startswith("-")]
