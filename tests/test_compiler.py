@@ -173,9 +173,12 @@ def test_long_run_dir_is_refused(tmp_path: Path) -> None:
         argv_of(spec, run_root=Path("/" + "x" * 100))
 
 
-def test_vcpu_overcommit_is_noted() -> None:
-    plan = compile_lab(load_lab(EXAMPLES / "seed-passthrough.toml"), fake_host())
+def test_overcommit_is_noted() -> None:
+    plan = compile_lab(load_lab(EXAMPLES / "seed-passthrough.toml"), fake_host(memory_mib=3000))
     assert "8 vCPUs on a host with 2 CPUs" in plan.vms[0].notes[0]
+    assert plan.notes == ("the VMs ask for 3072 MiB, more than 80% of the host's 3000 MiB; "
+                          "ballooning and KSM help, swapping hurts every guest",)
+    assert compile_lab(load_lab(EXAMPLES / "seed-passthrough.toml"), fake_host()).notes == ()
 
 
 NASTY = st.text(alphabet=st.sampled_from(list(",=:\"'{}\\ -?a/.\n")), min_size=1, max_size=12)

@@ -131,3 +131,17 @@ network = "out"
     assert (lab_dir / "solo.img").read_bytes().startswith(b"VMLAUNCH-MARK:compiled\n")
     log = plan.vms[0].serial_log.read_text()
     assert "vl: eth0 " + load_lab(lab_dir / "lab.toml").vms[0].nics[0].mac in log
+
+
+def test_odd_file_names_open_that_file(tmp_path: Path, run_dir: Path, test_guest: Path) -> None:
+    """`a:b,c.img` is a file name to QEMU, not a protocol `a` nor an extra option `c.img`."""
+    lab_dir = tmp_path / "lab"
+    lab_dir.mkdir()
+    (lab_dir / "lab.toml").write_text(
+        '[lab]\nname = "odd"\n[vm.odd]\nmemory = 64\n[[vm.odd.disk]]\nfile = "a:b,c.img"\nsize = "1M"\n')
+    plan = compile_lab(load_lab(lab_dir / "lab.toml"), detect_host())
+    make_images(plan, lab_dir)
+    results = drive(plan, tmp_path, qmp=[["query-named-block-nodes", {}]])
+    assert results["odd"]["ok"], results["odd"]
+    files = {node["file"] for node in results["odd"]["replies"]["query-named-block-nodes"]}
+    assert str(lab_dir / "a:b,c.img") in files

@@ -81,6 +81,8 @@ def cmd_cmdline(args: argparse.Namespace) -> int:
 
     lab = load_lab(args.spec)
     plan = compile_lab(lab, detect_host(), args.vms)
+    for note in plan.notes:
+        print(f"vmlaunch: note: {note}", file=sys.stderr)
     for vm in plan.vms:
         print(f"vmlaunch: {vm.name}: {vm.accel.accel.value}: {vm.accel.reason}", file=sys.stderr)
         for note in vm.notes:

@@ -46,6 +46,7 @@ NIC_DEVICES = {
 }
 DISK_DEVICES = {DiskBus.VIRTIO: "virtio-blk-pci", DiskBus.SCSI: "scsi-hd", DiskBus.SATA: "ide-hd"}
 SATA_PORTS = 6  # q35's built-in AHCI controller
+MEMORY_TARGET = 0.8
 
 
 def compile_lab(lab: Lab, host: Host, only: Sequence[str] = ()) -> Plan:
@@ -59,7 +60,16 @@ def compile_lab(lab: Lab, host: Host, only: Sequence[str] = ()) -> Plan:
     run_dir = host.run_root / lab.name
     compiler = _Compiler(lab, host, run_dir)
     plans = tuple(compiler.vm(vm) for vm in vms)
-    return Plan(lab=lab.name, run_dir=run_dir, actions=tuple(host_actions(lab, vms)), vms=plans)
+    return Plan(lab=lab.name, run_dir=run_dir, actions=tuple(host_actions(lab, vms)), vms=plans,
+                notes=tuple(memory_notes(vms, host)))
+
+
+def memory_notes(vms: Sequence[Vm], host: Host) -> Iterator[str]:
+    """The KVM guide's over-commit target: guests together use at most 80 % of host memory."""
+    total = sum(vm.memory_mib for vm in vms)
+    if total > host.memory_mib * MEMORY_TARGET:
+        yield (f"the VMs ask for {total} MiB, more than {MEMORY_TARGET:.0%} of the host's "
+               f"{host.memory_mib} MiB; ballooning and KSM help, swapping hurts every guest")
 
 
 def tap_name(lab: str, vm: str, index: int) -> str:

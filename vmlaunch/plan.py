@@ -109,6 +109,7 @@ class Plan:
     run_dir: Path
     actions: tuple[HostAction, ...]
     vms: tuple[VmPlan, ...]
+    notes: tuple[str, ...] = ()  # lab-wide warnings (memory over-commit)
 
     def vm(self, name: str) -> VmPlan:
         for vm in self.vms:
