@@ -106,8 +106,7 @@ class _Compiler:
         self.run_dir = run_dir
 
     def fail(self, path: KeyPath, message: str, hint: str | None = None) -> HostError:
-        line = self.lab.source.line_of(path) if self.lab.source is not None else 1
-        return HostError(message, hint, Location(self.lab.file, line, path))
+        return HostError(message, hint, Location(self.lab.file, self.lab.source.line_of(path), path))
 
     def need_device(self, path: KeyPath, device: str) -> None:
         if device not in self.host.qemu.devices:

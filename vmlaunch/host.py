@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from vmlaunch import __version__
+from vmlaunch.dirs import cache_dir, run_root
 from vmlaunch.errors import HostError
-from vmlaunch.spec import cache_dir
 
 if TYPE_CHECKING:
     import subprocess
@@ -82,16 +82,6 @@ def _which(name: str, path: str | None = None) -> str | None:
         if folder and os.access(candidate, os.X_OK) and not os.path.isdir(candidate):
             return candidate
     return None
-
-
-def run_root() -> Path:
-    """Where labs keep their run dirs: VMLAUNCH_RUN_DIR, /run/vmlaunch as root, else XDG_RUNTIME_DIR."""
-    if os.environ.get("VMLAUNCH_RUN_DIR"):
-        return Path(os.environ["VMLAUNCH_RUN_DIR"])
-    if os.geteuid() == 0:
-        return Path("/run/vmlaunch")
-    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/vmlaunch-{os.geteuid()}"
-    return Path(runtime) / "vmlaunch"
 
 
 def _probe_key(binary: str) -> dict[str, Any]:

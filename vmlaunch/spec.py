@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vmlaunch import __version__
+from vmlaunch.dirs import cache_dir
 from vmlaunch.errors import KeyPath, Location, Problem, SpecError, format_key_path
 from vmlaunch.model import (
     Accel,
@@ -47,14 +48,6 @@ DEFAULT_MAC_PREFIX = "52:54:00"
 IFNAMSIZ = 16  # the kernel's limit, including the terminating NUL
 
 Doc = dict[str, Any]
-
-
-def cache_dir() -> Path:
-    """Where vmlaunch keeps what it learned once: host facts, specs that validated clean."""
-    if "VMLAUNCH_CACHE_DIR" in os.environ:
-        return Path(os.environ["VMLAUNCH_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "vmlaunch"
 
 
 class _Problems:
@@ -215,19 +208,14 @@ def _type_words(types: str | list[str]) -> str:
     return " or ".join(words.get(name, name) for name in names)
 
 
+_TOML_TYPES = ((bool, "a boolean"), (int, "an integer"), (float, "a float"), (str, "a string"),
+               (dict, "a table"), (list, "an array"))  # bool first: it is an int to Python
+
+
 def _toml_type(value: object) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a float"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, dict):
-        return "a table"
-    if isinstance(value, list):
-        return "an array"
+    for kind, words in _TOML_TYPES:
+        if isinstance(value, kind):
+            return words
     return type(value).__name__  # dates and times
 
 
