@@ -51,7 +51,68 @@ def build_parser() -> argparse.ArgumentParser:
     cmdline.add_argument("--json", action="store_true",
                          help='print {"VM": ["qemu-system-x86_64", ...], ...}')
     cmdline.set_defaults(run=cmd_cmdline)
+
+    up = commands.add_parser(
+        "up", help="bring the lab (or the VMs named) up",
+        description="Create what the lab needs on the host (images, bridges, taps, PCI bindings) and "
+        "start every VM, in parallel; return when each runs and answers QMP. VMs already running are "
+        "left alone. Any failure undoes everything this run did.",
+    )
+    up.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
+    up.add_argument("vms", metavar="VM", nargs="*", help="only these VMs")
+    up.add_argument("--dry-run", action="store_true",
+                    help="print the host actions and each QEMU command line; change nothing")
+    up.add_argument("--wait-for", metavar="TEXT",
+                    help="also wait until each VM's serial console has printed TEXT")
+    up.add_argument("--timeout", metavar="S", type=float, default=60.0,
+                    help="seconds to wait for the VMs (and for another up/down of the lab); default 60")
+    up.set_defaults(run=cmd_up)
+
+    down = commands.add_parser(
+        "down", help="stop the lab (or the VMs named) and remove every trace of it",
+        description="Stop each VM (ACPI power button, then QMP quit, then kill), then remove the taps, "
+        "the bridges vmlaunch created, the PCI bindings and the run dir. Works after crashes; a second "
+        "down does nothing. Disk images are kept.",
+    )
+    down.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
+    down.add_argument("vms", metavar="VM", nargs="*", help="only these VMs")
+    down.add_argument("--timeout", metavar="S", type=float, default=10.0,
+                      help="seconds each guest gets to power off before it is stopped; default 10")
+    down.set_defaults(run=cmd_down)
     return parser
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from vmlaunch import executor
+    from vmlaunch.compiler import compile_lab
+    from vmlaunch.host import detect_host
+    from vmlaunch.spec import load_lab
+
+    lab = load_lab(args.spec)
+    host = detect_host()
+    plan = compile_lab(lab, host, args.vms)
+    for note in plan.notes:
+        print(f"vmlaunch: note: {note}", file=sys.stderr)
+    if args.dry_run:
+        for line in executor.describe(plan):
+            print(line)
+        return 0
+    pids = executor.up(plan, spec=lab.file, qemu_img=host.qemu.img, wait_for=args.wait_for,
+                       timeout=args.timeout)
+    for vm in plan.vms:
+        print(f"{vm.name}: running (pid {pids[vm.name]}, {vm.accel.accel.value})")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from vmlaunch import executor
+    from vmlaunch.dirs import run_root
+    from vmlaunch.spec import lab_name
+
+    run_dir = run_root() / lab_name(args.spec)
+    if not executor.down(run_dir, args.vms, timeout=args.timeout):
+        print(f"lab {run_dir.name} is not up")
+    return 0
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

@@ -91,6 +91,21 @@ def parse_lab(data: bytes, file: Path) -> Lab:
     return lab
 
 
+def lab_name(path: str | Path) -> str:
+    """The lab's name, for `down`: from the checked spec, or, when the spec no longer validates
+    (edited since `up`), from its `[lab] name` alone, so a broken spec never strands a running lab."""
+    try:
+        return load_lab(path).name
+    except SpecError as exc:
+        try:
+            name = tomllib.loads(Path(path).read_text()).get("lab", {}).get("name")
+        except (OSError, ValueError):
+            name = None
+        if isinstance(name, str) and name and "/" not in name and not name.startswith("."):
+            return name
+        raise exc from None
+
+
 def _parse_toml(text: str, file: Path) -> Doc:
     import re
 

@@ -1,0 +1,185 @@
+"""End to end: the real `vmlaunch up` / `down` with real QEMU (TCG) and the test guest.
+
+Each test runs the CLI inside its own network namespace (`ip netns add`, then `ip netns exec`), so
+bridges, taps and forwarded ports never touch the host's network; the namespace is deleted after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.qemu, pytest.mark.guest]
+READY = "VMLAUNCH-GUEST-READY"
+
+if os.geteuid() != 0:  # pragma: no cover - CI and the README's machines run as root
+    pytest.skip("network namespaces with `ip netns` need root", allow_module_level=True)
+
+
+class Netns:
+    def __init__(self, name: str, run_root: Path) -> None:
+        self.name = name
+        self.run_root = run_root
+
+    def vmlaunch(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "VMLAUNCH_RUN_DIR": str(self.run_root)}
+        argv = ["ip", "netns", "exec", self.name, sys.executable, "-m", "vmlaunch", *args]
+        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout,
+                              check=False)
+
+    def ip(self, *args: str) -> str:
+        return subprocess.run(["ip", "netns", "exec", self.name, "ip", *args], capture_output=True,
+                              text=True, check=True).stdout
+
+    def links(self) -> set[str]:
+        return {link["ifname"] for link in json.loads(self.ip("-j", "link", "show"))}
+
+
+def qemu_pids(run_root: Path) -> list[int]:
+    """QEMU processes whose command line names this test's run dir."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"qemu-system" in cmdline and str(run_root).encode() in cmdline:
+                pids.append(int(proc.name))
+    return pids
+
+
+@pytest.fixture
+def netns(tmp_path: Path) -> Iterator[Netns]:
+    import tempfile
+
+    name = f"vltest-{uuid.uuid4().hex[:8]}"
+    run_root = Path(tempfile.mkdtemp(prefix="vl-"))  # short: unix socket paths are limited
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        yield Netns(name, run_root)
+    finally:
+        for pid in qemu_pids(run_root):  # whatever a failing test left behind
+            os.kill(pid, signal.SIGKILL)
+        subprocess.run(["ip", "netns", "del", name], check=False)
+        subprocess.run(["rm", "-rf", str(run_root)], check=False)
+
+
+def lab(tmp_path: Path, guest: Path, text: str) -> Path:
+    spec = tmp_path / "lab.toml"
+    spec.write_text(text.replace("GUEST", str(guest)))
+    return spec
+
+
+def one_vm(name: str = "solo", append: str = "console=ttyS0", kernel: str = "GUEST/vmlinuz") -> str:
+    return f"""
+[lab]
+name = "{name}"
+[network.out]
+type = "user"
+forward = ["tcp:127.0.0.1:2222-:22"]
+[vm.solo]
+memory = "256M"
+accel = "tcg"
+kernel = "{kernel}"
+initrd = "GUEST/initrd.gz"
+append = "{append}"
+[[vm.solo.disk]]
+file = "solo.img"
+size = "16M"
+[[vm.solo.nic]]
+network = "out"
+"""
+
+
+def assert_clean(netns: Netns, name: str) -> None:
+    assert qemu_pids(netns.run_root) == []
+    assert not (netns.run_root / name).exists()
+    assert list(netns.run_root.iterdir()) == []  # no run dir, no lock file
+
+
+def test_up_write_down_keeps_the_image(tmp_path: Path, netns: Netns, test_guest: Path) -> None:
+    spec = lab(tmp_path, test_guest, one_vm(append="console=ttyS0 vl.mark=fsynced"))
+    done = netns.vmlaunch("up", str(spec), "--wait-for", READY)
+    assert done.returncode == 0, done.stderr
+    assert "solo: running (pid" in done.stdout
+    run_dir = netns.run_root / "solo"
+    assert oct(run_dir.stat().st_mode & 0o777) == "0o700"
+    assert oct((run_dir / "solo.qmp").stat().st_mode & 0o777) == "0o600"
+    assert READY in (run_dir / "solo.serial.log").read_text()
+    again = netns.vmlaunch("up", str(spec))
+    assert again.returncode == 0 and "every VM already runs" in again.stderr
+    done = netns.vmlaunch("down", str(spec))
+    assert done.returncode == 0, done.stderr
+    assert "solo: powered off" in done.stderr  # the guest handled the ACPI power button
+    assert (tmp_path / "solo.img").read_bytes().startswith(b"VMLAUNCH-MARK:fsynced\n")
+    assert_clean(netns, "solo")
+    second = netns.vmlaunch("down", str(spec))
+    assert (second.returncode, second.stdout.strip()) == (0, "lab solo is not up")
+
+
+def test_failed_start_leaves_nothing(tmp_path: Path, netns: Netns, test_guest: Path) -> None:
+    spec = lab(tmp_path, test_guest, one_vm(kernel="GUEST/no-such-kernel"))
+    done = netns.vmlaunch("up", str(spec))
+    assert done.returncode == 4
+    assert "could not open kernel file" in done.stderr  # QEMU's own words
+    assert "command: " in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "solo.img").exists()  # the image this up created is gone again
+    assert_clean(netns, "solo")
+
+
+def test_down_after_qemu_was_killed(tmp_path: Path, netns: Netns, test_guest: Path) -> None:
+    spec = lab(tmp_path, test_guest, one_vm())
+    assert netns.vmlaunch("up", str(spec)).returncode == 0
+    (pid,) = qemu_pids(netns.run_root)
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.2)
+    done = netns.vmlaunch("down", str(spec))
+    assert done.returncode == 0, done.stderr
+    assert "solo: not running" in done.stderr
+    assert_clean(netns, "solo")
+
+
+def test_down_after_up_was_killed(tmp_path: Path, netns: Netns, test_guest: Path) -> None:
+    """A vmlaunch killed while waiting: the state file already knows the VM, so down cleans up."""
+    spec = lab(tmp_path, test_guest, one_vm())
+    env = {**os.environ, "VMLAUNCH_RUN_DIR": str(netns.run_root)}
+    proc = subprocess.Popen(["ip", "netns", "exec", netns.name, sys.executable, "-m", "vmlaunch", "up",
+                             str(spec), "--wait-for", "never printed", "--timeout", "120"],
+                            env=env, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not qemu_pids(netns.run_root):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(0.5)
+    proc.kill()
+    proc.wait()
+    done = netns.vmlaunch("down", str(spec))
+    assert done.returncode == 0, done.stderr
+    assert_clean(netns, "solo")
+
+
+def test_concurrent_up_waits_for_the_lock(tmp_path: Path, netns: Netns, test_guest: Path) -> None:
+    spec = lab(tmp_path, test_guest, one_vm())
+    first = subprocess.Popen(["ip", "netns", "exec", netns.name, sys.executable, "-m", "vmlaunch", "up",
+                              str(spec), "--wait-for", READY],
+                             env={**os.environ, "VMLAUNCH_RUN_DIR": str(netns.run_root)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    second = netns.vmlaunch("up", str(spec), "--timeout", "0.5")
+    assert second.returncode == 4
+    assert "lab solo is busy" in second.stderr
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    assert json.loads((netns.run_root / "solo" / "state.json").read_text())["vms"]["solo"]["pid"]
+    assert netns.vmlaunch("down", str(spec)).returncode == 0
+    assert_clean(netns, "solo")
