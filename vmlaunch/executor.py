@@ -178,11 +178,11 @@ def _up(plan: Plan, spec: Path, qemu_img: str | None, wait_for: str | None, time
 
 def _check_pci(actions: Sequence[HostAction]) -> None:
     """Before anything changes: every device to pass through is in a viable IOMMU group."""
-    addresses = [a.address for a in actions if isinstance(a, BindPci)]
-    if addresses:
+    binds = [a for a in actions if isinstance(a, BindPci)]
+    if binds:
         from vmlaunch.pci import check_viable
 
-        check_viable(addresses)
+        check_viable([a.address for a in binds], drivers={a.driver for a in binds})
 
 
 def _clear_stale(vm: VmPlan) -> None:

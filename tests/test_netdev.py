@@ -1,0 +1,208 @@
+"""vmlaunch.netdev: bridges, uplinks and taps through netlink.
+
+Every netlink operation runs in a private network namespace (`unshare -n`): tests/netns_netdev.py runs
+one scenario there and prints what it saw as JSON. The host's interfaces are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vmlaunch.errors import EXIT_RUNTIME
+from vmlaunch.netdev import BridgeRecord, NetdevError, TapRecord
+
+SCRIPT = Path(__file__).resolve().parent / "netns_netdev.py"
+# as root a network namespace is enough; otherwise a user namespace gives CAP_NET_ADMIN inside it
+NETNS = ["unshare", "-n", "--"] if os.geteuid() == 0 else ["unshare", "-rn", "--"]
+NO_NET_ADMIN = ["setpriv", "--bounding-set", "-net_admin", "--inh-caps", "-net_admin", "--"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _netns_usable() -> None:
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs unshare (util-linux) and ip (iproute2)")
+    probe = subprocess.run([*NETNS, "ip", "link", "show"], capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"no private network namespace here: {probe.stderr.strip()}")
+
+
+def in_netns(scenario: str, *args: str, wrap: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Run one scenario of netns_netdev.py in a fresh network namespace; its JSON result."""
+    done = subprocess.run([*NETNS, *wrap, sys.executable, str(SCRIPT), scenario, *args], capture_output=True,
+                          text=True, check=False, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+# --- without a namespace -----------------------------------------------------------------------------
+
+
+def test_import_does_not_load_pyroute2() -> None:
+    code = "import sys, vmlaunch.netdev; print(sorted(m for m in sys.modules if m.startswith('pyroute2')))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_records_round_trip_through_json() -> None:
+    for record in (BridgeRecord("vlbr-demo", created=True, uplink="eth1"),
+                   BridgeRecord("br0", created=False)):
+        assert BridgeRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
+    tap = TapRecord("vl-demo-a0", bridge="vlbr-demo")
+    assert TapRecord.from_json(json.loads(json.dumps(tap.to_json()))) == tap
+    assert BridgeRecord.from_json({"name": "br0", "created": False}) == BridgeRecord("br0", False)
+
+
+@pytest.mark.parametrize("data", [
+    {"name": "br0"},
+    {"name": "br0", "created": "yes"},
+    {"name": "", "created": True},
+    {"name": "br0", "created": True, "uplink": 3},
+    {"kind": "tap", "name": "br0", "created": True},
+])
+def test_bad_bridge_record(data: dict[str, Any]) -> None:
+    with pytest.raises(NetdevError, match="invalid bridge record"):
+        BridgeRecord.from_json(data)
+
+
+def test_bad_tap_record() -> None:
+    with pytest.raises(NetdevError, match="invalid tap record"):
+        TapRecord.from_json({"name": "tap0"})
+    with pytest.raises(NetdevError, match="invalid tap record"):
+        TapRecord.from_json({"kind": "bridge", "name": "tap0", "bridge": "br0"})
+
+
+def test_error_names_interface_and_hints_at_permission() -> None:
+    error = NetdevError("vlbr-demo", "creating bridge: Operation not permitted (EPERM)", code=1)
+    assert error.exit_code == EXIT_RUNTIME
+    assert str(error).startswith("interface vlbr-demo: creating bridge")
+    assert error.hint is not None and "CAP_NET_ADMIN" in error.hint
+    assert NetdevError("br0", "exists", code=17).hint is None
+
+
+# --- in a private network namespace ------------------------------------------------------------------
+
+
+def test_bridge_with_two_taps_then_nothing_left() -> None:
+    result = in_netns("basic")
+    assert result["bridge"] == {"kind": "bridge", "name": "vlbr-t", "created": True, "uplink": None}
+    assert [t["name"] for t in result["taps"]] == ["vltap-a", "vltap-b"]
+    up = result["up"]
+    assert set(up) == {"vlbr-t", "vltap-a", "vltap-b"}
+    assert up["vlbr-t"]["kind"] == "bridge" and up["vlbr-t"]["mtu"] == 9000 and up["vlbr-t"]["up"]
+    for name in ("vltap-a", "vltap-b"):
+        assert up[name]["kind"] == "tun" and up[name]["tun"]["type"] == "tap"
+        assert up[name]["master"] == "vlbr-t" and up[name]["mtu"] == 9000 and up[name]["up"]
+        assert up[name]["tun"]["multi_queue"] is False and up[name]["tun"]["pi"] is False
+    assert result["exists"] == [True, True, False]
+    assert result["down"] == {}
+
+
+def test_existing_bridge_is_kept() -> None:
+    result = in_netns("existing")
+    assert result["bridge"]["created"] is False
+    assert result["up"]["vltap-a"]["master"] == "vlbr-t"
+    assert set(result["down"]) == {"vlbr-t"}
+    assert result["down"]["vlbr-t"]["index"] == result["up"]["vlbr-t"]["index"]
+
+
+def test_bridge_used_by_a_foreign_tap_is_not_deleted() -> None:
+    result = in_netns("foreign")
+    assert result["bridge"]["created"] is True
+    assert set(result["still"]) == {"vlbr-t", "other-tap"}
+    assert result["still"]["other-tap"]["master"] == "vlbr-t"
+    assert result["down"] == {}  # deleted once nothing else used it
+
+
+def test_uplink_enslaved_and_released() -> None:
+    result = in_netns("uplink")
+    assert result["bridge"] == {"kind": "bridge", "name": "vlbr-t", "created": True, "uplink": "vl-up0"}
+    assert result["up"]["vl-up0"]["master"] == "vlbr-t" and result["up"]["vl-up0"]["up"]
+    assert result["down"]["vl-up0"]["master"] is None
+    assert "vlbr-t" not in result["down"]
+    # an uplink that already was a port of the (existing) bridge is not ours to release
+    assert result["pre"] == {"kind": "bridge", "name": "vlbr-pre", "created": False, "uplink": None}
+    assert result["kept"]["vl-up1"]["master"] == "vlbr-pre"
+    errors = result["errors"]
+    assert "already enslaved to vlbr-pre" in errors["other-master"]["error"]
+    assert "nomaster" in errors["other-master"]["hint"]
+    assert errors["missing"]["interface"] == "vl-nope" and "does not exist" in errors["missing"]["error"]
+    assert "its own uplink" in errors["itself"]["error"]
+    assert "vlbr-t" not in result["after_errors"]  # a failed ensure_bridge leaves no bridge behind
+
+
+def test_wrong_kinds_are_errors_and_left_untouched() -> None:
+    result = in_netns("not_bridge")
+    errors = result["errors"]
+    assert errors["bridge"]["error"] == "interface vlbr-t: exists and is a veth device, not a bridge"
+    assert "network.lan.bridge" in errors["bridge"]["hint"]
+    assert "not a bridge" in errors["tap-on-non-bridge"]["error"]
+    assert errors["tap-on-missing"]["error"] == \
+        "interface vlbr-nope: bridge of tap vltap-a (alpha) does not exist"
+    assert "not a valid interface name" in errors["long-name"]["error"]
+    assert "exists and is a veth device" in errors["tap-is-veth"]["error"]
+    after = result["after"]
+    assert {k: v for k, v in after.items() if k != "vlbr-ok"} == result["before"]
+    assert "vltap-a" not in after
+
+
+def test_stale_tap_is_recreated_but_an_open_one_is_not() -> None:
+    result = in_netns("stale")
+    old, new = result["old"], result["new"]
+    assert old["tun"]["multi_queue"] is True and old["master"] is None
+    assert new["index"] != old["index"]
+    assert new["tun"]["multi_queue"] is False and new["master"] == "vlbr-t" and new["mtu"] == 1400
+    assert "a process has it open" in result["busy"]["error"]
+    assert result["during"]["index"] == new["index"]  # not deleted under its user
+
+
+def test_remove_twice_is_a_no_op() -> None:
+    assert in_netns("twice") == {"down": {}}
+
+
+def test_records_undone_from_a_fresh_process() -> None:
+    result = in_netns("fresh_process")
+    records = result["records"]
+    assert records["bridge"] == {"kind": "bridge", "name": "vlbr-t", "created": True, "uplink": "vl-up0"}
+    assert {name for name, link in result["up"].items() if link["master"] == "vlbr-t"} == {
+        "vl-up0", "vltap-a", "vltap-b"}
+    assert set(result["down"]) == {"vl-up0", "vl-up1"}
+    assert result["down"]["vl-up0"]["master"] is None
+
+
+def test_context_managers_undo_only_on_failure() -> None:
+    result = in_netns("scoped")
+    assert result["inside"]["vltap-a"]["master"] == "vlbr-t"
+    assert result["after_failure"] == {}
+    assert set(result["after_success"]) == {"vlbr-t", "vltap-a"}
+
+
+def test_without_cap_net_admin_a_clear_error() -> None:
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux)")
+    result = in_netns("no_cap", wrap=tuple(NO_NET_ADMIN))
+    assert result["bridge"]["error"] == "interface vlbr-t: creating bridge for network lan: " \
+        "Operation not permitted (EPERM)"
+    assert "CAP_NET_ADMIN" in result["bridge"]["hint"]
+    assert result["exists"] is True  # reading needs no privilege
+    wrap = ("sh", "-c", 'ip link add vlbr-pre type bridge && exec "$@"', "sh", *NO_NET_ADMIN)
+    tap = in_netns("no_cap_tap", wrap=wrap)["tap"]
+    assert tap["code"] == 1 and "CAP_NET_ADMIN" in tap["hint"]
+
+
+@pytest.mark.qemu
+def test_qemu_opens_multi_queue_tap_with_two_queues(qemu_binary: str) -> None:
+    result = in_netns("qemu_queues", qemu_binary)
+    assert result["running"], result["stderr"]
+    opened = result["opened"]
+    assert opened["vltap-mq"]["lower_up"] and opened["vltap-mq"]["tun"]["numqueues"] == 2
+    assert opened["vltap-sq"]["lower_up"] and opened["vltap-sq"]["tun"]["multi_queue"] is False
