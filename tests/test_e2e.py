@@ -183,3 +183,66 @@ def test_concurrent_up_waits_for_the_lock(tmp_path: Path, netns: Netns, test_gue
     assert json.loads((netns.run_root / "solo" / "state.json").read_text())["vms"]["solo"]["pid"]
     assert netns.vmlaunch("down", str(spec)).returncode == 0
     assert_clean(netns, "solo")
+
+
+def test_two_vms_on_a_bridge_ping_each_other(tmp_path: Path, netns: Netns, test_guest: Path) -> None:
+    import base64
+
+    ping = base64.b64encode(b"sleep 1; ping -c 3 -W 3 10.7.0.1").decode()
+    spec = lab(tmp_path, test_guest, f"""
+[lab]
+name = "pair"
+[network.lan]
+bridge = "vlbr-pair"
+mtu = 9000
+[vm.a]
+memory = "192M"
+accel = "tcg"
+kernel = "GUEST/vmlinuz"
+initrd = "GUEST/initrd.gz"
+append = "console=ttyS0 vl.ip=eth0:10.7.0.1/24"
+[[vm.a.nic]]
+network = "lan"
+[vm.b]
+memory = "192M"
+accel = "tcg"
+kernel = "GUEST/vmlinuz"
+initrd = "GUEST/initrd.gz"
+append = "console=ttyS0 vl.ip=eth0:10.7.0.2/24 vl.run={ping}"
+[[vm.b.nic]]
+network = "lan"
+""")
+    done = netns.vmlaunch("up", str(spec), "--wait-for", READY, "--timeout", "150")
+    assert done.returncode == 0, done.stderr
+    links = netns.links()
+    assert "vlbr-pair" in links
+    taps = {name for name in links if name.startswith("vl-")}
+    assert len(taps) == 2
+    mtu = json.loads(netns.ip("-j", "link", "show", "vlbr-pair"))[0]["mtu"]
+    assert mtu == 9000
+    log = (netns.run_root / "pair" / "b.serial.log").read_text()
+    assert "3 packets transmitted, 3 packets received, 0% packet loss" in log, log[-2000:]
+    done = netns.vmlaunch("down", str(spec))
+    assert done.returncode == 0, done.stderr
+    assert netns.links() == {"lo"}  # no tap, no bridge
+    assert_clean(netns, "pair")
+
+
+def test_down_keeps_a_bridge_it_did_not_create(tmp_path: Path, netns: Netns, test_guest: Path) -> None:
+    netns.ip("link", "add", "br-mine", "type", "bridge")
+    spec = lab(tmp_path, test_guest, """
+[lab]
+name = "guest-of-mine"
+[network.lan]
+bridge = "br-mine"
+[vm.a]
+memory = "128M"
+accel = "tcg"
+kernel = "GUEST/vmlinuz"
+initrd = "GUEST/initrd.gz"
+[[vm.a.nic]]
+network = "lan"
+""")
+    assert netns.vmlaunch("up", str(spec)).returncode == 0
+    assert netns.vmlaunch("down", str(spec), "--timeout", "1").returncode == 0
+    assert netns.links() == {"lo", "br-mine"}
