@@ -203,3 +203,20 @@ def test_no_spec_value_adds_an_option(tmp_path: Path, name: str, append: str) ->
     assert len(argv) == len(plain)
     assert [a for a, p in zip(argv, plain) if p.startswith("-")] == [
         p for p in plain if p.startswith("-")]
+
+
+def test_socket_network_is_a_loopback_multicast_lan(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, HEAD + '[network.lan]\ntype = "socket"\n[network.fixed]\ntype = "socket"\n'
+                      'mcast = "239.1.2.3:5000"\n[vm.a]\nmemory = 64\nkernel = "k"\n'
+                      '[[vm.a.nic]]\nnetwork = "lan"\n[[vm.a.nic]]\nnetwork = "fixed"\n')
+    plan = compile_lab(load_lab(spec), fake_host())
+    derived, fixed = (json.loads(arg) for arg in option(list(plan.vms[0].argv), "-netdev"))
+    assert derived["type"] == "socket" and derived["localaddr"] == "127.0.0.1"
+    assert derived["mcast"].startswith("239.")
+    assert fixed["mcast"] == "239.1.2.3:5000"
+    assert plan.actions == ()  # nothing on the host: no root needed
+    other = write_spec(tmp_path, HEAD.replace('"t"', '"u"') + '[network.lan]\ntype = "socket"\n'
+                       '[vm.a]\nmemory = 64\nkernel = "k"\n[[vm.a.nic]]\nnetwork = "lan"\n', "u.toml")
+    other_netdev = json.loads(option(list(compile_lab(load_lab(other), fake_host()).vms[0].argv),
+                                     "-netdev")[0])
+    assert other_netdev["mcast"] != derived["mcast"]  # labs do not share a segment

@@ -30,9 +30,13 @@ class Netns:
         self.name = name
         self.run_root = run_root
 
-    def vmlaunch(self, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-        env = {**os.environ, "VMLAUNCH_RUN_DIR": str(self.run_root)}
-        argv = ["ip", "netns", "exec", self.name, sys.executable, "-m", "vmlaunch", *args]
+    def vmlaunch(self, *args: str, timeout: float = 180, as_user: tuple[int, int] | None = None,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """Run the CLI in the namespace; `as_user` (uid, gid) drops root and every capability."""
+        env = {**os.environ, "VMLAUNCH_RUN_DIR": str(self.run_root), **(env or {})}
+        drop = ["setpriv", f"--reuid={as_user[0]}", f"--regid={as_user[1]}", "--clear-groups",
+                "--inh-caps=-all", "--bounding-set=-all"] if as_user else []
+        argv = ["ip", "netns", "exec", self.name, *drop, sys.executable, "-m", "vmlaunch", *args]
         return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout,
                               check=False)
 
@@ -65,6 +69,7 @@ def netns(tmp_path: Path) -> Iterator[Netns]:
     name = f"vltest-{uuid.uuid4().hex[:8]}"
     run_root = Path(tempfile.mkdtemp(prefix="vl-"))  # short: unix socket paths are limited
     subprocess.run(["ip", "netns", "add", name], check=True)
+    subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
     try:
         yield Netns(name, run_root)
     finally:
@@ -246,3 +251,67 @@ network = "lan"
     assert netns.vmlaunch("up", str(spec)).returncode == 0
     assert netns.vmlaunch("down", str(spec), "--timeout", "1").returncode == 0
     assert netns.links() == {"lo", "br-mine"}
+
+
+@pytest.fixture
+def request_cleanup() -> Iterator[list[Path]]:
+    paths: list[Path] = []
+    yield paths
+    for path in paths:
+        subprocess.run(["rm", "-rf", str(path)], check=False)
+
+
+def test_socket_network_needs_no_root(netns: Netns, test_guest: Path,
+                                      request_cleanup: list[Path]) -> None:
+    """Two VMs on a `type = "socket"` network ping each other, with vmlaunch run as an ordinary user."""
+    import base64
+    import pwd
+    import shutil
+    import tempfile
+
+    nobody = pwd.getpwnam("nobody")
+    user = (nobody.pw_uid, nobody.pw_gid)
+    probe = ["setpriv", f"--reuid={user[0]}", f"--regid={user[1]}", "--clear-groups", sys.executable,
+             "-c", "import vmlaunch"]
+    if subprocess.run(probe, capture_output=True, check=False).returncode != 0:
+        pytest.skip("this Python cannot be run by user nobody")
+    work = Path(tempfile.mkdtemp(prefix="vl-nobody-"))  # pytest's own tmp dirs are root's alone
+    request_cleanup.append(work)
+    guest = work / "guest"
+    shutil.copytree(test_guest, guest)
+    ping = base64.b64encode(b"sleep 1; ping -c 3 -W 3 10.8.0.1").decode()
+    spec = lab(work, guest, f"""
+[lab]
+name = "plain"
+[network.lan]
+type = "socket"
+[vm.a]
+memory = "128M"
+accel = "tcg"
+kernel = "GUEST/vmlinuz"
+initrd = "GUEST/initrd.gz"
+append = "console=ttyS0 vl.ip=eth0:10.8.0.1/24"
+[[vm.a.nic]]
+network = "lan"
+[vm.b]
+memory = "128M"
+accel = "tcg"
+kernel = "GUEST/vmlinuz"
+initrd = "GUEST/initrd.gz"
+append = "console=ttyS0 vl.ip=eth0:10.8.0.2/24 vl.run={ping}"
+[[vm.b.nic]]
+network = "lan"
+""")
+    for path in (work, *work.rglob("*"), netns.run_root):
+        os.chown(path, nobody.pw_uid, nobody.pw_gid)
+    os.chmod(work, 0o755)
+    env = {"VMLAUNCH_CACHE_DIR": str(work / "cache"), "HOME": str(work)}
+    done = netns.vmlaunch("up", str(spec), "--wait-for", READY, "--timeout", "150", as_user=user,
+                          env=env)
+    assert done.returncode == 0, done.stderr
+    log = (netns.run_root / "plain" / "b.serial.log").read_text()
+    assert "3 packets transmitted, 3 packets received, 0% packet loss" in log, log[-2000:]
+    assert all(Path(f"/proc/{pid}").stat().st_uid == nobody.pw_uid for pid in qemu_pids(netns.run_root))
+    done = netns.vmlaunch("down", str(spec), as_user=user, env=env)
+    assert done.returncode == 0, done.stderr
+    assert_clean(netns, "plain")

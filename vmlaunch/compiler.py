@@ -22,6 +22,7 @@ from vmlaunch.model import (
     Nic,
     NicModel,
     PciDriver,
+    SocketNetwork,
     UserNetwork,
     Vm,
 )
@@ -246,6 +247,10 @@ class _Compiler:
                 backend: dict[str, object] = {"type": "user", "id": netdev}
                 if net.forward:
                     backend["hostfwd"] = [{"str": rule} for rule in net.forward]
+            elif isinstance(net, SocketNetwork):
+                # Loopback only: the segment never leaves the host.
+                backend = {"type": "socket", "id": netdev, "mcast": f"{net.group}:{net.port}",
+                           "localaddr": "127.0.0.1"}
             else:
                 backend = self.tap(nic, netdev, tap_name(self.lab.name, vm.name, index))
             yield from ("-netdev", json_arg(backend))

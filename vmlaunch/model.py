@@ -74,6 +74,7 @@ class PciDriver(enum.Enum):
 class NetworkType(enum.Enum):
     BRIDGE = "bridge"
     USER = "user"
+    SOCKET = "socket"
 
 
 @attrs.frozen
@@ -98,7 +99,18 @@ class UserNetwork:
     type = NetworkType.USER
 
 
-Network = Union[BridgeNetwork, UserNetwork]
+@attrs.frozen
+class SocketNetwork:
+    """A LAN without root: every NIC joins one multicast group on the host's loopback."""
+
+    name: str
+    group: str  # "239.x.y.z"
+    port: int
+
+    type = NetworkType.SOCKET
+
+
+Network = Union[BridgeNetwork, UserNetwork, SocketNetwork]
 
 
 @attrs.frozen

@@ -32,6 +32,7 @@ from vmlaunch.model import (
     NicModel,
     PciDevice,
     PciDriver,
+    SocketNetwork,
     UserNetwork,
     Vm,
 )
@@ -243,6 +244,13 @@ def derive_mac(prefix: str, lab: str, vm: str, index: int) -> str:
     return prefix.lower() + "".join(f":{byte:02x}" for byte in digest[:3])
 
 
+def derive_mcast(lab: str, network: str) -> str:
+    """A multicast group:port in the administratively scoped 239/8, distinct per (lab, network)."""
+    digest = hashlib.sha256(f"{lab}\0{network}".encode()).digest()
+    port = 20000 + int.from_bytes(digest[3:5], "big") % 40000
+    return f"239.{digest[0]}.{digest[1]}.{digest[2] or 1}:{port}"
+
+
 def default_bridge_name(lab: str, network: str) -> str:
     return f"vl-{lab}-{network}"
 
@@ -318,6 +326,13 @@ class _Builder:
                 continue
             if raw.get("type") == "user":
                 yield UserNetwork(name=net_name, forward=tuple(raw.get("forward", ())))
+                continue
+            if raw.get("type") == "socket":
+                group, port = raw.get("mcast", derive_mcast(self.lab_name, net_name)).split(":")
+                if not 1 <= int(port) <= 65535 or any(int(o) > 255 for o in group.split(".")):
+                    self.problems.add((*path, "mcast"), f"{raw['mcast']!r} is not a valid group:port")
+                    continue
+                yield SocketNetwork(name=net_name, group=group, port=int(port))
                 continue
             bridge_path = (*path, "bridge") if "bridge" in raw else path
             bridge = raw.get("bridge") or default_bridge_name(self.lab_name, net_name)
