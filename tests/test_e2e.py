@@ -148,6 +148,8 @@ def test_down_after_qemu_was_killed(tmp_path: Path, netns: Netns, test_guest: Pa
     (pid,) = qemu_pids(netns.run_root)
     os.kill(pid, signal.SIGKILL)
     time.sleep(0.2)
+    status = json.loads(netns.vmlaunch("status", str(spec), "--json").stdout)
+    assert status["solo"]["state"] == "crashed"
     done = netns.vmlaunch("down", str(spec))
     assert done.returncode == 0, done.stderr
     assert "solo: not running" in done.stderr
@@ -315,3 +317,53 @@ network = "lan"
     done = netns.vmlaunch("down", str(spec), as_user=user, env=env)
     assert done.returncode == 0, done.stderr
     assert_clean(netns, "plain")
+
+
+def console_run(netns: Netns, spec: Path, command: str, expect: str, timeout: float = 30) -> str:
+    """Type `command` on the VM's serial console, read until `expect` shows, detach with Ctrl-]."""
+    import select
+
+    proc = subprocess.Popen(["ip", "netns", "exec", netns.name, sys.executable, "-m", "vmlaunch",
+                             "console", str(spec), "solo"],
+                            env={**os.environ, "VMLAUNCH_RUN_DIR": str(netns.run_root)},
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(f"\n{command}\n".encode())
+    proc.stdin.flush()
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while expect.encode() not in seen and time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            seen += os.read(proc.stdout.fileno(), 4096)
+    proc.stdin.write(b"\x1d")
+    proc.stdin.flush()
+    _, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0, err
+    assert b"[detached from solo]" in err
+    return seen.decode(errors="replace")
+
+
+def test_balloon_lowers_memtotal_and_console(tmp_path: Path, netns: Netns, test_guest: Path) -> None:
+    import re
+
+    spec = lab(tmp_path, test_guest, one_vm())
+    assert netns.vmlaunch("up", str(spec), "--wait-for", READY).returncode == 0
+    mem = r"MemTotal: +(\d+) kB"
+    before = int(re.findall(mem, console_run(netns, spec, "grep MemTotal /proc/meminfo", "kB"))[-1])
+    done = netns.vmlaunch("balloon", str(spec), "solo", "128M")
+    assert (done.returncode, done.stdout.strip()) == (0, "solo: 128M"), done.stderr
+    assert netns.vmlaunch("balloon", str(spec), "solo").stdout.strip() == "solo: 128M"
+    after_text = console_run(netns, spec, "sleep 1; grep MemTotal /proc/meminfo", "kB\r\n/ #")
+    after = int(re.findall(mem, after_text)[-1])
+    assert after < before - 100 * 1024  # the guest lost (at least) most of the 128 MiB
+    status = json.loads(netns.vmlaunch("status", str(spec), "--json").stdout)
+    assert status["solo"]["state"] == "running" and status["solo"]["balloon_bytes"] == 128 << 20
+    reply = netns.vmlaunch("qmp", str(spec), "solo", "query-status")
+    assert json.loads(reply.stdout)["status"] == "running"
+    bad = netns.vmlaunch("qmp", str(spec), "solo", "no-such-command")
+    assert bad.returncode == 4 and "has not been found" in bad.stderr
+    assert netns.vmlaunch("balloon", str(spec), "nobody").returncode == 64
+    assert netns.vmlaunch("down", str(spec)).returncode == 0
+    stopped = netns.vmlaunch("balloon", str(spec), "solo")
+    assert stopped.returncode == 4 and "VM solo is not running" in stopped.stderr
+    assert_clean(netns, "solo")

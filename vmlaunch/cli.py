@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from vmlaunch import __version__
@@ -79,7 +80,131 @@ def build_parser() -> argparse.ArgumentParser:
     down.add_argument("--timeout", metavar="S", type=float, default=10.0,
                       help="seconds each guest gets to power off before it is stopped; default 10")
     down.set_defaults(run=cmd_down)
+
+    status = commands.add_parser("status", help="show each VM: running, stopped or crashed",
+                                 description="Per VM: state, pid, accelerator, balloon size, uptime.")
+    status.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
+    status.add_argument("--json", action="store_true", help="print JSON keyed by VM name")
+    status.set_defaults(run=cmd_status)
+
+    logs = commands.add_parser("logs", help="print a VM's serial console output",
+                               description="Print what the VM's serial console has printed.")
+    logs.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
+    logs.add_argument("vm", metavar="VM")
+    logs.add_argument("-f", "--follow", action="store_true",
+                      help="keep printing as it grows, until the VM stops or Ctrl-C")
+    logs.set_defaults(run=cmd_logs)
+
+    console = commands.add_parser("console", help="attach to a VM's serial console",
+                                  description="Interactive serial console; Ctrl-] detaches and "
+                                  "leaves the VM running.")
+    console.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
+    console.add_argument("vm", metavar="VM")
+    console.set_defaults(run=cmd_console)
+
+    balloon = commands.add_parser("balloon", help="print or set a VM's balloon size",
+                                  description="Without SIZE, print the memory the guest has now. With "
+                                  "SIZE (256M, 1G, or MiB), set the balloon target and wait until the "
+                                  "guest follows.")
+    balloon.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
+    balloon.add_argument("vm", metavar="VM")
+    balloon.add_argument("size", metavar="SIZE", nargs="?")
+    balloon.add_argument("--timeout", metavar="S", type=float, default=10.0,
+                         help="seconds the guest gets to follow; default 10")
+    balloon.set_defaults(run=cmd_balloon)
+
+    qmp = commands.add_parser("qmp", help="send a raw QMP command, print the JSON reply",
+                              description="Send one QMP command to the VM and print its reply as JSON, "
+                              "e.g. `vmlaunch qmp lab.toml alpha query-status`.")
+    qmp.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
+    qmp.add_argument("vm", metavar="VM")
+    qmp.add_argument("command", metavar="COMMAND")
+    qmp.add_argument("arguments", metavar="JSON-ARGS", nargs="?", help='e.g. \'{"value": 134217728}\'')
+    qmp.set_defaults(run=cmd_qmp)
     return parser
+
+
+def _lab_vm(spec: str, vm: str | None = None) -> tuple[Path, list[str]]:
+    """The lab's run dir and its VM names; `vm`, when given, must be one of them."""
+    from vmlaunch.dirs import run_root
+    from vmlaunch.spec import load_lab
+
+    lab = load_lab(spec)
+    names = [v.name for v in lab.vms]
+    if vm is not None and vm not in names:
+        raise UsageError(f"{spec}: no VM named {vm!r}", f"VMs in this lab: {', '.join(names)}")
+    return run_root() / lab.name, names
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from vmlaunch.control import status
+
+    run_dir, names = _lab_vm(args.spec)
+    rows = status(run_dir, names)
+    if args.json:
+        print(json.dumps({row.name: row.to_json() for row in rows}, indent=2))
+        return 0
+    print(f"{'VM':<16} {'STATE':<8} {'PID':>8} {'ACCEL':<5} {'BALLOON':>8} {'UPTIME':>8}")
+    for row in rows:
+        balloon = f"{row.balloon_bytes >> 20}M" if row.balloon_bytes is not None else "-"
+        uptime = f"{row.uptime:.0f}s" if row.uptime is not None else "-"
+        print(f"{row.name:<16} {row.state:<8} {row.pid or '-':>8} {row.accel or '-':<5} {balloon:>8} "
+              f"{uptime:>8}")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from vmlaunch.control import follow_log, read_log
+
+    run_dir, _ = _lab_vm(args.spec, args.vm)
+    if not args.follow:
+        sys.stdout.write(read_log(run_dir, args.vm))
+        return 0
+    for chunk in follow_log(run_dir, args.vm):
+        sys.stdout.write(chunk)
+        sys.stdout.flush()
+    return 0
+
+
+def cmd_console(args: argparse.Namespace) -> int:
+    from vmlaunch.control import attach_console
+
+    run_dir, _ = _lab_vm(args.spec, args.vm)
+    attach_console(run_dir, args.vm)
+    return 0
+
+
+def cmd_balloon(args: argparse.Namespace) -> int:
+    from vmlaunch.control import balloon
+    from vmlaunch.units import format_size, parse_size
+
+    run_dir, _ = _lab_vm(args.spec, args.vm)
+    size = None
+    if args.size is not None:
+        try:
+            size = parse_size(args.size, default_unit="M")
+        except ValueError as exc:
+            raise UsageError(f"SIZE: {exc}") from None
+    print(f"{args.vm}: {format_size(balloon(run_dir, args.vm, size, args.timeout))}")
+    return 0
+
+
+def cmd_qmp(args: argparse.Namespace) -> int:
+    import json
+
+    from vmlaunch.control import qmp_command
+
+    run_dir, _ = _lab_vm(args.spec, args.vm)
+    try:
+        arguments = json.loads(args.arguments) if args.arguments else {}
+    except ValueError as exc:
+        raise UsageError(f"JSON-ARGS is not JSON: {exc}") from None
+    if not isinstance(arguments, dict):
+        raise UsageError("JSON-ARGS must be a JSON object, e.g. '{\"value\": 134217728}'")
+    print(json.dumps(qmp_command(run_dir, args.vm, args.command, arguments), indent=2))
+    return 0
 
 
 def cmd_up(args: argparse.Namespace) -> int:

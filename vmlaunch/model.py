@@ -142,7 +142,9 @@ class PciDevice:
 @attrs.frozen
 class Balloon:
     enabled: bool = True
-    deflate_on_oom: bool = True  # the guest may take memory back rather than OOM-kill
+    # Off, as in libvirt: with it on, Linux guests keep ballooned pages in MemTotal (the balloon only
+    # shows in MemFree) and may take memory back under pressure; opt in for that safety net.
+    deflate_on_oom: bool = False
     free_page_reporting: bool = True  # freed guest pages go back to the host
 
 

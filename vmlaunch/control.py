@@ -1,0 +1,165 @@
+"""Driving VMs that are up: status, balloon, raw QMP, the serial log and the interactive console."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from vmlaunch import qemu
+from vmlaunch.errors import RuntimeFailure
+from vmlaunch.state import State
+
+DETACH_KEY = b"\x1d"  # Ctrl-]
+
+
+@attrs.frozen
+class VmStatus:
+    name: str
+    state: str  # running | stopped | crashed
+    pid: int | None = None
+    accel: str | None = None
+    balloon_bytes: int | None = None
+    uptime: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def status(run_dir: Path, names: Sequence[str]) -> list[VmStatus]:
+    """Each VM of the lab: running, stopped (not up) or crashed (up, but its QEMU is gone)."""
+    state = State.load(run_dir)
+    result = []
+    for name in names:
+        vm = state.vms.get(name)
+        if vm is None:
+            result.append(VmStatus(name, "stopped"))
+            continue
+        pid = int(vm["pid"])
+        if not qemu.is_our_qemu(pid, name):
+            result.append(VmStatus(name, "crashed", pid, vm.get("accel")))
+            continue
+        balloon = None
+        try:
+            with qemu.Qmp(run_dir / f"{name}.qmp", timeout=1) as qmp:
+                balloon = int(qmp.cmd("query-balloon")["actual"])
+        except qemu.QmpError:
+            pass  # no balloon device, or QMP busy: the rest of the status still holds
+        result.append(VmStatus(name, "running", pid, vm.get("accel"), balloon,
+                               time.time() - float(vm["started"])))
+    return result
+
+
+def running_pid(run_dir: Path, name: str) -> int:
+    vm = State.load(run_dir).vms.get(name)
+    if vm is None or not qemu.is_our_qemu(int(vm["pid"]), name):
+        raise RuntimeFailure(f"VM {name} is not running", f"start it with `vmlaunch up SPEC {name}`")
+    return int(vm["pid"])
+
+
+def qmp_command(run_dir: Path, name: str, command: str, args: dict[str, Any] | None = None) -> Any:
+    running_pid(run_dir, name)
+    with qemu.Qmp(run_dir / f"{name}.qmp") as qmp:
+        return qmp.cmd(command, **(args or {}))
+
+
+def balloon(run_dir: Path, name: str, size: int | None = None, timeout: float = 10.0) -> int:
+    """Set the balloon target to `size` bytes (and wait until the guest follows), or read it."""
+    running_pid(run_dir, name)
+    with qemu.Qmp(run_dir / f"{name}.qmp") as qmp:
+        try:
+            actual = int(qmp.cmd("query-balloon")["actual"])
+        except qemu.QmpError as exc:
+            raise RuntimeFailure(f"{name}: {exc.message}", "the VM has no balloon device: "
+                                 "[vm.NAME.balloon] enabled = false?") from None
+        if size is None or size == actual:
+            return actual
+        qmp.cmd("balloon", value=size)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            actual = int(qmp.cmd("query-balloon")["actual"])
+            if actual == size:
+                return actual
+            time.sleep(0.2)
+    raise RuntimeFailure(f"{name}: the guest did not follow the balloon to {size >> 20} MiB within "
+                         f"{timeout:g} s (it is at {actual >> 20} MiB)",
+                         "is the guest's virtio_balloon driver loaded?")
+
+
+def read_log(run_dir: Path, name: str) -> str:
+    try:
+        return (run_dir / f"{name}.serial.log").read_text(errors="replace")
+    except FileNotFoundError:
+        raise RuntimeFailure(f"VM {name} has no serial log", "is the lab up?") from None
+
+
+def follow_log(run_dir: Path, name: str) -> Iterator[str]:
+    """The serial log as it grows, until the VM stops (or the reader stops asking)."""
+    path = run_dir / f"{name}.serial.log"
+    pid = running_pid(run_dir, name)
+    with open(path, errors="replace") as log:
+        while True:
+            chunk = log.read()
+            if chunk:
+                yield chunk
+            elif not qemu.alive(pid):
+                return
+            else:
+                time.sleep(0.2)
+
+
+def attach_console(run_dir: Path, name: str) -> None:
+    """An interactive serial console on this terminal; Ctrl-] detaches, the VM keeps running."""
+    running_pid(run_dir, name)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(str(run_dir / f"{name}.console"))
+    except OSError as exc:
+        raise RuntimeFailure(f"cannot attach to the console of {name}: {exc.strerror}",
+                             "only one console can be attached at a time") from None
+    stdin = sys.stdin.fileno()
+    saved = _raw_terminal(stdin)
+    print(f"[connected to {name}; Ctrl-] detaches]\r", file=sys.stderr, flush=True)
+    try:
+        _pump(conn, stdin, sys.stdout.buffer.fileno())
+    finally:
+        if saved is not None:
+            import termios
+
+            termios.tcsetattr(stdin, termios.TCSADRAIN, saved)
+        conn.close()
+        print(f"\n[detached from {name}]", file=sys.stderr, flush=True)
+
+
+def _raw_terminal(fd: int) -> list[Any] | None:
+    if not os.isatty(fd):
+        return None
+    import termios
+    import tty
+
+    saved = termios.tcgetattr(fd)
+    tty.setraw(fd)
+    return saved
+
+
+def _pump(conn: socket.socket, stdin: int, stdout: int) -> None:
+    while True:
+        ready, _, _ = select.select([conn.fileno(), stdin], [], [])
+        if conn.fileno() in ready:
+            data = conn.recv(4096)
+            if not data:
+                return  # QEMU went away
+            os.write(stdout, data)
+        if stdin in ready:
+            data = os.read(stdin, 1024)
+            if not data or DETACH_KEY in data:
+                conn.sendall(data.split(DETACH_KEY)[0])
+                return
+            conn.sendall(data)
