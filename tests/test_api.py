@@ -1,0 +1,63 @@
+"""The Python API and the pytest fixture, on a real guest (user networking: nothing on the host)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import vmlaunch
+from vmlaunch.errors import RuntimeFailure
+
+pytestmark = [pytest.mark.qemu, pytest.mark.guest]
+SPEC = """
+[lab]
+name = "api"
+[network.out]
+type = "user"
+[vm.solo]
+memory = "192M"
+accel = "tcg"
+kernel = "GUEST/vmlinuz"
+initrd = "GUEST/initrd.gz"
+[[vm.solo.nic]]
+network = "out"
+"""
+
+
+def spec(tmp_path: Path, guest: Path) -> Path:
+    path = tmp_path / "lab.toml"
+    path.write_text(SPEC.replace("GUEST", str(guest)))
+    return path
+
+
+def test_lab_context_manager(tmp_path: Path, run_dir: Path, test_guest: Path) -> None:
+    with vmlaunch.Lab(spec(tmp_path, test_guest)) as lab:
+        vm = lab.vm("solo")
+        assert "VMLAUNCH-GUEST-READY" in vm.wait_for_console("VMLAUNCH-GUEST-READY", timeout=60)
+        assert vm.qmp("query-status")["status"] == "running"
+        assert vm.balloon() == 192 << 20
+        assert vm.status().state == "running"
+        with pytest.raises(RuntimeFailure, match="did not appear on the console within 0.5 s"):
+            vm.wait_for_console("never printed", timeout=0.5)
+    assert not (run_dir / "api").exists()
+    assert lab.status()["solo"].state == "stopped"
+
+
+def test_fixture_tears_down_even_when_the_test_fails(tmp_path: Path, run_dir: Path,
+                                                     test_guest: Path) -> None:
+    import subprocess
+    import sys
+
+    inner = tmp_path / "test_inner.py"
+    inner.write_text(f"""
+def test_uses_a_lab(vmlaunch_lab):
+    lab = vmlaunch_lab({str(spec(tmp_path, test_guest))!r})
+    assert lab.vm("solo").pid > 0
+    raise AssertionError("the test fails; the lab must go down anyway")
+""")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(inner)],
+                          capture_output=True, text=True, check=False, cwd=tmp_path)
+    assert done.returncode == 1, done.stdout
+    assert "the lab must go down anyway" in done.stdout
+    assert not (run_dir / "api").exists()  # no run dir: the VM was stopped and the lab taken down
