@@ -39,7 +39,7 @@ def describe(plan: Plan, only: Sequence[str] = ()) -> Iterator[str]:
     for vm in plan.vms:
         running = vm.name in state.vms and qemu.is_our_qemu(state.vms[vm.name]["pid"], vm.name)
         yield f"{vm.name}: {vm.accel.accel.value} ({vm.accel.reason}){' [running]' if running else ''}"
-        yield f"  {shlex.join(vm.argv)} -daemonize"
+        yield f"  {shlex.join(vm.argv)} -daemonize -S  (then QMP cont)"
 
 
 def _already(action: HostAction, state: State) -> str:
@@ -201,8 +201,9 @@ def _wait_ready(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str | Non
                 timeout: float, say: Say) -> None:
     """Every VM answers QMP and runs; with `wait_for`, every serial console has printed it."""
     deadline = time.monotonic() + timeout
-    for vm in vms:
-        with qemu.Qmp(vm.qmp_socket, timeout=max(1.0, deadline - time.monotonic())) as qmp:
+    for vm in vms:  # they were started paused: let them run, all at once
+        with qemu.QuickQmp(vm.qmp_socket, timeout=max(1.0, deadline - time.monotonic())) as qmp:
+            qmp.cmd("cont")
             status = qmp.cmd("query-status")
             if status.get("status") != "running":
                 raise RuntimeFailure(f"{vm.name}: QEMU is {status.get('status')}, not running")
