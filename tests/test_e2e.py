@@ -367,3 +367,26 @@ def test_balloon_lowers_memtotal_and_console(tmp_path: Path, netns: Netns, test_
     stopped = netns.vmlaunch("balloon", str(spec), "solo")
     assert stopped.returncode == 4 and "VM solo is not running" in stopped.stderr
     assert_clean(netns, "solo")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupted_up_rolls_back(tmp_path: Path, netns: Netns, test_guest: Path, sig: int) -> None:
+    spec = lab(tmp_path, test_guest, one_vm().replace('type = "user"\nforward = ["tcp:127.0.0.1:2222-:22"]',
+                                                      'bridge = "vlbr-int"'))
+    env = {**os.environ, "VMLAUNCH_RUN_DIR": str(netns.run_root)}
+    proc = subprocess.Popen(["ip", "netns", "exec", netns.name, sys.executable, "-m", "vmlaunch", "up",
+                             str(spec), "--wait-for", "never printed", "--timeout", "120"],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not qemu_pids(netns.run_root):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(0.5)
+    assert "vlbr-int" in netns.links()
+    proc.send_signal(sig)  # `ip netns exec` execs, so this is vmlaunch itself
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode in (130, 143), err
+    assert "Traceback" not in err
+    assert netns.links() == {"lo"}  # tap and bridge rolled back
+    assert not (tmp_path / "solo.img").exists()
+    assert_clean(netns, "solo")

@@ -287,7 +287,15 @@ def _count(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # SIGTERM unwinds like Ctrl-C: an `up` in progress rolls back what it did.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    import signal
+
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         args = build_parser().parse_args(argv)
         return int(args.run(args))
@@ -302,6 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("vmlaunch: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except SystemExit as exc:
+        if exc.code == 128 + 15:
+            print("vmlaunch: terminated", file=sys.stderr)
+        raise
     except BrokenPipeError:
         # `vmlaunch cmdline lab.toml | head -1`: not an error worth a message
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -146,8 +146,8 @@ def _up(plan: Plan, spec: Path, qemu_img: str | None, wait_for: str | None, time
         wanted = {vm.name for vm in to_start}
         actions = [a for a in plan.actions if not state.has_resource(*_identity(a))
                    and (not hasattr(a, "vm") or a.vm in wanted)]
-        _check_pci(actions)
         try:
+            _check_pci(actions)
             with contextlib.ExitStack() as stack:
                 for action in actions:
                     _applied(action, state, qemu_img, stack)
