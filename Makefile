@@ -1,5 +1,6 @@
 # The two commands of the README:
-#   make demo   set everything up (QEMU, the package, the test guest) and run vmlaunch on the demo lab
+#   make demo   set everything up (QEMU, the package, the test guest), then bring the demo lab up,
+#               look at it and take it down
 #   make test   set everything up and run the tests
 VENV := .venv
 VMLAUNCH := $(VENV)/bin/vmlaunch
@@ -11,8 +12,7 @@ setup:
 	@tools/setup.sh
 
 demo: setup
-	$(VMLAUNCH) validate examples/lab.toml
-	$(VMLAUNCH) cmdline examples/lab.toml
+	@tools/demo.sh
 
 test: setup
 	$(PYTEST) $(PYTEST_ARGS)
@@ -24,6 +24,7 @@ lint: setup
 
 bench: setup
 	$(VENV)/bin/python bench/startup.py
+	$(VENV)/bin/python bench/up.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info examples/guest
