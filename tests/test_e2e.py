@@ -390,3 +390,60 @@ def test_interrupted_up_rolls_back(tmp_path: Path, netns: Netns, test_guest: Pat
     assert netns.links() == {"lo"}  # tap and bridge rolled back
     assert not (tmp_path / "solo.img").exists()
     assert_clean(netns, "solo")
+
+
+def test_down_of_one_vm_keeps_what_the_others_use(tmp_path: Path, netns: Netns,
+                                                  test_guest: Path) -> None:
+    spec = lab(tmp_path, test_guest, """
+[lab]
+name = "part"
+[network.lan]
+bridge = "vlbr-part"
+[vm.a]
+memory = "128M"
+accel = "tcg"
+kernel = "GUEST/vmlinuz"
+initrd = "GUEST/initrd.gz"
+[[vm.a.nic]]
+network = "lan"
+[vm.b]
+memory = "128M"
+accel = "tcg"
+kernel = "GUEST/vmlinuz"
+initrd = "GUEST/initrd.gz"
+[[vm.b.nic]]
+network = "lan"
+""")
+    assert netns.vmlaunch("up", str(spec), "a").returncode == 0
+    assert netns.vmlaunch("up", str(spec)).returncode == 0  # starts only b
+    assert len([link for link in netns.links() if link.startswith("vl-")]) == 2
+    done = netns.vmlaunch("down", str(spec), "a", "--timeout", "1")
+    assert done.returncode == 0, done.stderr
+    states = {name: row["state"] for name, row in
+              json.loads(netns.vmlaunch("status", str(spec), "--json").stdout).items()}
+    assert states == {"a": "stopped", "b": "running"}
+    assert "vlbr-part" in netns.links()
+    assert len([link for link in netns.links() if link.startswith("vl-")]) == 1
+    assert netns.vmlaunch("down", str(spec), "--timeout", "1").returncode == 0
+    assert netns.links() == {"lo"}
+    assert_clean(netns, "part")
+
+
+def test_balloon_without_a_guest_driver_fails_clearly(tmp_path: Path, netns: Netns) -> None:
+    """A VM with a blank disk: the firmware finds nothing to boot, so no balloon driver answers."""
+    spec = tmp_path / "lab.toml"
+    spec.write_text('[lab]\nname = "blank"\n[vm.solo]\nmemory = "128M"\naccel = "tcg"\n'
+                    '[[vm.solo.disk]]\nfile = "blank.img"\nsize = "1M"\n')
+    assert netns.vmlaunch("up", str(spec)).returncode == 0
+    done = netns.vmlaunch("balloon", str(spec), "solo", "64M", "--timeout", "2")
+    assert done.returncode == 4
+    assert "did not follow the balloon to 64 MiB within 2 s" in done.stderr
+    assert "virtio_balloon" in done.stderr and "Traceback" not in done.stderr
+    follow = subprocess.Popen(["ip", "netns", "exec", netns.name, sys.executable, "-m", "vmlaunch",
+                               "logs", "--follow", str(spec), "solo"],
+                              env={**os.environ, "VMLAUNCH_RUN_DIR": str(netns.run_root)},
+                              stdout=subprocess.PIPE, text=True)
+    assert netns.vmlaunch("down", str(spec), "--timeout", "1").returncode == 0
+    out, _ = follow.communicate(timeout=20)  # --follow ends when the VM stops
+    assert follow.returncode == 0
+    assert_clean(netns, "blank")
