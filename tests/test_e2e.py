@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,15 +31,24 @@ class Netns:
         self.name = name
         self.run_root = run_root
 
-    def vmlaunch(self, *args: str, timeout: float = 180, as_user: tuple[int, int] | None = None,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        """Run the CLI in the namespace; `as_user` (uid, gid) drops root and every capability."""
-        env = {**os.environ, "VMLAUNCH_RUN_DIR": str(self.run_root), **(env or {})}
+    def _command(self, args: tuple[str, ...], as_user: tuple[int, int] | None,
+                 env: dict[str, str] | None) -> tuple[list[str], dict[str, str]]:
         drop = ["setpriv", f"--reuid={as_user[0]}", f"--regid={as_user[1]}", "--clear-groups",
                 "--inh-caps=-all", "--bounding-set=-all"] if as_user else []
         argv = ["ip", "netns", "exec", self.name, *drop, sys.executable, "-m", "vmlaunch", *args]
-        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout,
+        return argv, {**os.environ, "VMLAUNCH_RUN_DIR": str(self.run_root), **(env or {})}
+
+    def vmlaunch(self, *args: str, timeout: float = 180, as_user: tuple[int, int] | None = None,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """Run the CLI in the namespace; `as_user` (uid, gid) drops root and every capability."""
+        argv, full_env = self._command(args, as_user, env)
+        return subprocess.run(argv, capture_output=True, text=True, env=full_env, timeout=timeout,
                               check=False)
+
+    def spawn(self, *args: str, **popen: Any) -> subprocess.Popen[Any]:
+        """The CLI in the background (`ip netns exec` execs: signals reach vmlaunch itself)."""
+        argv, env = self._command(args, None, None)
+        return subprocess.Popen(argv, env=env, **popen)
 
     def ip(self, *args: str) -> str:
         return subprocess.run(["ip", "netns", "exec", self.name, "ip", *args], capture_output=True,
@@ -106,6 +116,22 @@ network = "out"
 """
 
 
+def pair(name: str, network: str, ping: str | None = None, memory: str = "128M") -> str:
+    """A lab of VMs a (10.N.0.1) and b (10.N.0.2) on `network`; b pings a at boot when `ping` is set."""
+    import base64
+
+    script = ""
+    if ping:
+        script = f" vl.run={base64.b64encode(f'sleep 1; ping -c 3 -W 3 {ping}'.encode()).decode()}"
+    net = (ping or "10.6.0.1").rsplit(".", 1)[0]
+    text = f'[lab]\nname = "{name}"\n{network}\n'
+    for vm, host, extra in (("a", 1, ""), ("b", 2, script)):
+        text += (f'[vm.{vm}]\nmemory = "{memory}"\naccel = "tcg"\nkernel = "GUEST/vmlinuz"\n'
+                 f'initrd = "GUEST/initrd.gz"\nappend = "console=ttyS0 vl.ip=eth0:{net}.{host}/24{extra}"\n'
+                 f'[[vm.{vm}.nic]]\nnetwork = "lan"\n')
+    return text
+
+
 def assert_clean(netns: Netns, name: str) -> None:
     assert qemu_pids(netns.run_root) == []
     assert not (netns.run_root / name).exists()
@@ -159,10 +185,8 @@ def test_down_after_qemu_was_killed(tmp_path: Path, netns: Netns, test_guest: Pa
 def test_down_after_up_was_killed(tmp_path: Path, netns: Netns, test_guest: Path) -> None:
     """A vmlaunch killed while waiting: the state file already knows the VM, so down cleans up."""
     spec = lab(tmp_path, test_guest, one_vm())
-    env = {**os.environ, "VMLAUNCH_RUN_DIR": str(netns.run_root)}
-    proc = subprocess.Popen(["ip", "netns", "exec", netns.name, sys.executable, "-m", "vmlaunch", "up",
-                             str(spec), "--wait-for", "never printed", "--timeout", "120"],
-                            env=env, stderr=subprocess.DEVNULL)
+    proc = netns.spawn("up", str(spec), "--wait-for", "never printed", "--timeout", "120",
+                       stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while not qemu_pids(netns.run_root):
         assert time.monotonic() < deadline
@@ -177,10 +201,8 @@ def test_down_after_up_was_killed(tmp_path: Path, netns: Netns, test_guest: Path
 
 def test_concurrent_up_waits_for_the_lock(tmp_path: Path, netns: Netns, test_guest: Path) -> None:
     spec = lab(tmp_path, test_guest, one_vm())
-    first = subprocess.Popen(["ip", "netns", "exec", netns.name, sys.executable, "-m", "vmlaunch", "up",
-                              str(spec), "--wait-for", READY],
-                             env={**os.environ, "VMLAUNCH_RUN_DIR": str(netns.run_root)},
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = netns.spawn("up", str(spec), "--wait-for", READY, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, text=True)
     time.sleep(1.5)
     second = netns.vmlaunch("up", str(spec), "--timeout", "0.5")
     assert second.returncode == 4
@@ -193,32 +215,8 @@ def test_concurrent_up_waits_for_the_lock(tmp_path: Path, netns: Netns, test_gue
 
 
 def test_two_vms_on_a_bridge_ping_each_other(tmp_path: Path, netns: Netns, test_guest: Path) -> None:
-    import base64
-
-    ping = base64.b64encode(b"sleep 1; ping -c 3 -W 3 10.7.0.1").decode()
-    spec = lab(tmp_path, test_guest, f"""
-[lab]
-name = "pair"
-[network.lan]
-bridge = "vlbr-pair"
-mtu = 9000
-[vm.a]
-memory = "192M"
-accel = "tcg"
-kernel = "GUEST/vmlinuz"
-initrd = "GUEST/initrd.gz"
-append = "console=ttyS0 vl.ip=eth0:10.7.0.1/24"
-[[vm.a.nic]]
-network = "lan"
-[vm.b]
-memory = "192M"
-accel = "tcg"
-kernel = "GUEST/vmlinuz"
-initrd = "GUEST/initrd.gz"
-append = "console=ttyS0 vl.ip=eth0:10.7.0.2/24 vl.run={ping}"
-[[vm.b.nic]]
-network = "lan"
-""")
+    spec = lab(tmp_path, test_guest, pair("pair", '[network.lan]\nbridge = "vlbr-pair"\nmtu = 9000',
+                                          ping="10.7.0.1", memory="192M"))
     done = netns.vmlaunch("up", str(spec), "--wait-for", READY, "--timeout", "150")
     assert done.returncode == 0, done.stderr
     links = netns.links()
@@ -266,7 +264,6 @@ def request_cleanup() -> Iterator[list[Path]]:
 def test_socket_network_needs_no_root(netns: Netns, test_guest: Path,
                                       request_cleanup: list[Path]) -> None:
     """Two VMs on a `type = "socket"` network ping each other, with vmlaunch run as an ordinary user."""
-    import base64
     import pwd
     import shutil
     import tempfile
@@ -281,29 +278,7 @@ def test_socket_network_needs_no_root(netns: Netns, test_guest: Path,
     request_cleanup.append(work)
     guest = work / "guest"
     shutil.copytree(test_guest, guest)
-    ping = base64.b64encode(b"sleep 1; ping -c 3 -W 3 10.8.0.1").decode()
-    spec = lab(work, guest, f"""
-[lab]
-name = "plain"
-[network.lan]
-type = "socket"
-[vm.a]
-memory = "128M"
-accel = "tcg"
-kernel = "GUEST/vmlinuz"
-initrd = "GUEST/initrd.gz"
-append = "console=ttyS0 vl.ip=eth0:10.8.0.1/24"
-[[vm.a.nic]]
-network = "lan"
-[vm.b]
-memory = "128M"
-accel = "tcg"
-kernel = "GUEST/vmlinuz"
-initrd = "GUEST/initrd.gz"
-append = "console=ttyS0 vl.ip=eth0:10.8.0.2/24 vl.run={ping}"
-[[vm.b.nic]]
-network = "lan"
-""")
+    spec = lab(work, guest, pair("plain", '[network.lan]\ntype = "socket"', ping="10.8.0.1"))
     for path in (work, *work.rglob("*"), netns.run_root):
         os.chown(path, nobody.pw_uid, nobody.pw_gid)
     os.chmod(work, 0o755)
@@ -323,10 +298,8 @@ def console_run(netns: Netns, spec: Path, command: str, expect: str, timeout: fl
     """Type `command` on the VM's serial console, read until `expect` shows, detach with Ctrl-]."""
     import select
 
-    proc = subprocess.Popen(["ip", "netns", "exec", netns.name, sys.executable, "-m", "vmlaunch",
-                             "console", str(spec), "solo"],
-                            env={**os.environ, "VMLAUNCH_RUN_DIR": str(netns.run_root)},
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = netns.spawn("console", str(spec), "solo", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE)
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(f"\n{command}\n".encode())
     proc.stdin.flush()
@@ -373,10 +346,8 @@ def test_balloon_lowers_memtotal_and_console(tmp_path: Path, netns: Netns, test_
 def test_interrupted_up_rolls_back(tmp_path: Path, netns: Netns, test_guest: Path, sig: int) -> None:
     spec = lab(tmp_path, test_guest, one_vm().replace('type = "user"\nforward = ["tcp:127.0.0.1:2222-:22"]',
                                                       'bridge = "vlbr-int"'))
-    env = {**os.environ, "VMLAUNCH_RUN_DIR": str(netns.run_root)}
-    proc = subprocess.Popen(["ip", "netns", "exec", netns.name, sys.executable, "-m", "vmlaunch", "up",
-                             str(spec), "--wait-for", "never printed", "--timeout", "120"],
-                            env=env, stderr=subprocess.PIPE, text=True)
+    proc = netns.spawn("up", str(spec), "--wait-for", "never printed", "--timeout", "120",
+                       stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not qemu_pids(netns.run_root):
         assert time.monotonic() < deadline
@@ -394,26 +365,7 @@ def test_interrupted_up_rolls_back(tmp_path: Path, netns: Netns, test_guest: Pat
 
 def test_down_of_one_vm_keeps_what_the_others_use(tmp_path: Path, netns: Netns,
                                                   test_guest: Path) -> None:
-    spec = lab(tmp_path, test_guest, """
-[lab]
-name = "part"
-[network.lan]
-bridge = "vlbr-part"
-[vm.a]
-memory = "128M"
-accel = "tcg"
-kernel = "GUEST/vmlinuz"
-initrd = "GUEST/initrd.gz"
-[[vm.a.nic]]
-network = "lan"
-[vm.b]
-memory = "128M"
-accel = "tcg"
-kernel = "GUEST/vmlinuz"
-initrd = "GUEST/initrd.gz"
-[[vm.b.nic]]
-network = "lan"
-""")
+    spec = lab(tmp_path, test_guest, pair("part", '[network.lan]\nbridge = "vlbr-part"'))
     assert netns.vmlaunch("up", str(spec), "a").returncode == 0
     assert netns.vmlaunch("up", str(spec)).returncode == 0  # starts only b
     assert len([link for link in netns.links() if link.startswith("vl-")]) == 2
@@ -439,10 +391,7 @@ def test_balloon_without_a_guest_driver_fails_clearly(tmp_path: Path, netns: Net
     assert done.returncode == 4
     assert "did not follow the balloon to 64 MiB within 2 s" in done.stderr
     assert "virtio_balloon" in done.stderr and "Traceback" not in done.stderr
-    follow = subprocess.Popen(["ip", "netns", "exec", netns.name, sys.executable, "-m", "vmlaunch",
-                               "logs", "--follow", str(spec), "solo"],
-                              env={**os.environ, "VMLAUNCH_RUN_DIR": str(netns.run_root)},
-                              stdout=subprocess.PIPE, text=True)
+    follow = netns.spawn("logs", "--follow", str(spec), "solo", stdout=subprocess.PIPE, text=True)
     assert netns.vmlaunch("down", str(spec), "--timeout", "1").returncode == 0
     out, _ = follow.communicate(timeout=20)  # --follow ends when the VM stops
     assert follow.returncode == 0
