@@ -83,7 +83,7 @@ def test_toml_syntax_error(tmp_path: Path) -> None:
 
 def test_help_and_version() -> None:
     assert vmlaunch("--version").stdout.strip() == f"vmlaunch {__version__}"
-    for command in ("validate", "cmdline"):
+    for command in ("validate", "cmdline", "up", "down", "status", "logs", "console", "balloon", "qmp"):
         done = vmlaunch(command, "--help")
         assert done.returncode == 0 and "SPEC" in done.stdout
 
