@@ -396,3 +396,88 @@ def test_balloon_without_a_guest_driver_fails_clearly(tmp_path: Path, netns: Net
     out, _ = follow.communicate(timeout=20)  # --follow ends when the VM stops
     assert follow.returncode == 0
     assert_clean(netns, "blank")
+
+
+def slow_qemu(tmp_path: Path) -> Path:
+    """A QEMU whose daemonizing parent lingers 3 s: a window to interrupt `up` while QEMU starts."""
+    import shutil
+
+    wrapper = tmp_path / "qemu-system-x86_64"
+    wrapper.write_text(f'#!/bin/sh\n{shutil.which("qemu-system-x86_64")} "$@"\nrc=$?\n'
+                       'case " $* " in *" -daemonize "*) sleep 3;; esac\nexit $rc\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+@pytest.mark.parametrize("signals", [1, 2], ids=["once", "twice"])
+def test_interrupt_while_qemu_starts(tmp_path: Path, netns: Netns, test_guest: Path,
+                                     signals: int) -> None:
+    """SIGTERM while QEMU daemonizes, and a second one during the rollback: no QEMU survives."""
+    spec = lab(tmp_path, test_guest, one_vm())
+    argv, env = netns._command(("up", str(spec)), None,
+                               {"VMLAUNCH_QEMU": str(slow_qemu(tmp_path)),
+                                "VMLAUNCH_CACHE_DIR": str(tmp_path / "cache")})
+    proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not qemu_pids(netns.run_root):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    for _ in range(signals):
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.02)
+    _, err = proc.communicate(timeout=60)
+    # A second signal can land after the rollback, while vmlaunch exits: it then dies of it.
+    assert proc.returncode in (143, -signal.SIGTERM), err
+    assert "Traceback" not in err
+    assert_clean(netns, "solo")
+
+
+def test_a_stopped_qemu_cannot_hang_status_or_down(tmp_path: Path, netns: Netns,
+                                                   test_guest: Path) -> None:
+    spec = lab(tmp_path, test_guest, one_vm())
+    assert netns.vmlaunch("up", str(spec)).returncode == 0
+    (pid,) = qemu_pids(netns.run_root)
+    os.kill(pid, signal.SIGSTOP)  # QMP never answers now
+    status = netns.vmlaunch("status", str(spec), "--json", timeout=30)
+    assert json.loads(status.stdout)["solo"]["state"] == "running"
+    balloon = netns.vmlaunch("balloon", str(spec), "solo", timeout=30)
+    assert balloon.returncode == 4 and "Traceback" not in balloon.stderr
+    done = netns.vmlaunch("down", str(spec), "--timeout", "1", timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "solo: killed" in done.stderr
+    assert_clean(netns, "solo")
+
+
+def test_restart_waits_for_the_new_boot(tmp_path: Path, netns: Netns, test_guest: Path) -> None:
+    """A fresh serial log per boot: --wait-for cannot match what the previous boot printed."""
+    spec = lab(tmp_path, test_guest, one_vm())
+    assert netns.vmlaunch("up", str(spec), "--wait-for", READY).returncode == 0
+    os.kill(qemu_pids(netns.run_root)[0], signal.SIGKILL)
+    time.sleep(0.2)
+    done = netns.vmlaunch("up", str(spec), "--wait-for", READY)
+    assert done.returncode == 0, done.stderr
+    log = (netns.run_root / "solo" / "solo.serial.log").read_text()
+    assert log.count(READY) == 1
+    assert netns.vmlaunch("down", str(spec)).returncode == 0
+    assert_clean(netns, "solo")
+
+
+def test_bad_inputs_and_host_problems_are_messages(tmp_path: Path, netns: Netns,
+                                                   test_guest: Path) -> None:
+    spec = lab(tmp_path, test_guest, one_vm())
+    for args in (("down", str(spec), "typo"), ("balloon", str(spec), "solo", "0"),
+                 ("balloon", str(spec), "solo", "1G")):
+        done = netns.vmlaunch(*args)
+        assert done.returncode == 64, (args, done.stderr)
+        assert "Traceback" not in done.stderr
+    run_dir = netns.run_root / "solo"
+    run_dir.mkdir()
+    (run_dir / "state.json").write_text('{"vms": {"solo": {"pid": null}}, "resources": [{"kind": 1}]}')
+    for command in ("status", "down", "up"):
+        done = netns.vmlaunch(command, str(spec))
+        assert done.returncode == 4, (command, done.stderr)
+        assert "is not one vmlaunch wrote" in done.stderr and "Traceback" not in done.stderr
+    run_dir.joinpath("state.json").unlink()
+    run_dir.rmdir()
+    done = netns.vmlaunch("up", str(spec), env={"VMLAUNCH_RUN_DIR": "/proc/no-such-place"})
+    assert done.returncode == 4 and "Traceback" not in done.stderr, done.stderr

@@ -17,7 +17,7 @@ from typing import Any
 from vmlaunch import control, executor
 from vmlaunch.compiler import compile_lab
 from vmlaunch.control import VmStatus
-from vmlaunch.errors import RuntimeFailure, UsageError
+from vmlaunch.errors import RuntimeFailure, UsageError, VmlaunchError
 from vmlaunch.host import detect_host
 from vmlaunch.plan import Plan
 from vmlaunch.spec import load_lab
@@ -62,7 +62,12 @@ class Lab:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.down()
+        try:
+            self.down()
+        except VmlaunchError as error:
+            if exc is None:
+                raise
+            log.error("taking lab %s down failed: %s", self.model.name, error)  # keep exc visible
 
 
 class Vm:

@@ -10,10 +10,13 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from vmlaunch import __version__
-from vmlaunch.errors import EXIT_INTERRUPTED, SpecError, UsageError, VmlaunchError
+from vmlaunch.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, SpecError, UsageError, VmlaunchError
+
+if TYPE_CHECKING:
+    from vmlaunch.model import Lab
 
 
 class _Parser(argparse.ArgumentParser):
@@ -124,16 +127,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _lab_vm(spec: str, vm: str | None = None) -> tuple[Path, list[str]]:
-    """The lab's run dir and its VM names; `vm`, when given, must be one of them."""
+def _lab_vm(spec: str, *vms: str) -> tuple[Path, Lab]:
+    """The lab's run dir and the lab; each of `vms` must be one of its VMs."""
     from vmlaunch.dirs import run_root
     from vmlaunch.spec import load_lab
 
     lab = load_lab(spec)
     names = [v.name for v in lab.vms]
-    if vm is not None and vm not in names:
-        raise UsageError(f"{spec}: no VM named {vm!r}", f"VMs in this lab: {', '.join(names)}")
-    return run_root() / lab.name, names
+    unknown = [vm for vm in vms if vm not in names]
+    if unknown:
+        raise UsageError(f"{spec}: no VM named {', '.join(map(repr, unknown))}",
+                         f"VMs in this lab: {', '.join(names)}")
+    return run_root() / lab.name, lab
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -141,8 +146,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from vmlaunch.control import status
 
-    run_dir, names = _lab_vm(args.spec)
-    rows = status(run_dir, names)
+    run_dir, lab = _lab_vm(args.spec)
+    rows = status(run_dir, [vm.name for vm in lab.vms])
     if args.json:
         print(json.dumps({row.name: row.to_json() for row in rows}, indent=2))
         return 0
@@ -180,14 +185,15 @@ def cmd_balloon(args: argparse.Namespace) -> int:
     from vmlaunch.control import balloon
     from vmlaunch.units import format_size, parse_size
 
-    run_dir, _ = _lab_vm(args.spec, args.vm)
+    run_dir, lab = _lab_vm(args.spec, args.vm)
     size = None
     if args.size is not None:
         try:
             size = parse_size(args.size, default_unit="M")
         except ValueError as exc:
             raise UsageError(f"SIZE: {exc}") from None
-    print(f"{args.vm}: {format_size(balloon(run_dir, args.vm, size, args.timeout))}")
+    memory = lab.vm(args.vm).memory_mib << 20
+    print(f"{args.vm}: {format_size(balloon(run_dir, args.vm, size, args.timeout, memory))}")
     return 0
 
 
@@ -235,6 +241,8 @@ def cmd_down(args: argparse.Namespace) -> int:
     from vmlaunch.spec import lab_name
 
     run_dir = run_root() / lab_name(args.spec)
+    if args.vms:
+        _lab_vm(args.spec, *args.vms)
     if not executor.down(run_dir, args.vms, timeout=args.timeout):
         print(f"lab {run_dir.name} is not up")
     return 0
@@ -287,15 +295,33 @@ def _count(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    # SIGTERM unwinds like Ctrl-C: an `up` in progress rolls back what it did.
+def _stop_on_signal(signum: int, frame: object) -> None:
+    """SIGINT, SIGTERM and SIGHUP (a closed terminal) unwind: an `up` in progress rolls back.
+
+    Further ones are ignored from here on: the rollback this starts must run to its end.
+    """
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise SystemExit(128 + signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     import signal
 
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    stopping = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, _stop_on_signal) for sig in stopping}
+    try:
+        return _main(argv)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return int(args.run(args))
@@ -311,9 +337,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("vmlaunch: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except SystemExit as exc:
-        if exc.code == 128 + 15:
+        if exc.code in (128 + 1, 128 + 15):
             print("vmlaunch: terminated", file=sys.stderr)
         raise
+    except OSError as exc:  # the host: a run dir that cannot be made, a full disk, ...
+        print(f"vmlaunch: error: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
     except BrokenPipeError:
         # `vmlaunch cmdline lab.toml | head -1`: not an error worth a message
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -138,7 +138,7 @@ class _Compiler:
             "-chardev", opts("socket", id="qmp", path=str(plan.qmp_socket), server=True, wait=False),
             "-mon", "chardev=qmp,mode=control",
             "-chardev", opts("socket", id="console", path=str(plan.console_socket), server=True,
-                             wait=False, logfile=str(plan.serial_log), logappend=True),
+                             wait=False, logfile=str(plan.serial_log)),  # a fresh log per boot
             "-serial", "chardev:console",
             "-pidfile", str(plan.pidfile),
         ]

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from vmlaunch import qemu
-from vmlaunch.errors import RuntimeFailure
+from vmlaunch.errors import RuntimeFailure, UsageError
 from vmlaunch.state import State
 
 DETACH_KEY = b"\x1d"  # Ctrl-]
@@ -42,9 +42,9 @@ def status(run_dir: Path, names: Sequence[str]) -> list[VmStatus]:
         if vm is None:
             result.append(VmStatus(name, "stopped"))
             continue
-        pid = int(vm["pid"])
-        if not qemu.is_our_qemu(pid, name):
-            result.append(VmStatus(name, "crashed", pid, vm.get("accel")))
+        pid = qemu.find_pid(run_dir, name, vm.get("pid"))
+        if pid is None:
+            result.append(VmStatus(name, "crashed", vm.get("pid"), vm.get("accel")))
             continue
         balloon = None
         try:
@@ -59,9 +59,10 @@ def status(run_dir: Path, names: Sequence[str]) -> list[VmStatus]:
 
 def running_pid(run_dir: Path, name: str) -> int:
     vm = State.load(run_dir).vms.get(name)
-    if vm is None or not qemu.is_our_qemu(int(vm["pid"]), name):
+    pid = qemu.find_pid(run_dir, name, vm.get("pid")) if vm is not None else None
+    if pid is None:
         raise RuntimeFailure(f"VM {name} is not running", f"start it with `vmlaunch up SPEC {name}`")
-    return int(vm["pid"])
+    return pid
 
 
 def qmp_command(run_dir: Path, name: str, command: str, args: dict[str, Any] | None = None) -> Any:
@@ -70,8 +71,20 @@ def qmp_command(run_dir: Path, name: str, command: str, args: dict[str, Any] | N
         return qmp.cmd(command, **(args or {}))
 
 
-def balloon(run_dir: Path, name: str, size: int | None = None, timeout: float = 10.0) -> int:
-    """Set the balloon target to `size` bytes (and wait until the guest follows), or read it."""
+PAGE = 4096
+
+
+def balloon(run_dir: Path, name: str, size: int | None = None, timeout: float = 10.0,
+            memory: int | None = None) -> int:
+    """Set the balloon target to `size` bytes (and wait until the guest follows), or read it.
+
+    `memory`, the VM's RAM, bounds the target: QEMU caps it there, so a larger one is never reached.
+    """
+    if size is not None:
+        size -= size % PAGE  # the balloon moves whole pages
+        if size <= 0 or (memory is not None and size > memory):
+            limit = f" and {memory >> 20} MiB (the VM's memory)" if memory is not None else ""
+            raise UsageError(f"balloon size must be between 4 KiB{limit}")
     running_pid(run_dir, name)
     with qemu.Qmp(run_dir / f"{name}.qmp") as qmp:
         try:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from vmlaunch import qemu
+from vmlaunch import qemu, signals
 from vmlaunch.errors import RuntimeFailure, VmlaunchError
 from vmlaunch.plan import BindPci, CreateBridge, CreateImage, HostAction, Plan, VmPlan
 from vmlaunch.state import State, locked
@@ -36,8 +36,9 @@ def describe(plan: Plan, only: Sequence[str] = ()) -> Iterator[str]:
     state = State.load(plan.run_dir)
     for action in plan.actions:
         yield f"  {action.describe()}{_already(action, state)}"
+    running_now = running_vms(state)
     for vm in plan.vms:
-        running = vm.name in state.vms and qemu.is_our_qemu(state.vms[vm.name]["pid"], vm.name)
+        running = vm.name in running_now
         yield f"{vm.name}: {vm.accel.accel.value} ({vm.accel.reason}){' [running]' if running else ''}"
         yield f"  {shlex.join(vm.argv)} -daemonize -S  (then QMP cont)"
 
@@ -68,13 +69,14 @@ def _applied(action: HostAction, state: State, qemu_img: str | None,
     record = _apply(action, qemu_img)
     # The owning VM, so `down VM` keeps what other VMs still use; bridges belong to the lab.
     entry = {"kind": kind, "key": key, "vm": getattr(action, "vm", None), "record": record}
+    stack.callback(_roll_back, entry, state)  # first: undone even if the journal cannot be written
     state.add_resource(entry)
-    stack.callback(_roll_back, entry, state)
 
 
 def _roll_back(entry: dict[str, Any], state: State) -> None:
     _undo(entry, rollback=True)
-    state.drop_resource(entry)
+    with contextlib.suppress(OSError):  # the run dir goes away after a failed up anyway
+        state.drop_resource(entry)
 
 
 def _apply(action: HostAction, qemu_img: str | None) -> dict[str, Any]:
@@ -118,7 +120,8 @@ def _undo(entry: dict[str, Any], rollback: bool) -> None:
 
 
 def running_vms(state: State) -> dict[str, int]:
-    return {name: vm["pid"] for name, vm in state.vms.items() if qemu.is_our_qemu(vm["pid"], name)}
+    found = {name: qemu.find_pid(state.run_dir, name, vm.get("pid")) for name, vm in state.vms.items()}
+    return {name: pid for name, pid in found.items() if pid is not None}
 
 
 def up(plan: Plan, *, spec: Path, qemu_img: str | None = None, wait_for: str | None = None,
@@ -146,33 +149,40 @@ def _up(plan: Plan, spec: Path, qemu_img: str | None, wait_for: str | None, time
         wanted = {vm.name for vm in to_start}
         actions = [a for a in plan.actions if not state.has_resource(*_identity(a))
                    and (not hasattr(a, "vm") or a.vm in wanted)]
+        stack = contextlib.ExitStack()
         try:
             _check_pci(actions)
-            with contextlib.ExitStack() as stack:
-                for action in actions:
-                    _applied(action, state, qemu_img, stack)
-                for vm in to_start:
-                    _clear_stale(vm)
-                pids = qemu.start(to_start)
-                stack.callback(_kill_all, pids)
-                for vm in to_start:  # QEMU's daemonize sets umask 027; these are ours alone
-                    for path in (vm.qmp_socket, vm.console_socket, vm.serial_log):
-                        with contextlib.suppress(FileNotFoundError):
-                            os.chmod(path, 0o600)
-                for name, pid in pids.items():
-                    state.vms[name] = {"pid": pid, "started": time.time(),
-                                       "accel": plan.vm(name).accel.accel.value}
-                state.save()
-                _wait_ready(to_start, pids, wait_for, timeout, say)
-                stack.pop_all()  # success: keep everything for `down`
-        except BaseException:
+            for action in actions:
+                _applied(action, state, qemu_img, stack)
             for vm in to_start:
-                state.vms.pop(vm.name, None)
-            if state.empty:
-                shutil.rmtree(plan.run_dir, ignore_errors=True)
-            else:
-                state.save()
+                _clear_stale(vm)
+                # Recorded before QEMU starts: a vmlaunch killed from here on leaves a state that
+                # `down` finds the QEMU by (through the pidfile).
+                state.vms[vm.name] = {"pid": None, "started": time.time(),
+                                      "accel": vm.accel.accel.value}
+            state.save()
+            pids = qemu.start(to_start)
+            stack.callback(qemu.kill_all, list(pids.values()))
+            for vm in to_start:  # QEMU's daemonize sets umask 027; these are ours alone
+                state.vms[vm.name]["pid"] = pids[vm.name]
+                for path in (vm.qmp_socket, vm.console_socket, vm.serial_log):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.chmod(path, 0o600)
+            state.save()
+            _wait_ready(to_start, pids, wait_for, timeout, say)
+        except BaseException:
+            with signals.held():  # a second Ctrl-C must not cut the rollback short
+                try:
+                    stack.close()
+                finally:
+                    for vm in to_start:
+                        state.vms.pop(vm.name, None)
+                    if state.empty:
+                        shutil.rmtree(plan.run_dir, ignore_errors=True)
+                    else:
+                        state.save()
             raise
+        stack.pop_all()  # success: keep everything for `down`
         return {**already, **pids}
 
 
@@ -192,21 +202,22 @@ def _clear_stale(vm: VmPlan) -> None:
             path.unlink()
 
 
-def _kill_all(pids: dict[str, int]) -> None:
-    for pid in pids.values():
-        qemu.kill(pid)
-
-
 def _wait_ready(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str | None,
                 timeout: float, say: Say) -> None:
     """Every VM answers QMP and runs; with `wait_for`, every serial console has printed it."""
     deadline = time.monotonic() + timeout
-    for vm in vms:  # they were started paused: let them run, all at once
-        with qemu.QuickQmp(vm.qmp_socket, timeout=max(1.0, deadline - time.monotonic())) as qmp:
+    # They were started paused. Shake hands with every one first, then let them all run at once: a
+    # guest that already boots slows down the handshakes still to come.
+    with contextlib.ExitStack() as connections:
+        qmps = {vm.name: connections.enter_context(
+            qemu.QuickQmp(vm.qmp_socket, timeout=max(1.0, deadline - time.monotonic())))
+            for vm in vms}
+        for qmp in qmps.values():
             qmp.cmd("cont")
+        for name, qmp in qmps.items():
             status = qmp.cmd("query-status")
             if status.get("status") != "running":
-                raise RuntimeFailure(f"{vm.name}: QEMU is {status.get('status')}, not running")
+                raise RuntimeFailure(f"{name}: QEMU is {status.get('status')}, not running")
     if wait_for is None:
         return
     waiting = {vm.name: vm for vm in vms}
@@ -217,19 +228,25 @@ def _wait_ready(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str | Non
                 say(f"{name}: ready ({wait_for!r} on the console)")
                 del waiting[name]
             elif not qemu.alive(pids[name]):
-                raise RuntimeFailure(f"{name}: QEMU exited before its console printed {wait_for!r}",
-                                     f"see {vm.serial_log} and {vm.run_dir / (name + '.stderr.log')}")
+                raise RuntimeFailure(f"{name}: QEMU exited before its console printed {wait_for!r}"
+                                     f"{_tail(vm.serial_log)}{_tail(vm.run_dir / (name + '.stderr.log'))}")
         now = time.monotonic()
         if waiting and now >= deadline:
-            names = ", ".join(sorted(waiting))
+            tails = "".join(f"\n{name}:{_tail(vm.serial_log)}" for name, vm in sorted(waiting.items()))
             raise RuntimeFailure(f"timed out after {timeout:g} s waiting for {wait_for!r} on the "
-                                 f"console of {names}", "see the serial logs in the run dir")
+                                 f"console of {', '.join(sorted(waiting))}; the last lines:{tails}")
         if waiting and now - last_progress >= 5:
             for name, vm in waiting.items():
                 tail = _read(vm.serial_log).strip().splitlines()[-1:] or ["(no output yet)"]
                 say(f"{name}: waiting for {wait_for!r}: {tail[0][:70]}")
             last_progress = now
         time.sleep(0.1)
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    """The end of a log, for an error message: a failed `up` removes the run dir it lives in."""
+    text = _read(path).strip()
+    return "".join(f"\n  | {line}" for line in text.splitlines()[-lines:]) if text else ""
 
 
 def _read(path: Path) -> str:
@@ -253,8 +270,8 @@ def down(run_dir: Path, only: Sequence[str] = (), *, timeout: float = 10.0,
         names = [name for name in state.vms if not only or name in only]
         failures: list[str] = []
         for name in names:
-            vm = state.vms[name]
-            how = qemu.stop(vm["pid"], name, run_dir / f"{name}.qmp", timeout)
+            pid = qemu.find_pid(run_dir, name, state.vms[name].get("pid"))
+            how = qemu.stop(pid, run_dir / f"{name}.qmp", timeout)
             say(f"{name}: {how}")
             del state.vms[name]
             state.save()

@@ -49,12 +49,15 @@ def create_image(action: CreateImage, qemu_img: str = "qemu-img") -> ImageRecord
     try:
         done = subprocess.run(argv, capture_output=True, text=True, check=False,
                               stdin=subprocess.DEVNULL)
-    except OSError as exc:
-        done = subprocess.CompletedProcess(argv, 127, "", str(exc))
-    if done.returncode != 0:
+        if done.returncode != 0:
+            raise RuntimeFailure(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
+    except BaseException as exc:
+        # Interrupted or failed: the claimed file must not stay behind to pass for the user's image.
         with contextlib.suppress(OSError):
             os.unlink(action.path)
-        raise RuntimeFailure(f"`{' '.join(argv)}` failed: {done.stderr.strip()}")
+        if isinstance(exc, OSError):
+            raise RuntimeFailure(f"`{' '.join(argv)}` failed: {exc}") from None
+        raise
     return ImageRecord(action.path, created=True)
 
 

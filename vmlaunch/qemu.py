@@ -14,6 +14,8 @@ from typing import Any
 
 from vmlaunch.errors import RuntimeFailure
 from vmlaunch.plan import VmPlan
+from vmlaunch.qemuopts import escape
+from vmlaunch.signals import held
 
 
 class QemuFailed(RuntimeFailure):
@@ -34,27 +36,44 @@ def start(vms: Sequence[VmPlan]) -> dict[str, int]:
     QEMU's own message (kept in the run dir as VM.stderr.log). When one fails, the others that did start
     are killed before QemuFailed is raised.
     """
-    procs = {}
-    for vm in vms:
-        with open(vm.run_dir / f"{vm.name}.stderr.log", "wb") as stderr:
-            # umask 077: the QMP and console sockets QEMU creates are for their owner only.
-            procs[vm.name] = subprocess.Popen([*vm.argv, "-daemonize", "-S"], stdin=subprocess.DEVNULL,
-                                              stdout=subprocess.DEVNULL, stderr=stderr, umask=0o077)
-    failures = []
-    pids = {}
-    for vm in vms:
-        code = procs[vm.name].wait()
-        if code == 0 and (pid := read_pid(vm)) is not None:
-            pids[vm.name] = pid
-        else:
-            text = (vm.run_dir / f"{vm.name}.stderr.log").read_text(errors="replace").strip()
-            failures.append(f"{vm.name}: QEMU exited with status {code}: {text or '(no message)'}\n"
-                            f"  command: {shlex.join(vm.argv)} -daemonize -S")
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for vm in vms:
+            with open(vm.run_dir / f"{vm.name}.stderr.log", "wb") as stderr:
+                # umask 077: the QMP and console sockets QEMU creates are for their owner only.
+                procs[vm.name] = subprocess.Popen([*vm.argv, "-daemonize", "-S"],
+                                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                  stderr=stderr, umask=0o077)
+        failures = []
+        pids = {}
+        for vm in vms:
+            code = procs[vm.name].wait()
+            if code == 0 and (pid := read_pid(vm)) is not None:
+                pids[vm.name] = pid
+            else:
+                text = (vm.run_dir / f"{vm.name}.stderr.log").read_text(errors="replace").strip()
+                failures.append(f"{vm.name}: QEMU exited with status {code}: "
+                                f"{text or '(no message)'}\n"
+                                f"  command: {shlex.join(vm.argv)} -daemonize -S")
+    except BaseException:
+        with held():
+            _kill_started(vms, procs)
+        raise
     if failures:
-        for pid in pids.values():
-            kill(pid)
+        kill_all(list(pids.values()))
         raise QemuFailed("\n".join(failures))
     return pids
+
+
+def _kill_started(vms: Sequence[VmPlan], procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    """Interrupted while QEMUs were starting: kill the daemonizing parents and what they spawned."""
+    for proc in procs.values():
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    for proc in procs.values():
+        proc.wait()
+    kill_all([pid for vm in vms if vm.name in procs and (pid := read_pid(vm)) is not None
+              and is_our_qemu(pid, vm.qmp_socket)])
 
 
 def read_pid(vm: VmPlan) -> int | None:
@@ -64,13 +83,29 @@ def read_pid(vm: VmPlan) -> int | None:
         return None
 
 
-def is_our_qemu(pid: int, name: str) -> bool:
-    """True when `pid` is alive and is the QEMU of VM `name` (a stale pidfile may name another)."""
+def is_our_qemu(pid: int | None, qmp_socket: Path) -> bool:
+    """True when `pid` is alive and is the QEMU serving `qmp_socket` (unique per lab and VM): a stale
+    pidfile's pid may since name another process, or another lab's VM of the same name."""
+    if pid is None:
+        return False
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") + b" "
     except OSError:
         return False
-    return f"guest={name},".encode() in b" ".join(cmdline) + b","
+    return f"path={escape(str(qmp_socket))},".encode() in cmdline and alive(pid)
+
+
+def find_pid(run_dir: Path, name: str, recorded: int | None = None) -> int | None:
+    """The pid of VM `name`'s QEMU if it runs: the recorded one, else the one in its pidfile (a
+    vmlaunch killed while QEMU started never recorded it)."""
+    qmp_socket = run_dir / f"{name}.qmp"
+    if is_our_qemu(recorded, qmp_socket):
+        return recorded
+    try:
+        pid = int((run_dir / f"{name}.pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if is_our_qemu(pid, qmp_socket) else None
 
 
 def alive(pid: int) -> bool:
@@ -97,9 +132,16 @@ def wait_gone(pid: int, timeout: float) -> bool:
 
 
 def kill(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    wait_gone(pid, 5)
+    kill_all([pid])
+
+
+def kill_all(pids: Sequence[int]) -> None:
+    """SIGKILL every one before waiting for any: an interruption while waiting leaves none running."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        wait_gone(pid, 5)
 
 
 class QuickQmp:
@@ -164,38 +206,54 @@ class QuickQmp:
 
 
 class Qmp:
-    """A synchronous QMP connection to one VM (qemu.qmp's legacy client)."""
+    """A synchronous QMP connection to one VM: qemu.qmp's QMPClient on a private event loop, with a
+    timeout on every exchange, so a stopped QEMU or a busy socket cannot hang a command forever."""
 
     def __init__(self, socket: Path, timeout: float = 5.0) -> None:
-        from qemu.qmp.legacy import QEMUMonitorProtocol
+        import asyncio
+
+        from qemu.qmp import QMPClient
 
         self.socket = socket
-        self.client = QEMUMonitorProtocol(str(socket))
+        self.timeout = timeout
+        self.loop = asyncio.new_event_loop()
+        self.loop.set_exception_handler(lambda loop, context: None)  # errors reach us as exceptions
+        self.client = QMPClient(f"vmlaunch-{socket.stem}")
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self.client.connect()
+                self._run(self.client.connect(str(socket)), max(0.1, deadline - time.monotonic()))
                 return
-            except Exception as exc:  # qemu.qmp raises its own ConnectError and OSErrors
-                self.client.close()
-                self.client = QEMUMonitorProtocol(str(socket))
+            except QmpError as exc:
                 if time.monotonic() >= deadline:
-                    raise QmpError(f"no QMP answer on {socket}: {exc}") from None
+                    self.close()
+                    raise QmpError(f"no QMP answer on {socket}: {exc.message}") from None
                 time.sleep(0.05)
 
-    def cmd(self, command: str, **args: Any) -> Any:
-        from qemu.qmp import ExecuteError
+    def _run(self, awaitable: Any, timeout: float) -> Any:
+        import asyncio
+
+        from qemu.qmp import ExecuteError, QMPError
 
         try:
-            return self.client.cmd(command, **args)
+            return self.loop.run_until_complete(asyncio.wait_for(awaitable, timeout))
         except ExecuteError as exc:
-            raise QmpError(f"QMP {command} failed: {exc.error.error.desc}") from None
-        except (EOFError, OSError) as exc:
-            raise QmpError(f"QMP {command}: the connection closed ({exc or 'EOF'})") from None
+            raise QmpError(exc.error.error.desc) from None
+        except asyncio.TimeoutError:
+            raise QmpError(f"no answer within {timeout:g} s") from None
+        except (QMPError, OSError, EOFError) as exc:
+            raise QmpError(str(exc) or type(exc).__name__) from None
+
+    def cmd(self, command: str, **args: Any) -> Any:
+        try:
+            return self._run(self.client.execute(command, args or None), self.timeout)
+        except QmpError as exc:
+            raise QmpError(f"QMP {command} failed: {exc.message}") from None
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self.client.close()
+            self._run(self.client.disconnect(), 1.0)
+        self.loop.close()
 
     def __enter__(self) -> Qmp:
         return self
@@ -204,11 +262,11 @@ class Qmp:
         self.close()
 
 
-def stop(pid: int, name: str, qmp_socket: Path, timeout: float) -> str:
+def stop(pid: int | None, qmp_socket: Path, timeout: float) -> str:
     """Graceful first (ACPI power button), then QMP quit, then SIGKILL; says which one worked."""
-    if not is_our_qemu(pid, name):
+    if pid is None or not is_our_qemu(pid, qmp_socket):
         return "not running"
-    with contextlib.suppress(QmpError), Qmp(qmp_socket, timeout=1) as qmp:
+    with contextlib.suppress(QmpError), Qmp(qmp_socket, timeout=2) as qmp:
         qmp.cmd("system_powerdown")
         if wait_gone(pid, timeout):
             return "powered off"

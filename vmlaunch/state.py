@@ -77,6 +77,17 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
 
 
+def _well_formed(data: Any) -> bool:
+    if not isinstance(data, dict):
+        return False
+    resources, vms = data.get("resources", []), data.get("vms", {})
+    return (isinstance(resources, list) and isinstance(vms, dict)
+            and all(isinstance(r, dict) and {"kind", "key", "record"} <= set(r)
+                    and isinstance(r["record"], dict) for r in resources)
+            and all(isinstance(v, dict) and isinstance(v.get("pid"), (int, type(None)))
+                    and isinstance(v.get("started", 0), (int, float)) for v in vms.values()))
+
+
 class State:
     """The state file: resources applied (in order) and VMs started, saved on every change."""
 
@@ -98,8 +109,11 @@ class State:
             raise RuntimeFailure(f"cannot read the lab's state file {state.path}: {exc}",
                                  "it was not written by this vmlaunch; remove the run dir by hand"
                                  ) from None
-        state.resources = list(data.get("resources", []))
-        state.vms = dict(data.get("vms", {}))
+        if not _well_formed(data):
+            raise RuntimeFailure(f"the lab's state file {state.path} is not one vmlaunch wrote",
+                                 "stop its QEMUs by hand and remove the run dir")
+        state.resources = list(data["resources"])
+        state.vms = dict(data["vms"])
         state.spec = data.get("spec")
         return state
 
