@@ -326,6 +326,12 @@ def test_balloon_lowers_memtotal_and_console(tmp_path: Path, netns: Netns, test_
     done = netns.vmlaunch("balloon", str(spec), "solo", "128M")
     assert (done.returncode, done.stdout.strip()) == (0, "solo: 128M"), done.stderr
     assert netns.vmlaunch("balloon", str(spec), "solo").stdout.strip() == "solo: 128M"
+    holder = netns.spawn("console", str(spec), "solo", stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE)
+    time.sleep(1)
+    second = netns.vmlaunch("console", str(spec), "solo")
+    assert second.returncode == 4 and "another console is attached to solo" in second.stderr
+    holder.communicate(b"\x1d", timeout=10)
     after_text = console_run(netns, spec, "sleep 1; grep MemTotal /proc/meminfo", "kB\r\n/ #")
     after = int(re.findall(mem, after_text)[-1])
     assert after < before - 100 * 1024  # the guest lost (at least) most of the 128 MiB

@@ -34,6 +34,7 @@ class Lab:
         self.model = load_lab(self.spec)
         self.host = detect_host()
         self.plan: Plan = compile_lab(self.model, self.host, vms)
+        self.only = tuple(vms)  # empty: the whole lab
         self.wait_for = wait_for
         self.timeout = timeout
 
@@ -46,7 +47,7 @@ class Lab:
                     wait_for=wait_for or self.wait_for, timeout=timeout or self.timeout, say=log.info)
 
     def down(self, timeout: float = 10.0) -> None:
-        executor.down(self.run_dir, [vm.name for vm in self.plan.vms], timeout=timeout, say=log.info)
+        executor.down(self.run_dir, self.only, timeout=timeout, say=log.info)
 
     def vm(self, name: str) -> Vm:
         if name not in {vm.name for vm in self.plan.vms}:

@@ -130,13 +130,29 @@ def follow_log(run_dir: Path, name: str) -> Iterator[str]:
 
 def attach_console(run_dir: Path, name: str) -> None:
     """An interactive serial console on this terminal; Ctrl-] detaches, the VM keeps running."""
+    import fcntl
+
     running_pid(run_dir, name)
+    # QEMU serves one client and queues the next silently: a lock says it plainly instead.
+    guard = os.open(run_dir / f"{name}.console.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(guard)
+        raise RuntimeFailure(f"another console is attached to {name}",
+                             "detach it first (Ctrl-] in that terminal)") from None
+    try:
+        _attach(run_dir, name)
+    finally:
+        os.close(guard)
+
+
+def _attach(run_dir: Path, name: str) -> None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(str(run_dir / f"{name}.console"))
     except OSError as exc:
-        raise RuntimeFailure(f"cannot attach to the console of {name}: {exc.strerror}",
-                             "only one console can be attached at a time") from None
+        raise RuntimeFailure(f"cannot attach to the console of {name}: {exc.strerror}") from None
     stdin = sys.stdin.fileno()
     saved = _raw_terminal(stdin)
     print(f"[connected to {name}; Ctrl-] detaches]\r", file=sys.stderr, flush=True)
