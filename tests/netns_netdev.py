@@ -215,22 +215,6 @@ def fresh_process(_: str) -> dict[str, Any]:
     return {"records": json.loads(records), "up": up, "down": links()}
 
 
-def scoped(_: str) -> dict[str, Any]:
-    """The context managers undo only when their body raised."""
-    try:
-        with netdev.bridge(lab_bridge()), netdev.tap(lab_tap("vltap-a")):
-            inside = links()
-            raise RuntimeError("QEMU failed")
-    except RuntimeError:
-        pass
-    after_failure = links()
-    with netdev.bridge(lab_bridge()) as bridge, netdev.tap(lab_tap("vltap-a")) as tap:
-        pass
-    after_success = links()
-    return {"inside": inside, "after_failure": after_failure, "after_success": after_success,
-            "records": [bridge.to_json(), tap.to_json()]}
-
-
 def no_cap(_: str) -> dict[str, Any]:
     """Run without CAP_NET_ADMIN (see the test): a clear error with a hint, no traceback."""
     return {"bridge": attempt(lambda: netdev.ensure_bridge(lab_bridge())),
@@ -267,7 +251,7 @@ def qemu_queues(qemu: str) -> dict[str, Any]:
 
 SCENARIOS: dict[str, Callable[[str], dict[str, Any]]] = {
     f.__name__: f for f in (basic, existing, foreign, uplink, not_bridge, stale, twice, step_up, step_down,
-                            fresh_process, scoped, no_cap, no_cap_tap, qemu_queues)
+                            fresh_process, no_cap, no_cap_tap, qemu_queues)
 }
 
 

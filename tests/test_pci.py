@@ -21,7 +21,7 @@ import pytest
 from vmlaunch import pci
 from vmlaunch.errors import EXIT_HOST
 from vmlaunch.model import PciDriver
-from vmlaunch.pci import PciBinding, PciError, bind, bound, check_viable, restore, sysfs_root
+from vmlaunch.pci import PciBinding, PciError, bind, check_viable, restore, sysfs_root
 
 NIC = "0000:15:00.0"
 NIC2 = "0000:15:00.1"
@@ -551,38 +551,6 @@ def test_restore_from_the_json_record_in_a_new_process(
     assert down.driver(NIC) == "ixgbe" and down.override(NIC) == "(null)"
     assert down.writes[0] == (drv(driver.value, "unbind"), NIC)
     assert down.writes[-1] == (drv("ixgbe", "bind"), NIC)
-
-
-# --- bound() ------------------------------------------------------------------------------------------
-
-
-def test_bound_restores_when_the_body_raises(sysfs: FakeSysfs) -> None:
-    sysfs.add(NIC)
-    with pytest.raises(RuntimeError, match="QEMU refused"), bound(NIC, PciDriver.VFIO, sysfs.root) as binding:
-        assert sysfs.driver(NIC) == "vfio-pci"
-        raise RuntimeError("QEMU refused to start")
-    assert binding.changed
-    assert sysfs.driver(NIC) == "ixgbe" and sysfs.override(NIC) == "(null)"
-
-
-def test_bound_keeps_the_binding_on_success(sysfs: FakeSysfs) -> None:
-    sysfs.add(NIC)
-    with bound(NIC, PciDriver.VFIO, sysfs.root) as binding:
-        pass
-    assert sysfs.driver(NIC) == "vfio-pci"
-    restore(binding, sysfs.root)
-    assert sysfs.driver(NIC) == "ixgbe"
-
-
-def test_bound_reports_a_failed_restore_with_the_cause(sysfs: FakeSysfs) -> None:
-    sysfs.add(NIC)
-    with pytest.raises(PciError) as caught, bound(NIC, PciDriver.VFIO, sysfs.root):
-        sysfs.failures[drv("vfio-pci", "unbind")] = errno.EBUSY
-        raise RuntimeError("QEMU refused to start")
-    message = str(caught.value)
-    assert message.startswith("QEMU refused to start\nthen giving PCI 0000:15:00.0 back failed: ")
-    assert "vfio-pci/unbind failed: Device or resource busy (EBUSY)" in message
-    assert isinstance(caught.value.__cause__, RuntimeError)
 
 
 def test_real_write_goes_to_the_file(tmp_path: Path) -> None:

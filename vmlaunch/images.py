@@ -6,7 +6,6 @@ import contextlib
 import errno
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,13 +70,3 @@ def remove_image(record: ImageRecord) -> None:
         if exc.errno != errno.ENOENT:
             raise RuntimeFailure(f"cannot remove image {record.path}: {exc.strerror}") from None
 
-
-@contextlib.contextmanager
-def image(action: CreateImage, qemu_img: str = "qemu-img") -> Iterator[ImageRecord]:
-    """Create on enter; remove on exit only if the body failed (a successful `up` keeps it)."""
-    record = create_image(action, qemu_img)
-    try:
-        yield record
-    except BaseException:
-        remove_image(record)
-        raise

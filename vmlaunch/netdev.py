@@ -360,25 +360,3 @@ def _undo_after_failure(undo: Callable[[], None], what: str) -> None:
         undo()
     except NetdevError as exc:  # the original failure is the one to report
         print(f"vmlaunch: warning: could not undo {what}: {exc}", file=sys.stderr)
-
-
-@contextlib.contextmanager
-def bridge(action: CreateBridge) -> Iterator[BridgeRecord]:
-    """`ensure_bridge` on enter; undone on exit only when the body raised (else `down` undoes it)."""
-    record = ensure_bridge(action)
-    try:
-        yield record
-    except BaseException:
-        _undo_after_failure(lambda: remove_bridge(record), f"bridge {record.name}")
-        raise
-
-
-@contextlib.contextmanager
-def tap(action: CreateTap) -> Iterator[TapRecord]:
-    """`create_tap` on enter; removed on exit only when the body raised."""
-    record = create_tap(action)
-    try:
-        yield record
-    except BaseException:
-        _undo_after_failure(lambda: remove_tap(record), f"tap {record.name}")
-        raise

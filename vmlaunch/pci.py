@@ -15,11 +15,10 @@ every write through `_write`, which tests replace with a simulated kernel.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -420,20 +419,3 @@ def restore(binding: PciBinding, root: Path | None = None) -> None:
         raise PciError(f"PCI {address}: could not give it back to {original}: "
                        f"{_state(device, address)}{because}",
                        hint=f"modprobe {original}, then echo {address} > {bind_file}")
-
-
-@contextlib.contextmanager
-def bound(address: str, driver: PciDriver, root: Path | None = None) -> Iterator[PciBinding]:
-    """Bind on enter; restore on exit only if the body raised (on success the caller records the binding)."""
-    binding = bind(address, driver, root)
-    try:
-        yield binding
-    except BaseException as exc:
-        try:
-            restore(binding, root)
-        except PciError as undo:
-            if not isinstance(exc, Exception):
-                raise exc from undo
-            raise PciError(f"{exc}\nthen giving PCI {address} back failed: {undo.message}",
-                           hint=undo.hint) from exc
-        raise
