@@ -14,13 +14,14 @@ setup:
 demo: setup
 	@tools/demo.sh
 
+# Branch coverage of the package, measured in the test process (see pyproject.toml).
 test: setup
-	$(PYTEST) $(PYTEST_ARGS)
+	$(PYTEST) --cov --cov-report=term $(PYTEST_ARGS)
 
 lint: setup
-	$(VENV)/bin/python -m pip install -q -e '.[lint]'
-	$(VENV)/bin/ruff check vmlaunch tests tools
-	$(VENV)/bin/mypy vmlaunch
+	$(VENV)/bin/python -m pip install -q -e '.[lint]' --config-settings editable_mode=compat
+	$(VENV)/bin/ruff check vmlaunch tests tools bench
+	$(VENV)/bin/mypy vmlaunch tests tools bench
 
 bench: setup
 	$(VENV)/bin/python bench/startup.py

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 SPEC = """\
@@ -63,7 +64,7 @@ def main() -> int:
         spec.write_text(SPEC)
         env = {**os.environ, "VMLAUNCH_CACHE_DIR": str(work / "cache")}
         tool = vmlaunch_argv()
-        cases = {
+        cases: dict[str, tuple[list[str], Callable[[int], dict[str, str]]]] = {
             "python -c pass": ([sys.executable, "-c", "pass"], lambda i: env),
             # What the issue's own dependencies cost before vmlaunch runs a line (attrs alone is
             # most of it): the floor under the two cases below.

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,7 +24,7 @@ FAKE_DEVICES = frozenset({
 })
 
 
-def fake_host(**changes: object) -> Host:
+def fake_host(**changes: Any) -> Host:
     """A host with QEMU 7.2 at /usr/bin, io_uring, no usable KVM, no vhost-net: like this machine."""
     qemu = QemuInfo(binary="/usr/bin/qemu-system-x86_64", version=(7, 2, 0), devices=FAKE_DEVICES,
                     io_uring=True, img="/usr/bin/qemu-img")
@@ -32,7 +33,7 @@ def fake_host(**changes: object) -> Host:
     return host if not changes else _evolve(host, changes)
 
 
-def _evolve(host: Host, changes: dict[str, object]) -> Host:
+def _evolve(host: Host, changes: dict[str, Any]) -> Host:
     import attrs
 
     qemu_changes = {k: v for k, v in changes.items() if k in attrs.fields_dict(QemuInfo)}

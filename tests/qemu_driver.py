@@ -21,7 +21,8 @@ from typing import Any
 def wait_for_file(path: Path, proc: subprocess.Popen[bytes], deadline: float) -> None:
     while not path.exists():
         if proc.poll() is not None:
-            raise RuntimeError(f"QEMU exited with {proc.returncode}: {proc.stderr.read().decode()}")
+            stderr = proc.stderr.read().decode() if proc.stderr else ""
+            raise RuntimeError(f"QEMU exited with {proc.returncode}: {stderr}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"{path} did not appear")
         time.sleep(0.02)

@@ -12,11 +12,15 @@ from hypothesis import strategies as st
 
 from tests.conftest import EXAMPLES, fake_host, write_spec
 from tests.test_qemuopts import split_qemu_opts
-from vmlaunch.compiler import compile_lab, tap_name
+from vmlaunch.compiler import compile_lab
 from vmlaunch.errors import HostError, UsageError
 from vmlaunch.host import KvmStatus
-from vmlaunch.model import Accel
-from vmlaunch.plan import BindPci, CreateBridge, CreateImage, CreateTap
+from vmlaunch.model import Accel, DiskFormat, PciDriver
+from vmlaunch.naming import tap_name
+from vmlaunch.resources.bridge import Bridge
+from vmlaunch.resources.image import Image
+from vmlaunch.resources.pci import PciBind
+from vmlaunch.resources.tap import Tap
 from vmlaunch.spec import load_lab
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -50,21 +54,20 @@ def test_golden_argv(spec: Path) -> None:
 
 def test_demo_plan_actions() -> None:
     plan = compile_lab(load_lab(EXAMPLES / "lab.toml"), fake_host())
-    assert plan.run_dir == Path("/run/vmlaunch/demo")
-    assert plan.actions == (
-        CreateImage(path=EXAMPLES / "alpha.img", size=64 << 20, format=plan.actions[0].format,
-                    vm="alpha"),
-        CreateBridge(name="vlbr-demo", network="lan"),
-        CreateTap(ifname=tap_name("demo", "alpha", 0), bridge="vlbr-demo", vm="alpha"),
-        CreateTap(ifname=tap_name("demo", "beta", 0), bridge="vlbr-demo", vm="beta"),
+    assert plan.run_dir.path == Path("/run/vmlaunch/demo")
+    assert plan.resources == (
+        Image(path=EXAMPLES / "alpha.img", size=64 << 20, format=DiskFormat.RAW, vm="alpha"),
+        Bridge(name="vlbr-demo", network="lan"),
+        Tap(ifname=tap_name("demo", "alpha", 0), bridge="vlbr-demo", vm="alpha"),
+        Tap(ifname=tap_name("demo", "beta", 0), bridge="vlbr-demo", vm="beta"),
     )
-    assert all(len(a.ifname) <= 15 for a in plan.actions if isinstance(a, CreateTap))
+    assert all(len(a.ifname) <= 15 for a in plan.resources if isinstance(a, Tap))
 
 
 def test_only_named_vms() -> None:
     plan = compile_lab(load_lab(EXAMPLES / "lab.toml"), fake_host(), ["beta"])
     assert [vm.name for vm in plan.vms] == ["beta"]
-    assert not any(isinstance(a, CreateImage) for a in plan.actions)
+    assert not any(isinstance(a, Image) for a in plan.resources)
     with pytest.raises(UsageError, match="no VM named 'gamma'"):
         compile_lab(load_lab(EXAMPLES / "lab.toml"), fake_host(), ["gamma"])
 
@@ -144,8 +147,7 @@ def test_pass_through(tmp_path: Path) -> None:
     plan = compile_lab(load_lab(spec), fake_host())
     assert devices(list(plan.vms[0].argv))[0] == {"driver": "vfio-pci", "id": "hostdev0",
                                                   "host": "0000:15:00.0"}
-    assert plan.actions[0] == BindPci(address="0000:15:00.0", driver=plan.actions[0].driver,
-                                      vm="a")
+    assert plan.resources[0] == PciBind(address="0000:15:00.0", driver=PciDriver.VFIO, vm="a")
     assert "-pcidevice" not in plan.vms[0].argv
 
 
@@ -214,7 +216,7 @@ def test_socket_network_is_a_loopback_multicast_lan(tmp_path: Path) -> None:
     assert derived["type"] == "socket" and derived["localaddr"] == "127.0.0.1"
     assert derived["mcast"].startswith("239.")
     assert fixed["mcast"] == "239.1.2.3:5000"
-    assert plan.actions == ()  # nothing on the host: no root needed
+    assert plan.resources == ()  # nothing on the host: no root needed
     other = write_spec(tmp_path, HEAD.replace('"t"', '"u"') + '[network.lan]\ntype = "socket"\n'
                        '[vm.a]\nmemory = 64\nkernel = "k"\n[[vm.a.nic]]\nnetwork = "lan"\n', "u.toml")
     other_netdev = json.loads(option(list(compile_lab(load_lab(other), fake_host()).vms[0].argv),

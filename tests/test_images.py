@@ -1,3 +1,5 @@
+"""The image resource: created sparse when missing, never overwritten, removed only by a failing up."""
+
 from __future__ import annotations
 
 import os
@@ -6,17 +8,19 @@ from pathlib import Path
 import pytest
 
 from vmlaunch.errors import RuntimeFailure
-from vmlaunch.images import ImageRecord, create_image, remove_image
 from vmlaunch.model import DiskFormat
-from vmlaunch.plan import CreateImage
+from vmlaunch.resources.base import Context
+from vmlaunch.resources.image import Image, ImageRecord
+
+CTX = Context(lab="t", qemu_img="qemu-img")
 
 
-def action(path: Path, fmt: DiskFormat = DiskFormat.RAW) -> CreateImage:
-    return CreateImage(path=path, size=64 << 20, format=fmt, vm="a")
+def image(path: Path, fmt: DiskFormat = DiskFormat.RAW) -> Image:
+    return Image(path=path, size=64 << 20, format=fmt, vm="a")
 
 
 def test_creates_sparse_raw(tmp_path: Path) -> None:
-    record = create_image(action(tmp_path / "a.img"))
+    record = image(tmp_path / "a.img").apply(CTX)
     assert record == ImageRecord(tmp_path / "a.img", created=True)
     st = os.stat(tmp_path / "a.img")
     assert st.st_size == 64 << 20
@@ -24,29 +28,33 @@ def test_creates_sparse_raw(tmp_path: Path) -> None:
 
 
 def test_creates_qcow2(tmp_path: Path) -> None:
-    create_image(action(tmp_path / "a.qcow2", DiskFormat.QCOW2))
+    image(tmp_path / "a.qcow2", DiskFormat.QCOW2).apply(CTX)
     assert (tmp_path / "a.qcow2").read_bytes()[:4] == b"QFI\xfb"
 
 
 def test_never_overwrites(tmp_path: Path) -> None:
     existing = tmp_path / "a.img"
     existing.write_bytes(b"precious")
-    record = create_image(action(existing))
+    assert image(existing).found() == "exists: kept"
+    record = image(existing).apply(CTX)
     assert not record.created
-    remove_image(record)
+    record.undo(CTX, rollback=True)
     assert existing.read_bytes() == b"precious"
 
 
-def test_record_round_trips(tmp_path: Path) -> None:
-    record = create_image(action(tmp_path / "b.img"))
-    assert ImageRecord.from_json(record.to_json()) == record
-    remove_image(record)
+def test_only_a_failing_up_removes_what_it_created(tmp_path: Path) -> None:
+    record = image(tmp_path / "b.img").apply(CTX)
+    record.undo(CTX, rollback=False)  # down keeps the user's data
+    assert (tmp_path / "b.img").exists()
+    record.undo(CTX, rollback=True)
     assert not (tmp_path / "b.img").exists()
+    record.undo(CTX, rollback=True)  # twice: nothing the second time
+    assert "created" in record.describe()
 
 
 def test_failures_are_clear(tmp_path: Path) -> None:
     with pytest.raises(RuntimeFailure, match="cannot create image .*/missing/a.img: No such file"):
-        create_image(action(tmp_path / "missing" / "a.img"))
+        image(tmp_path / "missing" / "a.img").apply(CTX)
     with pytest.raises(RuntimeFailure, match="failed"):
-        create_image(action(tmp_path / "a.img"), qemu_img="/nonexistent/qemu-img")
+        image(tmp_path / "a.img").apply(Context(lab="t", qemu_img="/nonexistent/qemu-img"))
     assert not (tmp_path / "a.img").exists()  # the claimed file was given back

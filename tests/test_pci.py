@@ -10,7 +10,6 @@ what the kernel would do.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -20,8 +19,12 @@ import pytest
 
 from vmlaunch import pci
 from vmlaunch.errors import EXIT_HOST
+from vmlaunch.journal import Entry, Journal
 from vmlaunch.model import PciDriver
-from vmlaunch.pci import PciBinding, PciError, bind, check_viable, restore, sysfs_root
+from vmlaunch.pci import PciError, bind, check_viable, restore, sysfs_root
+from vmlaunch.resources.base import Context
+from vmlaunch.resources.pci import PciBind, PciRecord
+from vmlaunch.rundir import RunDir
 
 NIC = "0000:15:00.0"
 NIC2 = "0000:15:00.1"
@@ -228,7 +231,7 @@ def test_root_none_means_the_environment(sysfs: FakeSysfs) -> None:
 def test_vfio_bind_and_restore_exact_writes(sysfs: FakeSysfs) -> None:
     sysfs.add(NIC)
     binding = bind(NIC, PciDriver.VFIO, sysfs.root)
-    assert binding == PciBinding(address=NIC, driver="vfio-pci", original_driver="ixgbe")
+    assert binding == PciRecord(address=NIC, driver="vfio-pci", original_driver="ixgbe")
     assert sysfs.writes == [
         (dev(NIC, "driver_override"), "vfio-pci"),
         (dev(NIC, "driver/unbind"), NIC),
@@ -263,7 +266,7 @@ def test_unbound_device_is_bound_and_restored_to_unbound(sysfs: FakeSysfs) -> No
 def test_already_on_the_wanted_driver_is_a_no_op(sysfs: FakeSysfs, driver: PciDriver) -> None:
     sysfs.add(NIC, driver=driver.value)
     binding = bind(NIC, driver, sysfs.root)
-    assert binding == PciBinding(NIC, driver.value, original_driver=driver.value, changed=False)
+    assert binding == PciRecord(NIC, driver.value, original_driver=driver.value, changed=False)
     restore(binding, sysfs.root)
     assert sysfs.writes == []
     assert sysfs.driver(NIC) == driver.value
@@ -358,7 +361,7 @@ def test_busy_unbind_is_a_pci_error_and_nothing_is_left_changed(sysfs: FakeSysfs
 def test_pci_stub_bind_and_restore_exact_writes(sysfs: FakeSysfs) -> None:
     sysfs.add(NIC)
     binding = bind(NIC, PciDriver.PCI_STUB, sysfs.root)
-    assert binding == PciBinding(address=NIC, driver="pci-stub", original_driver="ixgbe", ids="8086 10fb")
+    assert binding == PciRecord(address=NIC, driver="pci-stub", original_driver="ixgbe", ids="8086 10fb")
     assert sysfs.writes == [
         (drv("pci-stub", "new_id"), "8086 10fb"),
         (dev(NIC, "driver/unbind"), NIC),
@@ -511,43 +514,26 @@ def test_a_blocker_shared_by_two_devices_is_reported_once(sysfs: FakeSysfs) -> N
     assert len(caught.value.problems) == 1
 
 
-# --- JSON records, another process --------------------------------------------------------------------
-
-
-def test_json_round_trip() -> None:
-    for binding in (PciBinding(NIC, "vfio-pci", "ixgbe"), PciBinding(NIC, "pci-stub", None, "8086 10fb"),
-                    PciBinding(NIC, "vfio-pci", "vfio-pci", changed=False)):
-        assert PciBinding.from_json(json.loads(json.dumps(binding.to_json()))) == binding
-
-
-@pytest.mark.parametrize("data", [
-    {},
-    {"address": "../../x", "driver": "vfio-pci", "original_driver": None},
-    {"address": NIC, "driver": "e1000", "original_driver": None},
-    {"address": NIC, "driver": "vfio-pci", "original_driver": "../ixgbe"},
-    {"address": NIC, "driver": "vfio-pci", "original_driver": None, "changed": "yes"},
-    [NIC],
-])
-def test_damaged_record_is_a_pci_error(data: dict[str, object]) -> None:
-    with pytest.raises(PciError, match="not a PCI binding record"):
-        PciBinding.from_json(data)
+# --- journaled records, another process -----------------------------------------------------------
 
 
 @pytest.mark.parametrize("driver", list(PciDriver))
-def test_restore_from_the_json_record_in_a_new_process(
+def test_restore_from_the_journal_in_a_new_process(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, driver: PciDriver) -> None:
     up = FakeSysfs(tmp_path / "sys")
     up.add(NIC)
     monkeypatch.setattr(pci, "_write", up.write)
-    record = tmp_path / "pci.json"
-    record.write_text(json.dumps([bind(NIC, driver, up.root).to_json()]))
+    journal = Journal(RunDir(tmp_path / "run" / "lab"))
+    resource = PciBind(address=NIC, driver=driver, vm="a")
+    ctx = Context(lab="lab", sysfs=up.root)
+    journal.add(Entry(resource.kind, resource.key, resource.owner, resource.apply(ctx)))
 
-    # `down`: nothing shared with `up` but the sysfs tree and the record.
+    # `down`: nothing shared with `up` but the sysfs tree and the journal.
     down = FakeSysfs(tmp_path / "sys", build=False)
     monkeypatch.setattr(pci, "_write", down.write)
     monkeypatch.setenv("VMLAUNCH_SYSFS", str(down.root))
-    for data in json.loads(record.read_text()):
-        restore(PciBinding.from_json(data))
+    for entry in Journal.load(journal.run_dir).resources:
+        entry.record.undo(Context(lab="lab"), rollback=False)
     assert down.driver(NIC) == "ixgbe" and down.override(NIC) == "(null)"
     assert down.writes[0] == (drv(driver.value, "unbind"), NIC)
     assert down.writes[-1] == (drv("ixgbe", "bind"), NIC)

@@ -16,7 +16,8 @@ from tests.conftest import EXAMPLES, netns_argv
 from vmlaunch.compiler import compile_lab
 from vmlaunch.host import detect_host, probe_bios
 from vmlaunch.model import Accel
-from vmlaunch.plan import CreateTap, Plan
+from vmlaunch.plan import Plan
+from vmlaunch.resources.tap import Tap
 from vmlaunch.spec import load_lab
 
 DRIVER = Path(__file__).parent / "qemu_driver.py"
@@ -25,10 +26,10 @@ pytestmark = pytest.mark.qemu
 
 def drive(plan: Plan, tmp_path: Path, **job: Any) -> dict[str, Any]:
     """Run the plan's VMs in a private network namespace through tests/qemu_driver.py."""
-    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    plan.run_dir.path.mkdir(parents=True, exist_ok=True)
     vms = {vm.name: {"argv": list(job.pop("argv_of", {}).get(vm.name, vm.argv)),
-                     "qmp": str(vm.qmp_socket), "serial": str(vm.serial_log)} for vm in plan.vms}
-    taps = [[a.ifname, a.multi_queue] for a in plan.actions if isinstance(a, CreateTap)]
+                     "qmp": str(vm.files.qmp), "serial": str(vm.files.serial_log)} for vm in plan.vms}
+    taps = [[a.ifname, a.multi_queue] for a in plan.resources if isinstance(a, Tap)]
     job_file = tmp_path / "job.json"
     job_file.write_text(json.dumps({"taps": taps, "vms": vms, **job}))
     done = subprocess.run(netns_argv([sys.executable, str(DRIVER), str(job_file)]),
@@ -129,7 +130,7 @@ network = "out"
     assert result["replies"]["query-status"]["status"] == "running"
     assert result["replies"]["query-balloon"]["actual"] == 256 << 20
     assert (lab_dir / "solo.img").read_bytes().startswith(b"VMLAUNCH-MARK:compiled\n")
-    log = plan.vms[0].serial_log.read_text()
+    log = plan.vms[0].files.serial_log.read_text()
     assert "vl: eth0 " + load_lab(lab_dir / "lab.toml").vms[0].nics[0].mac in log
 
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.conftest import EXAMPLES, write_spec
 from vmlaunch.errors import SpecError
 from vmlaunch.model import Accel, Aio, BridgeNetwork, CacheMode, DiskBus, DiskFormat, UserNetwork
-from vmlaunch.spec import derive_mac, load_lab
+from vmlaunch.naming import derive_mac
+from vmlaunch.spec import load_lab
 
 HEAD = '[lab]\nname = "t"\n'
 VM = '[vm.a]\nmemory = 64\nkernel = "k"\n'
@@ -178,10 +180,14 @@ def test_valid_spec_is_remembered(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
     spec = write_spec(tmp_path, HEAD + VM)
     load_lab(spec)
-    calls = []
+    calls: list[int] = []
     real = spec_module._schema_errors
-    monkeypatch.setattr(spec_module, "_schema_errors",
-                        lambda doc, schema: calls.append(1) or real(doc, schema))
+
+    def counted(doc: Any, schema: Any) -> Any:
+        calls.append(1)
+        return real(doc, schema)
+
+    monkeypatch.setattr(spec_module, "_schema_errors", counted)
     load_lab(spec)
     assert calls == []
     spec.write_text(HEAD + VM.replace("64", "65"))

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -17,10 +16,12 @@ from typing import Any
 from vmlaunch import control, executor
 from vmlaunch.compiler import compile_lab
 from vmlaunch.control import VmStatus
-from vmlaunch.errors import RuntimeFailure, UsageError, VmlaunchError
+from vmlaunch.errors import RuntimeFailure, VmlaunchError
 from vmlaunch.host import detect_host
 from vmlaunch.plan import Plan
+from vmlaunch.rundir import RunDir
 from vmlaunch.spec import load_lab
+from vmlaunch.wait import TimedOut, wait_until
 
 log = logging.getLogger("vmlaunch")
 
@@ -39,19 +40,18 @@ class Lab:
         self.timeout = timeout
 
     @property
-    def run_dir(self) -> Path:
+    def run_dir(self) -> RunDir:
         return self.plan.run_dir
 
     def up(self, wait_for: str | None = None, timeout: float | None = None) -> None:
-        executor.up(self.plan, spec=self.model.file, qemu_img=self.host.qemu.img,
-                    wait_for=wait_for or self.wait_for, timeout=timeout or self.timeout, say=log.info)
+        executor.up(self.plan, spec=str(self.model.file), qemu_img=self.host.qemu.img,
+                    wait_for=wait_for or self.wait_for, timeout=timeout or self.timeout)
 
     def down(self, timeout: float = 10.0) -> None:
-        executor.down(self.run_dir, self.only, timeout=timeout, say=log.info)
+        executor.down(self.run_dir, self.only, timeout=timeout)
 
     def vm(self, name: str) -> Vm:
-        if name not in {vm.name for vm in self.plan.vms}:
-            raise UsageError(f"{self.spec}: no VM named {name!r} in this lab")
+        self.model.select([name])
         return Vm(self, name)
 
     def status(self) -> dict[str, VmStatus]:
@@ -87,16 +87,19 @@ class Vm:
 
     def wait_for_console(self, text: str, timeout: float = 30.0) -> str:
         """Wait until the serial console has printed `text`; return the output so far."""
-        deadline = time.monotonic() + timeout
-        while True:
+        def printed() -> str | None:
             output = self.console_output()
             if text in output:
                 return output
-            if time.monotonic() >= deadline:
-                raise RuntimeFailure(f"{self.name}: {text!r} did not appear on the console within "
-                                     f"{timeout:g} s", f"see {self.lab.run_dir / self.name}.serial.log")
             self.pid  # noqa: B018 - raises when the VM stopped: no point waiting on
-            time.sleep(0.1)
+            return None
+
+        try:
+            return wait_until(printed, timeout)
+        except TimedOut:
+            log_file = self.lab.run_dir.vm(self.name).serial_log
+            raise RuntimeFailure(f"{self.name}: {text!r} did not appear on the console within "
+                                 f"{timeout:g} s", f"see {log_file}") from None
 
     def balloon(self, size: int | None = None, timeout: float = 10.0) -> int:
         """Set the balloon target in bytes and wait for the guest, or read it; returns the size."""

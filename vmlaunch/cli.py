@@ -6,17 +6,20 @@ Start-up is kept light: each command imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from vmlaunch import __version__
 from vmlaunch.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, SpecError, UsageError, VmlaunchError
 
+log = logging.getLogger("vmlaunch")
+
 if TYPE_CHECKING:
-    from vmlaunch.model import Lab
+    from vmlaunch.model import LabSpec
+    from vmlaunch.rundir import RunDir
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
         "failure, 64 bad usage, 130 interrupted.",
     )
     parser.add_argument("--version", action="version", version=f"vmlaunch {__version__}")
+    verbosity = parser.add_mutually_exclusive_group()
+    verbosity.add_argument("-v", "--verbose", action="store_true", help="also print debug lines")
+    verbosity.add_argument("-q", "--quiet", action="store_true",
+                           help="print only warnings and errors (no progress or notes)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
 
@@ -82,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     down.add_argument("vms", metavar="VM", nargs="*", help="only these VMs")
     down.add_argument("--timeout", metavar="S", type=float, default=10.0,
                       help="seconds each guest gets to power off before it is stopped; default 10")
+    down.add_argument("--force", action="store_true",
+                      help="when the lab's journal cannot be read whole (damaged, or written by "
+                      "another vmlaunch version), stop and remove everything it recognises and list "
+                      "the rest")
     down.set_defaults(run=cmd_down)
 
     status = commands.add_parser("status", help="show each VM: running, stopped or crashed",
@@ -127,18 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _lab_vm(spec: str, *vms: str) -> tuple[Path, Lab]:
+def _lab_vm(spec: str, *vms: str) -> tuple[RunDir, LabSpec]:
     """The lab's run dir and the lab; each of `vms` must be one of its VMs."""
     from vmlaunch.dirs import run_root
+    from vmlaunch.rundir import RunDir
     from vmlaunch.spec import load_lab
 
     lab = load_lab(spec)
-    names = [v.name for v in lab.vms]
-    unknown = [vm for vm in vms if vm not in names]
-    if unknown:
-        raise UsageError(f"{spec}: no VM named {', '.join(map(repr, unknown))}",
-                         f"VMs in this lab: {', '.join(names)}")
-    return run_root() / lab.name, lab
+    lab.select(vms)
+    return RunDir.of(run_root(), lab.name), lab
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -223,12 +231,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     host = detect_host()
     plan = compile_lab(lab, host, args.vms)
     for note in plan.notes:
-        print(f"vmlaunch: note: {note}", file=sys.stderr)
+        log.info("note: %s", note)
     if args.dry_run:
         for line in executor.describe(plan):
             print(line)
         return 0
-    pids = executor.up(plan, spec=lab.file, qemu_img=host.qemu.img, wait_for=args.wait_for,
+    pids = executor.up(plan, spec=str(lab.file), qemu_img=host.qemu.img, wait_for=args.wait_for,
                        timeout=args.timeout)
     for vm in plan.vms:
         print(f"{vm.name}: running (pid {pids[vm.name]}, {vm.accel.accel.value})")
@@ -238,13 +246,14 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_down(args: argparse.Namespace) -> int:
     from vmlaunch import executor
     from vmlaunch.dirs import run_root
+    from vmlaunch.rundir import RunDir
     from vmlaunch.spec import lab_name
 
-    run_dir = run_root() / lab_name(args.spec)
+    run_dir = RunDir.of(run_root(), lab_name(args.spec))
     if args.vms:
         _lab_vm(args.spec, *args.vms)
-    if not executor.down(run_dir, args.vms, timeout=args.timeout):
-        print(f"lab {run_dir.name} is not up")
+    if not executor.down(run_dir, args.vms, timeout=args.timeout, force=args.force):
+        print(f"lab {run_dir.lab} is not up")
     return 0
 
 
@@ -276,11 +285,11 @@ def cmd_cmdline(args: argparse.Namespace) -> int:
     lab = load_lab(args.spec)
     plan = compile_lab(lab, detect_host(), args.vms)
     for note in plan.notes:
-        print(f"vmlaunch: note: {note}", file=sys.stderr)
+        log.info("note: %s", note)
     for vm in plan.vms:
-        print(f"vmlaunch: {vm.name}: {vm.accel.accel.value}: {vm.accel.reason}", file=sys.stderr)
+        log.info("%s: %s: %s", vm.name, vm.accel.accel.value, vm.accel.reason)
         for note in vm.notes:
-            print(f"vmlaunch: note: {note}", file=sys.stderr)
+            log.info("note: %s", note)
     if args.json:
         print(json.dumps({vm.name: list(vm.argv) for vm in plan.vms}, indent=2))
         return 0
@@ -321,9 +330,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(sig, handler)
 
 
+class _Formatter(logging.Formatter):
+    """`vmlaunch: message`, with `warning: `/`error: ` before what is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        label = {logging.WARNING: "warning: ", logging.ERROR: "error: ",
+                 logging.CRITICAL: "error: ", logging.DEBUG: "debug: "}.get(record.levelno, "")
+        return f"vmlaunch: {label}{record.getMessage()}"
+
+
+def _log_to_stderr(verbose: bool, quiet: bool) -> logging.Handler:
+    """The CLI owns how library log lines look: one handler on the `vmlaunch` logger."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter())
+    root = logging.getLogger("vmlaunch")
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
+    root.propagate = False
+    return handler
+
+
 def _main(argv: Sequence[str] | None) -> int:
+    handler = None
     try:
         args = build_parser().parse_args(argv)
+        handler = _log_to_stderr(args.verbose, args.quiet)
         return int(args.run(args))
     except SpecError as exc:
         print(exc, file=sys.stderr)
@@ -353,6 +384,9 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"vmlaunch: internal error: {type(exc).__name__}: {exc}\n"
               "  this is a bug in vmlaunch; VMLAUNCH_DEBUG=1 shows the traceback", file=sys.stderr)
         return 1
+    finally:
+        if handler is not None:
+            logging.getLogger("vmlaunch").removeHandler(handler)
 
 
 if __name__ == "__main__":  # pragma: no cover

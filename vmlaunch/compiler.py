@@ -6,11 +6,9 @@ spec value reaches is built in JSON form or through `qemuopts.opts`, which escap
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
-from vmlaunch.errors import HostError, KeyPath, Location, UsageError
+from vmlaunch.errors import HostError, KeyPath, Location
 from vmlaunch.host import Host
 from vmlaunch.model import (
     Accel,
@@ -18,25 +16,23 @@ from vmlaunch.model import (
     BridgeNetwork,
     Disk,
     DiskBus,
-    Lab,
+    LabSpec,
     Nic,
     NicModel,
     PciDriver,
     SocketNetwork,
     UserNetwork,
-    Vm,
+    VmSpec,
 )
-from vmlaunch.plan import (
-    AccelChoice,
-    BindPci,
-    CreateBridge,
-    CreateImage,
-    CreateTap,
-    HostAction,
-    Plan,
-    VmPlan,
-)
+from vmlaunch.naming import process_name, tap_name
+from vmlaunch.plan import AccelChoice, Plan, VmPlan
 from vmlaunch.qemuopts import json_arg, opts
+from vmlaunch.resources.base import Resource
+from vmlaunch.resources.bridge import Bridge
+from vmlaunch.resources.image import Image
+from vmlaunch.resources.pci import PciBind
+from vmlaunch.resources.tap import Tap
+from vmlaunch.rundir import RunDir
 
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the NUL
 NIC_DEVICES = {
@@ -46,26 +42,20 @@ NIC_DEVICES = {
     NicModel.RTL8139: "rtl8139",
 }
 DISK_DEVICES = {DiskBus.VIRTIO: "virtio-blk-pci", DiskBus.SCSI: "scsi-hd", DiskBus.SATA: "ide-hd"}
-SATA_PORTS = 6  # q35's built-in AHCI controller
 MEMORY_TARGET = 0.8
 
 
-def compile_lab(lab: Lab, host: Host, only: Sequence[str] = ()) -> Plan:
+def compile_lab(lab: LabSpec, host: Host, only: Sequence[str] = ()) -> Plan:
     """The plan for the VMs named in `only` (all of them when empty)."""
-    unknown = [name for name in only if name not in {vm.name for vm in lab.vms}]
-    if unknown:
-        names = ", ".join(vm.name for vm in lab.vms)
-        raise UsageError(f"{lab.file}: no VM named {', '.join(map(repr, unknown))}",
-                         f"VMs in this lab: {names}")
-    vms = [vm for vm in lab.vms if not only or vm.name in only]
-    run_dir = host.run_root / lab.name
+    vms = lab.select(only)
+    run_dir = RunDir.of(host.run_root, lab.name)
     compiler = _Compiler(lab, host, run_dir)
     plans = tuple(compiler.vm(vm) for vm in vms)
-    return Plan(lab=lab.name, run_dir=run_dir, actions=tuple(host_actions(lab, vms)), vms=plans,
+    return Plan(lab=lab.name, run_dir=run_dir, resources=tuple(host_resources(lab, vms)), vms=plans,
                 notes=tuple(memory_notes(vms, host)))
 
 
-def memory_notes(vms: Sequence[Vm], host: Host) -> Iterator[str]:
+def memory_notes(vms: Sequence[VmSpec], host: Host) -> Iterator[str]:
     """The KVM guide's over-commit target: guests together use at most 80 % of host memory."""
     total = sum(vm.memory_mib for vm in vms)
     if total > host.memory_mib * MEMORY_TARGET:
@@ -73,35 +63,29 @@ def memory_notes(vms: Sequence[Vm], host: Host) -> Iterator[str]:
                f"{host.memory_mib} MiB; ballooning and KSM help, swapping hurts every guest")
 
 
-def tap_name(lab: str, vm: str, index: int) -> str:
-    """A tap name that fits IFNAMSIZ, is stable, and differs between labs: vl-<hash>-<nic>."""
-    digest = hashlib.sha256(f"{lab}\0{vm}".encode()).hexdigest()
-    return f"vl-{digest[:8]}-{index}"
-
-
-def host_actions(lab: Lab, vms: Sequence[Vm]) -> Iterator[HostAction]:
-    """In the order `up` carries them out: PCI first (checked before anything else changes)."""
+def host_resources(lab: LabSpec, vms: Sequence[VmSpec]) -> Iterator[Resource]:
+    """In the order `up` applies them: PCI first (checked before anything else changes)."""
     for vm in vms:
         for dev in vm.pci:
-            yield BindPci(address=dev.host, driver=dev.driver, vm=vm.name)
+            yield PciBind(address=dev.host, driver=dev.driver, vm=vm.name)
     for vm in vms:
         for disk in vm.disks:
             if disk.size is not None:
-                yield CreateImage(path=disk.file, size=disk.size, format=disk.format, vm=vm.name)
+                yield Image(path=disk.file, size=disk.size, format=disk.format, vm=vm.name)
     used = {nic.network for vm in vms for nic in vm.nics}
     for net in lab.networks:
         if isinstance(net, BridgeNetwork) and net.name in used:
-            yield CreateBridge(name=net.bridge, network=net.name, mtu=net.mtu, uplink=net.uplink)
+            yield Bridge(name=net.bridge, network=net.name, mtu=net.mtu, uplink=net.uplink)
     for vm in vms:
         for index, nic in enumerate(vm.nics):
             net = lab.network(nic.network)
             if isinstance(net, BridgeNetwork):
-                yield CreateTap(ifname=tap_name(lab.name, vm.name, index), bridge=net.bridge,
-                                vm=vm.name, mtu=net.mtu, multi_queue=nic.queues > 1)
+                yield Tap(ifname=tap_name(lab.name, vm.name, index), bridge=net.bridge,
+                          vm=vm.name, mtu=net.mtu, multi_queue=nic.queues > 1)
 
 
 class _Compiler:
-    def __init__(self, lab: Lab, host: Host, run_dir: Path) -> None:
+    def __init__(self, lab: LabSpec, host: Host, run_dir: RunDir) -> None:
         self.lab = lab
         self.host = host
         self.run_dir = run_dir
@@ -114,18 +98,18 @@ class _Compiler:
             raise self.fail(path, f"this QEMU ({self.host.qemu.version_text}) has no {device} "
                             "device", f"`{self.host.qemu.binary} -device help` lists what it has")
 
-    def vm(self, vm: Vm) -> VmPlan:
+    def vm(self, vm: VmSpec) -> VmPlan:
         path: KeyPath = ("vm", vm.name)
         accel = self.accel(vm)
-        plan = VmPlan(name=vm.name, argv=(), accel=accel, run_dir=self.run_dir)
-        for sock in (plan.qmp_socket, plan.console_socket):
+        files = self.run_dir.vm(vm.name)
+        for sock in files.sockets:
             if len(str(sock).encode()) > UNIX_PATH_MAX:
                 raise HostError(f"socket path {sock} is longer than {UNIX_PATH_MAX} bytes",
                                 "set VMLAUNCH_RUN_DIR to a shorter directory")
         cpu = vm.cpu_model or ("host" if accel.accel is Accel.KVM else "max")
         argv = [
             self.host.qemu.binary,
-            "-name", opts("", guest=vm.name, process=f"vl-{vm.name}", debug_threads=True),
+            "-name", opts("", guest=vm.name, process=process_name(vm.name), debug_threads=True),
             "-machine", opts(vm.machine),
             "-accel", accel.accel.value,
             "-cpu", cpu,
@@ -135,12 +119,12 @@ class _Compiler:
             "-no-user-config",
             "-display", "none",
             "-msg", "timestamp=on",
-            "-chardev", opts("socket", id="qmp", path=str(plan.qmp_socket), server=True, wait=False),
+            "-chardev", opts("socket", id="qmp", path=str(files.qmp), server=True, wait=False),
             "-mon", "chardev=qmp,mode=control",
-            "-chardev", opts("socket", id="console", path=str(plan.console_socket), server=True,
-                             wait=False, logfile=str(plan.serial_log)),  # a fresh log per boot
+            "-chardev", opts("socket", id="console", path=str(files.console), server=True,
+                             wait=False, logfile=str(files.serial_log)),  # a fresh log per boot
             "-serial", "chardev:console",
-            "-pidfile", str(plan.pidfile),
+            "-pidfile", str(files.pidfile),
         ]
         if vm.kernel is not None:
             argv += ["-kernel", str(vm.kernel)]
@@ -159,10 +143,9 @@ class _Compiler:
                 "deflate-on-oom": vm.balloon.deflate_on_oom,
                 "free-page-reporting": vm.balloon.free_page_reporting,
             })]
-        return VmPlan(name=vm.name, argv=tuple(argv), accel=accel, run_dir=self.run_dir,
-                      notes=tuple(self.notes(vm)))
+        return VmPlan(name=vm.name, argv=tuple(argv), accel=accel, files=files, notes=tuple(self.notes(vm)))
 
-    def accel(self, vm: Vm) -> AccelChoice:
+    def accel(self, vm: VmSpec) -> AccelChoice:
         kvm = self.host.kvm
         if vm.accel is Accel.TCG:
             return AccelChoice(Accel.TCG, "accel = \"tcg\" in the spec")
@@ -175,18 +158,12 @@ class _Compiler:
             return AccelChoice(Accel.KVM, kvm.reason)
         return AccelChoice(Accel.TCG, f"KVM not usable: {kvm.reason}; TCG emulates (slower)")
 
-    def notes(self, vm: Vm) -> Iterator[str]:
+    def notes(self, vm: VmSpec) -> Iterator[str]:
         if vm.cpus > self.host.cpus:
             yield (f"{vm.name}: {vm.cpus} vCPUs on a host with {self.host.cpus} CPUs; over-committed "
                    "vCPUs slow every guest (allocate the fewest vCPUs that do the job)")
 
-    def disks(self, vm_path: KeyPath, vm: Vm) -> Iterator[str]:
-        sata = [disk for disk in vm.disks if disk.bus is DiskBus.SATA]
-        if sata and not vm.machine.startswith("q35"):
-            raise self.fail((*vm_path, "machine"), "bus = \"sata\" disks need machine = \"q35\" "
-                            "(its built-in AHCI controller)")
-        if len(sata) > SATA_PORTS:
-            raise self.fail((*vm_path, "disk"), f"at most {SATA_PORTS} sata disks (AHCI ports)")
+    def disks(self, vm_path: KeyPath, vm: VmSpec) -> Iterator[str]:
         if any(disk.bus is DiskBus.SCSI for disk in vm.disks):
             self.need_device(vm_path, "virtio-scsi-pci")
             yield from ("-device", json_arg({"driver": "virtio-scsi-pci", "id": "scsi0"}))
@@ -238,7 +215,7 @@ class _Compiler:
             return Aio.IO_URING
         return Aio.NATIVE if disk.cache.direct else Aio.THREADS
 
-    def nics(self, vm_path: KeyPath, vm: Vm) -> Iterator[str]:
+    def nics(self, vm_path: KeyPath, vm: VmSpec) -> Iterator[str]:
         for index, nic in enumerate(vm.nics):
             path = (*vm_path, "nic", index)
             net = self.lab.network(nic.network)
@@ -280,7 +257,7 @@ class _Compiler:
                 device["host_mtu"] = net.mtu  # the guest driver picks the bridge's MTU up
         return device
 
-    def pci(self, vm_path: KeyPath, vm: Vm) -> Iterator[str]:
+    def pci(self, vm_path: KeyPath, vm: VmSpec) -> Iterator[str]:
         for index, dev in enumerate(vm.pci):
             path = (*vm_path, "pci", index)
             if dev.driver is PciDriver.VFIO:

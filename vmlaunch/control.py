@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import socket
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
 
 from vmlaunch import qemu
 from vmlaunch.errors import RuntimeFailure, UsageError
-from vmlaunch.state import State
+from vmlaunch.journal import Journal
+from vmlaunch.qmp import Qmp, QmpError, QuickQmp
+from vmlaunch.rundir import RunDir
+from vmlaunch.wait import TimedOut, wait_until
 
 DETACH_KEY = b"\x1d"  # Ctrl-]
 
@@ -33,48 +36,47 @@ class VmStatus:
         return attrs.asdict(self)
 
 
-def status(run_dir: Path, names: Sequence[str]) -> list[VmStatus]:
+def status(run_dir: RunDir, names: Sequence[str]) -> list[VmStatus]:
     """Each VM of the lab: running, stopped (not up) or crashed (up, but its QEMU is gone)."""
-    state = State.load(run_dir)
+    journal = Journal.load(run_dir)
     result = []
     for name in names:
-        vm = state.vms.get(name)
+        vm = journal.vms.get(name)
         if vm is None:
             result.append(VmStatus(name, "stopped"))
             continue
-        pid = qemu.find_pid(run_dir, name, vm.get("pid"))
+        pid = qemu.find_pid(run_dir.vm(name), vm.pid)
         if pid is None:
-            result.append(VmStatus(name, "crashed", vm.get("pid"), vm.get("accel")))
+            result.append(VmStatus(name, "crashed", vm.pid, vm.accel))
             continue
         balloon = None
         try:
-            with qemu.Qmp(run_dir / f"{name}.qmp", timeout=1) as qmp:
+            with QuickQmp(run_dir.vm(name).qmp, timeout=1) as qmp:
                 balloon = int(qmp.cmd("query-balloon")["actual"])
-        except qemu.QmpError:
+        except QmpError:
             pass  # no balloon device, or QMP busy: the rest of the status still holds
-        result.append(VmStatus(name, "running", pid, vm.get("accel"), balloon,
-                               time.time() - float(vm["started"])))
+        result.append(VmStatus(name, "running", pid, vm.accel, balloon, time.time() - vm.started))
     return result
 
 
-def running_pid(run_dir: Path, name: str) -> int:
-    vm = State.load(run_dir).vms.get(name)
-    pid = qemu.find_pid(run_dir, name, vm.get("pid")) if vm is not None else None
+def running_pid(run_dir: RunDir, name: str) -> int:
+    vm = Journal.load(run_dir).vms.get(name)
+    pid = qemu.find_pid(run_dir.vm(name), vm.pid) if vm is not None else None
     if pid is None:
         raise RuntimeFailure(f"VM {name} is not running", f"start it with `vmlaunch up SPEC {name}`")
     return pid
 
 
-def qmp_command(run_dir: Path, name: str, command: str, args: dict[str, Any] | None = None) -> Any:
+def qmp_command(run_dir: RunDir, name: str, command: str, args: dict[str, Any] | None = None) -> Any:
     running_pid(run_dir, name)
-    with qemu.Qmp(run_dir / f"{name}.qmp") as qmp:
+    with QuickQmp(run_dir.vm(name).qmp, timeout=5) as qmp:
         return qmp.cmd(command, **(args or {}))
 
 
 PAGE = 4096
 
 
-def balloon(run_dir: Path, name: str, size: int | None = None, timeout: float = 10.0,
+def balloon(run_dir: RunDir, name: str, size: int | None = None, timeout: float = 10.0,
             memory: int | None = None) -> int:
     """Set the balloon target to `size` bytes (and wait until the guest follows), or read it.
 
@@ -86,55 +88,58 @@ def balloon(run_dir: Path, name: str, size: int | None = None, timeout: float = 
             limit = f" and {memory >> 20} MiB (the VM's memory)" if memory is not None else ""
             raise UsageError(f"balloon size must be between 4 KiB{limit}")
     running_pid(run_dir, name)
-    with qemu.Qmp(run_dir / f"{name}.qmp") as qmp:
+    with Qmp(run_dir.vm(name).qmp) as qmp:
         try:
             actual = int(qmp.cmd("query-balloon")["actual"])
-        except qemu.QmpError as exc:
+        except QmpError as exc:
             raise RuntimeFailure(f"{name}: {exc.message}", "the VM has no balloon device: "
                                  "[vm.NAME.balloon] enabled = false?") from None
         if size is None or size == actual:
             return actual
         qmp.cmd("balloon", value=size)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def settled() -> int | None:
+            nonlocal actual
             actual = int(qmp.cmd("query-balloon")["actual"])
-            if actual == size:
-                return actual
-            time.sleep(0.2)
+            return actual if actual == size else None
+
+        try:
+            return wait_until(settled, timeout, interval=0.2)
+        except TimedOut:
+            pass
     raise RuntimeFailure(f"{name}: the guest did not follow the balloon to {size >> 20} MiB within "
                          f"{timeout:g} s (it is at {actual >> 20} MiB)",
                          "is the guest's virtio_balloon driver loaded?")
 
 
-def read_log(run_dir: Path, name: str) -> str:
+def read_log(run_dir: RunDir, name: str) -> str:
     try:
-        return (run_dir / f"{name}.serial.log").read_text(errors="replace")
+        return run_dir.vm(name).serial_log.read_text(errors="replace")
     except FileNotFoundError:
         raise RuntimeFailure(f"VM {name} has no serial log", "is the lab up?") from None
 
 
-def follow_log(run_dir: Path, name: str) -> Iterator[str]:
+def follow_log(run_dir: RunDir, name: str) -> Iterator[str]:
     """The serial log as it grows, until the VM stops (or the reader stops asking)."""
-    path = run_dir / f"{name}.serial.log"
+    path = run_dir.vm(name).serial_log
     pid = running_pid(run_dir, name)
     with open(path, errors="replace") as log:
         while True:
-            chunk = log.read()
-            if chunk:
-                yield chunk
-            elif not qemu.alive(pid):
+            # new output, or "" once the VM is gone and nothing more will come
+            chunk = wait_until(lambda: log.read() or (None if qemu.alive(pid) else ""), math.inf,
+                               interval=0.2)
+            if not chunk:
                 return
-            else:
-                time.sleep(0.2)
+            yield chunk
 
 
-def attach_console(run_dir: Path, name: str) -> None:
+def attach_console(run_dir: RunDir, name: str) -> None:
     """An interactive serial console on this terminal; Ctrl-] detaches, the VM keeps running."""
     import fcntl
 
     running_pid(run_dir, name)
     # QEMU serves one client and queues the next silently: a lock says it plainly instead.
-    guard = os.open(run_dir / f"{name}.console.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    guard = os.open(run_dir.vm(name).console_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -147,10 +152,10 @@ def attach_console(run_dir: Path, name: str) -> None:
         os.close(guard)
 
 
-def _attach(run_dir: Path, name: str) -> None:
+def _attach(run_dir: RunDir, name: str) -> None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        conn.connect(str(run_dir / f"{name}.console"))
+        conn.connect(str(run_dir.vm(name).console))
     except OSError as exc:
         raise RuntimeFailure(f"cannot attach to the console of {name}: {exc.strerror}") from None
     stdin = sys.stdin.fileno()

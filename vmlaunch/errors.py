@@ -111,6 +111,12 @@ class RuntimeFailure(VmlaunchError):
     exit_code = EXIT_RUNTIME
 
 
+def needs_root(doing: str, capability: str | None = None) -> str:
+    """The one hint for every "needs root": what needed it and how to get it."""
+    also = f" (or {capability})" if capability else ""
+    return f"{doing} needs root{also}: run vmlaunch as root"
+
+
 class UsageError(VmlaunchError):
     """The command line is wrong (an unknown VM name, a bad option value)."""
 

@@ -114,7 +114,7 @@ def _cached_probe(binary: str) -> tuple[QemuInfo, KvmStatus]:
     kvm = probe_kvm(binary)
     record = {"key": key, "qemu": attrs.asdict(qemu), "kvm": attrs.asdict(kvm)}
     record["qemu"]["devices"] = sorted(qemu.devices)
-    _write_atomic(cache, json.dumps(record, indent=1))
+    _write_cache(cache, json.dumps(record, indent=1))
     return qemu, kvm
 
 
@@ -128,14 +128,12 @@ def _qemu_from_json(data: dict[str, Any]) -> QemuInfo:
     )
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    import tempfile
+def _write_cache(path: Path, text: str) -> None:
+    from vmlaunch.fsutil import write_atomic
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as tmp:
-            tmp.write(text)
-        os.replace(tmp.name, path)
+        write_atomic(path, text, 0o644, durable=False)
     except OSError:
         pass  # without a cache every run probes again: slower, still right
 
@@ -201,8 +199,20 @@ def probe_bios() -> bytes:
     return bytes(image)
 
 
+def _die_with_parent() -> None:
+    """In the probe's child: a probe guest that hangs (the case it detects) must not outlive a vmlaunch
+    killed while waiting for it; it would spin a host CPU for ever."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def probe_kvm(binary: str, cpu: str = "host") -> KvmStatus:
     """Boot the probe BIOS under KVM with the CPU model vmlaunch would use; see `_PROBE_CODE`."""
+    import contextlib
+    import signal
     import subprocess
     import tempfile
     import time
@@ -219,17 +229,25 @@ def probe_kvm(binary: str, cpu: str = "host") -> KvmStatus:
                 "-device", "isa-debug-exit,iobase=0xf4,iosize=0x04"]
         start = time.monotonic()
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=KVM_PROBE_TIMEOUT,
-                                  stdin=subprocess.DEVNULL, check=False)
+            # Its own process group: a QEMU behind a wrapper script is killed with the script.
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                    preexec_fn=_die_with_parent)
+        except OSError as exc:
+            return KvmStatus(False, f"could not run {binary}: {exc}")
+        try:
+            _, stderr = proc.communicate(timeout=KVM_PROBE_TIMEOUT)
         except subprocess.TimeoutExpired:
             return KvmStatus(False, f"/dev/kvm opens, but a test guest did not reach 64-bit mode "
                              f"within {KVM_PROBE_TIMEOUT:g} s (a nested or paravirtual KVM that "
                              "does not run ordinary guests)")
-        except OSError as exc:
-            return KvmStatus(False, f"could not run {binary}: {exc}")
+        finally:
+            with contextlib.suppress(OSError):  # none left, the usual case
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
     elapsed = time.monotonic() - start
-    if done.returncode == _PROBE_EXIT:
+    if proc.returncode == _PROBE_EXIT:
         return KvmStatus(True, f"KVM ran a test guest to 64-bit mode in {elapsed:.2f} s")
-    lines = [line for line in done.stderr.splitlines() if "warning" not in line]
-    detail = lines[0] if lines else f"exit status {done.returncode}"
+    lines = [line for line in stderr.splitlines() if "warning" not in line]
+    detail = lines[0] if lines else f"exit status {proc.returncode}"
     return KvmStatus(False, f"QEMU could not run a test guest under KVM with -cpu {cpu}: {detail}")

@@ -6,12 +6,23 @@ Each default lives here (or in the compiler, when it depends on the host) with t
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
 import attrs
 
+from vmlaunch.errors import UsageError
+from vmlaunch.naming import DEFAULT_MAC_PREFIX
 from vmlaunch.sourcemap import SourceMap
+
+DEFAULT_APPEND = "console=ttyS0"
+MACHINE_SATA_PORTS = {"q35": 6}  # machines with a built-in AHCI controller, and its ports
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The model's default for a field, for checks that run before the value object exists."""
+    return getattr(attrs.fields(cls), name).default
 
 
 class Accel(enum.Enum):
@@ -149,7 +160,9 @@ class Balloon:
 
 
 @attrs.frozen
-class Vm:
+class VmSpec:
+    """One VM as the spec describes it (the running VM is `api.Vm`)."""
+
     name: str
     memory_mib: int
     cpus: int = 1
@@ -158,7 +171,9 @@ class Vm:
     machine: str = "q35"
     kernel: Path | None = None
     initrd: Path | None = None
-    append: str | None = None
+    # a direct-boot kernel without a console= argument would leave the serial log empty
+    append: str | None = attrs.field(
+        default=attrs.Factory(lambda vm: DEFAULT_APPEND if vm.kernel else None, takes_self=True))
     disks: tuple[Disk, ...] = ()
     nics: tuple[Nic, ...] = ()
     pci: tuple[PciDevice, ...] = ()
@@ -166,13 +181,15 @@ class Vm:
 
 
 @attrs.frozen
-class Lab:
+class LabSpec:
+    """The lab as the spec describes it (the lab brought up is `api.Lab`)."""
+
     name: str
     file: Path  # the spec file, absolute
     source: SourceMap = attrs.field(eq=False, repr=False)  # key path -> line, for messages
     networks: tuple[Network, ...] = ()
-    vms: tuple[Vm, ...] = ()
-    mac_prefix: str = "52:54:00"
+    vms: tuple[VmSpec, ...] = ()
+    mac_prefix: str = DEFAULT_MAC_PREFIX
 
     def network(self, name: str) -> Network:
         for net in self.networks:
@@ -180,8 +197,17 @@ class Lab:
                 return net
         raise KeyError(name)
 
-    def vm(self, name: str) -> Vm:
+    def vm(self, name: str) -> VmSpec:
         for vm in self.vms:
             if vm.name == name:
                 return vm
         raise KeyError(name)
+
+    def select(self, names: Sequence[str] = ()) -> tuple[VmSpec, ...]:
+        """The VMs named (all of them when none are): the one check of VM names a user gives."""
+        known = [vm.name for vm in self.vms]
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise UsageError(f"{self.file}: no VM named {', '.join(map(repr, unknown))}",
+                             f"VMs in this lab: {', '.join(known) or 'none'}")
+        return tuple(vm for vm in self.vms if not names or vm.name in names)

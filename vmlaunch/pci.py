@@ -8,7 +8,7 @@ Two ways, both through sysfs:
   `drivers/pci-stub/bind`, then `remove_id`, since `new_id` grabs every unbound device with those ids.
 
 `check_viable` runs before anything changes; `bind` undoes its own partial work when it fails; `restore`
-gives the device back to the driver it had (a `PciBinding` is plain JSON, so `down` can do it from
+gives the device back to the driver it had (the `PciRecord` is journaled, so `down` can do it from
 another process). All sysfs access goes through one root, `sysfs_root()` (`VMLAUNCH_SYSFS` or `/sys`), and
 every write through `_write`, which tests replace with a simulated kernel.
 """
@@ -17,24 +17,21 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
-import attrs
-
-from vmlaunch.errors import HostError
+from vmlaunch.errors import HostError, needs_root
 from vmlaunch.model import PciDriver
+from vmlaunch.naming import is_pci_address
+from vmlaunch.resources.pci import PciRecord
 
 PASS_THROUGH_DRIVERS = frozenset(driver.value for driver in PciDriver)
 PCI_BRIDGE_CLASS = 0x0604  # base class 06 (bridge), subclass 04 (PCI-to-PCI)
-_ADDRESS = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
-_DRIVER_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
 
 _ERRNO_HINTS = {
-    errno.EACCES: "binding PCI devices needs root: run vmlaunch as root",
-    errno.EPERM: "binding PCI devices needs root: run vmlaunch as root",
+    errno.EACCES: needs_root("binding PCI devices"),
+    errno.EPERM: needs_root("binding PCI devices"),
     errno.EBUSY: "the device or its driver is busy: stop whatever uses it (a VM, a host interface) and retry",
     errno.ENODEV: "the driver does not take this device, or the device is gone: check `lspci -nnk -D`",
     errno.EINVAL: "the kernel refused it; `dmesg` says why (vfio-pci needs an IOMMU and a viable group)",
@@ -55,46 +52,6 @@ class PciError(HostError):
         self.problems = tuple(problems) or (message,)
 
 
-@attrs.frozen
-class PciBinding:
-    """What `bind` did: enough to undo it from another process (stored as JSON in the run dir)."""
-
-    address: str  # "0000:15:00.0"
-    driver: str  # what we bound it to: "vfio-pci" or "pci-stub"
-    original_driver: str | None  # the driver it had before; None when it was unbound
-    ids: str | None = None  # "8086 10fb" when we added them to pci-stub's new_id (removed again by bind)
-    changed: bool = True  # False when it already was on the wanted driver: restore is a no-op
-
-    def to_json(self) -> dict[str, Any]:
-        return {"address": self.address, "driver": self.driver, "original_driver": self.original_driver,
-                "ids": self.ids, "changed": self.changed}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> PciBinding:
-        """The inverse of `to_json`; a damaged record is a PciError, never a half-trusted binding."""
-        if not isinstance(data, dict):
-            raise _bad_record(data)
-        address, driver = data.get("address"), data.get("driver")
-        original, ids, changed = data.get("original_driver"), data.get("ids"), data.get("changed", True)
-        if not (isinstance(address, str) and _ADDRESS.fullmatch(address)
-                and isinstance(driver, str) and driver in PASS_THROUGH_DRIVERS
-                and (original is None or isinstance(original, str) and _is_driver_name(original))
-                and (ids is None or isinstance(ids, str))
-                and isinstance(changed, bool)):
-            raise _bad_record(data)
-        return cls(address=address, driver=driver, original_driver=original, ids=ids, changed=changed)
-
-
-def _bad_record(data: object) -> PciError:
-    return PciError(f"not a PCI binding record: {data!r}",
-                    hint="the run dir's record is damaged: give the device back by hand "
-                         "(echo ADDRESS > /sys/bus/pci/drivers/DRIVER/bind)")
-
-
-def _is_driver_name(name: str) -> bool:
-    return bool(_DRIVER_NAME.fullmatch(name)) and name not in (".", "..")
-
-
 # --- reading sysfs ------------------------------------------------------------------------------------
 
 
@@ -111,7 +68,7 @@ def _driver_dir(root: Path, driver: str) -> Path:
 
 
 def _check_address(address: str) -> None:
-    if not _ADDRESS.fullmatch(address):
+    if not is_pci_address(address):
         raise PciError(f"{address!r} is not a PCI address",
                        hint="write DOMAIN:BUS:SLOT.FUNCTION in lower case, e.g. 0000:15:00.0 (`lspci -D`)")
 
@@ -126,12 +83,6 @@ def _driver_of(device: Path, address: str) -> str | None:
     except OSError as err:
         raise PciError(f"PCI {address}: cannot read {link}: {err.strerror}",
                        hint="check the device with `lspci -nnk -D`") from err
-
-
-def current_driver(address: str, root: Path | None = None) -> str | None:
-    """The driver `address` is bound to now, None when unbound (or when there is no such device)."""
-    _check_address(address)
-    return _driver_of(_device_dir(_root(root), address), address)
 
 
 def _read(path: Path, address: str) -> str:
@@ -157,7 +108,7 @@ def _device_ids(device: Path, address: str) -> str:
     for name in ("vendor", "device"):
         text = _read(device / name, address).lower()
         text = text[2:] if text.startswith("0x") else text
-        if not re.fullmatch(r"[0-9a-f]{4}", text):
+        if len(text) != 4 or any(c not in "0123456789abcdef" for c in text):
             raise PciError(f"PCI {address}: {device / name} holds {text!r}, not a 4-digit hex id",
                            hint="check the device with `lspci -nn -D`")
         parts.append(text)
@@ -228,7 +179,7 @@ def check_viable(addresses: Sequence[str], root: Path | None = None, *,
 
 
 def _group_problems(root: Path, address: str, wanted: set[str], blockers: set[tuple[str, str]]) -> list[str]:
-    if not _ADDRESS.fullmatch(address):
+    if not is_pci_address(address):
         return [f"{address!r} is not a PCI address: write DOMAIN:BUS:SLOT.FUNCTION, e.g. 0000:15:00.0"]
     device = _device_dir(root, address)
     if not device.is_dir():
@@ -261,7 +212,7 @@ def _group_problems(root: Path, address: str, wanted: set[str], blockers: set[tu
 # --- binding and restoring ----------------------------------------------------------------------------
 
 
-def bind(address: str, driver: PciDriver, root: Path | None = None) -> PciBinding:
+def bind(address: str, driver: PciDriver, root: Path | None = None) -> PciRecord:
     """Bind `address` to `driver`; on any failure give it back as it was and raise PciError."""
     root = _root(root)
     _check_address(address)
@@ -272,7 +223,7 @@ def bind(address: str, driver: PciDriver, root: Path | None = None) -> PciBindin
     wanted = driver.value
     current = _driver_of(device, address)
     if current == wanted:
-        return PciBinding(address=address, driver=wanted, original_driver=current, changed=False)
+        return PciRecord(address=address, driver=wanted, original_driver=current, changed=False)
     driver_dir = _driver_dir(root, wanted)
     if not driver_dir.is_dir():
         raise PciError(f"PCI {address}: driver {wanted} is not loaded ({driver_dir} is missing)",
@@ -282,9 +233,9 @@ def bind(address: str, driver: PciDriver, root: Path | None = None) -> PciBindin
     return _bind_stub(root, address, device, current)
 
 
-def _bind_vfio(root: Path, address: str, device: Path, current: str | None) -> PciBinding:
+def _bind_vfio(root: Path, address: str, device: Path, current: str | None) -> PciRecord:
     wanted = PciDriver.VFIO.value
-    binding = PciBinding(address=address, driver=wanted, original_driver=current)
+    binding = PciRecord(address=address, driver=wanted, original_driver=current)
     try:
         _sysfs_write(address, device / "driver_override", wanted)
         if current is not None:
@@ -296,7 +247,7 @@ def _bind_vfio(root: Path, address: str, device: Path, current: str | None) -> P
     return binding
 
 
-def _bind_stub(root: Path, address: str, device: Path, current: str | None) -> PciBinding:
+def _bind_stub(root: Path, address: str, device: Path, current: str | None) -> PciRecord:
     wanted = PciDriver.PCI_STUB.value
     stub = _driver_dir(root, wanted)
     ids = _device_ids(device, address)
@@ -310,7 +261,7 @@ def _bind_stub(root: Path, address: str, device: Path, current: str | None) -> P
         if not isinstance(err.__cause__, OSError) or err.__cause__.errno != errno.EEXIST:
             raise
         added = False  # someone else's dynamic id: not ours to remove
-    binding = PciBinding(address=address, driver=wanted, original_driver=current, ids=ids if added else None)
+    binding = PciRecord(address=address, driver=wanted, original_driver=current, ids=ids if added else None)
     error: PciError | None = None
     try:
         if current is not None:
@@ -357,7 +308,7 @@ def _unbound_devices(root: Path) -> list[str]:
         names = sorted(os.listdir(devices))
     except OSError:
         return []
-    return [name for name in names if _ADDRESS.fullmatch(name) and _driver_of(devices / name, name) is None]
+    return [name for name in names if is_pci_address(name) and _driver_of(devices / name, name) is None]
 
 
 def _verify(device: Path, address: str, wanted: str) -> None:
@@ -366,7 +317,7 @@ def _verify(device: Path, address: str, wanted: str) -> None:
                        hint="`dmesg` says why the driver refused it (vfio-pci needs an IOMMU group)")
 
 
-def _roll_back(binding: PciBinding, root: Path, error: PciError) -> NoReturn:
+def _roll_back(binding: PciRecord, root: Path, error: PciError) -> NoReturn:
     """Give the device back after a failed bind, then raise `error` (with the restore failure, if any)."""
     try:
         restore(binding, root)
@@ -376,7 +327,7 @@ def _roll_back(binding: PciBinding, root: Path, error: PciError) -> NoReturn:
     raise error
 
 
-def restore(binding: PciBinding, root: Path | None = None) -> None:
+def restore(binding: PciRecord, root: Path | None = None) -> None:
     """Undo `bind`: unbind from our driver, clear driver_override, give it back to the original driver.
 
     Idempotent: a device already back (or still unbound, when it was), or a device that vanished, is fine.

@@ -1,4 +1,4 @@
-"""QEMU processes: start them daemonized, find them again, talk QMP, stop them."""
+"""QEMU processes: start them daemonized and paused, find them again, stop them."""
 
 from __future__ import annotations
 
@@ -7,23 +7,20 @@ import os
 import shlex
 import signal
 import subprocess
-import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from vmlaunch.errors import RuntimeFailure
 from vmlaunch.plan import VmPlan
 from vmlaunch.qemuopts import escape
+from vmlaunch.qmp import AsyncQmp, QmpError
+from vmlaunch.rundir import VmFiles
 from vmlaunch.signals import held
+from vmlaunch.wait import TimedOut, wait_until, wait_until_async
 
 
 class QemuFailed(RuntimeFailure):
     """QEMU refused to start; carries its own error text and the command."""
-
-
-class QmpError(RuntimeFailure):
-    """A QMP command failed or the VM did not answer."""
 
 
 def start(vms: Sequence[VmPlan]) -> dict[str, int]:
@@ -33,13 +30,13 @@ def start(vms: Sequence[VmPlan]) -> dict[str, int]:
     initialising slow those down (ten at once on two cores: 0.96 s running, 0.37 s paused).
 
     QEMU's daemonize parent exits 0 only when start-up succeeded, so a failure is known here, with
-    QEMU's own message (kept in the run dir as VM.stderr.log). When one fails, the others that did start
-    are killed before QemuFailed is raised.
+    QEMU's own message (kept in the run dir). When one fails, the others that did start are killed
+    before QemuFailed is raised.
     """
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
         for vm in vms:
-            with open(vm.run_dir / f"{vm.name}.stderr.log", "wb") as stderr:
+            with open(vm.files.stderr_log, "wb") as stderr:
                 # umask 077: the QMP and console sockets QEMU creates are for their owner only.
                 procs[vm.name] = subprocess.Popen([*vm.argv, "-daemonize", "-S"],
                                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -48,10 +45,10 @@ def start(vms: Sequence[VmPlan]) -> dict[str, int]:
         pids = {}
         for vm in vms:
             code = procs[vm.name].wait()
-            if code == 0 and (pid := read_pid(vm)) is not None:
+            if code == 0 and (pid := read_pid(vm.files)) is not None:
                 pids[vm.name] = pid
             else:
-                text = (vm.run_dir / f"{vm.name}.stderr.log").read_text(errors="replace").strip()
+                text = vm.files.stderr_log.read_text(errors="replace").strip()
                 failures.append(f"{vm.name}: QEMU exited with status {code}: "
                                 f"{text or '(no message)'}\n"
                                 f"  command: {shlex.join(vm.argv)} -daemonize -S")
@@ -72,40 +69,36 @@ def _kill_started(vms: Sequence[VmPlan], procs: dict[str, subprocess.Popen[bytes
             proc.kill()
     for proc in procs.values():
         proc.wait()
-    kill_all([pid for vm in vms if vm.name in procs and (pid := read_pid(vm)) is not None
-              and is_our_qemu(pid, vm.qmp_socket)])
+    kill_all([pid for vm in vms if vm.name in procs and (pid := read_pid(vm.files)) is not None
+              and is_our_qemu(pid, vm.files)])
 
 
-def read_pid(vm: VmPlan) -> int | None:
+def read_pid(files: VmFiles) -> int | None:
     try:
-        return int(vm.pidfile.read_text().strip())
+        return int(files.pidfile.read_text().strip())
     except (OSError, ValueError):
         return None
 
 
-def is_our_qemu(pid: int | None, qmp_socket: Path) -> bool:
-    """True when `pid` is alive and is the QEMU serving `qmp_socket` (unique per lab and VM): a stale
-    pidfile's pid may since name another process, or another lab's VM of the same name."""
+def is_our_qemu(pid: int | None, files: VmFiles) -> bool:
+    """True when `pid` is alive and is the QEMU serving this VM's QMP socket (unique per lab and VM):
+    a stale pidfile's pid may since name another process, or another lab's VM of the same name."""
     if pid is None:
         return False
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ") + b" "
     except OSError:
         return False
-    return f"path={escape(str(qmp_socket))},".encode() in cmdline and alive(pid)
+    return f"path={escape(str(files.qmp))},".encode() in cmdline and alive(pid)
 
 
-def find_pid(run_dir: Path, name: str, recorded: int | None = None) -> int | None:
-    """The pid of VM `name`'s QEMU if it runs: the recorded one, else the one in its pidfile (a
-    vmlaunch killed while QEMU started never recorded it)."""
-    qmp_socket = run_dir / f"{name}.qmp"
-    if is_our_qemu(recorded, qmp_socket):
+def find_pid(files: VmFiles, recorded: int | None = None) -> int | None:
+    """The pid of the VM's QEMU if it runs: the recorded one, else the one in its pidfile (a vmlaunch
+    killed while QEMU started never recorded it)."""
+    if is_our_qemu(recorded, files):
         return recorded
-    try:
-        pid = int((run_dir / f"{name}.pid").read_text().strip())
-    except (OSError, ValueError):
-        return None
-    return pid if is_our_qemu(pid, qmp_socket) else None
+    pid = read_pid(files)
+    return pid if is_our_qemu(pid, files) else None
 
 
 def alive(pid: int) -> bool:
@@ -123,16 +116,10 @@ def alive(pid: int) -> bool:
 
 
 def wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while alive(pid):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def kill(pid: int) -> None:
-    kill_all([pid])
+    try:
+        return wait_until(lambda: not alive(pid), timeout, interval=0.05)
+    except TimedOut:
+        return False
 
 
 def kill_all(pids: Sequence[int]) -> None:
@@ -144,135 +131,33 @@ def kill_all(pids: Sequence[int]) -> None:
         wait_gone(pid, 5)
 
 
-class QuickQmp:
-    """A bare synchronous QMP exchange, for `up`'s hot path only (the handshake, `cont`,
-    `query-status`): qemu.qmp costs ~60 ms to import and an event loop per connection, more than
-    QEMU itself takes to start. Everything else talks through `Qmp`.
-    """
+def stop_all(vms: Mapping[str, tuple[int | None, VmFiles]], timeout: float) -> dict[str, str]:
+    """Stop VMs together, each the gentlest way that works: the ACPI power button (every guest gets
+    `timeout` seconds, at the same time), then QMP quit, then SIGKILL. Returns name -> what worked."""
+    import asyncio
 
-    def __init__(self, path: Path, timeout: float) -> None:
-        import socket
+    async def stop_every() -> list[str]:
+        return list(await asyncio.gather(*(_stop(pid, files, timeout) for pid, files in vms.values())))
 
-        deadline = time.monotonic() + timeout
-        while True:
-            self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.conn.settimeout(max(0.1, deadline - time.monotonic()))
-            try:
-                self.conn.connect(str(path))
-                break
-            except OSError as exc:
-                self.conn.close()
-                if time.monotonic() >= deadline:
-                    raise QmpError(f"no QMP answer on {path}: {exc.strerror or exc}") from None
-                time.sleep(0.005)
-        self.stream = self.conn.makefile("rwb")
-        self._read()  # the greeting
-        self.cmd("qmp_capabilities")
-
-    def _read(self) -> dict[str, Any]:
-        import json
-
-        try:
-            line = self.stream.readline()
-        except OSError as exc:
-            raise QmpError(f"QMP: {exc}") from None
-        if not line:
-            raise QmpError("QMP: QEMU closed the connection")
-        reply: dict[str, Any] = json.loads(line)
-        return reply
-
-    def cmd(self, command: str) -> Any:
-        import json
-
-        self.stream.write(json.dumps({"execute": command}).encode() + b"\n")
-        self.stream.flush()
-        while True:
-            reply = self._read()
-            if "return" in reply:
-                return reply["return"]
-            if "error" in reply:
-                raise QmpError(f"QMP {command} failed: {reply['error'].get('desc')}")
-            # anything else is an event: not what we wait for
-
-    def close(self) -> None:
-        self.stream.close()
-        self.conn.close()
-
-    def __enter__(self) -> QuickQmp:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    return dict(zip(vms, asyncio.run(stop_every())))
 
 
-class Qmp:
-    """A synchronous QMP connection to one VM: qemu.qmp's QMPClient on a private event loop, with a
-    timeout on every exchange, so a stopped QEMU or a busy socket cannot hang a command forever."""
-
-    def __init__(self, socket: Path, timeout: float = 5.0) -> None:
-        import asyncio
-
-        from qemu.qmp import QMPClient
-
-        self.socket = socket
-        self.timeout = timeout
-        self.loop = asyncio.new_event_loop()
-        self.loop.set_exception_handler(lambda loop, context: None)  # errors reach us as exceptions
-        self.client = QMPClient(f"vmlaunch-{socket.stem}")
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self._run(self.client.connect(str(socket)), max(0.1, deadline - time.monotonic()))
-                return
-            except QmpError as exc:
-                if time.monotonic() >= deadline:
-                    self.close()
-                    raise QmpError(f"no QMP answer on {socket}: {exc.message}") from None
-                time.sleep(0.05)
-
-    def _run(self, awaitable: Any, timeout: float) -> Any:
-        import asyncio
-
-        from qemu.qmp import ExecuteError, QMPError
-
-        try:
-            return self.loop.run_until_complete(asyncio.wait_for(awaitable, timeout))
-        except ExecuteError as exc:
-            raise QmpError(exc.error.error.desc) from None
-        except asyncio.TimeoutError:
-            raise QmpError(f"no answer within {timeout:g} s") from None
-        except (QMPError, OSError, EOFError) as exc:
-            raise QmpError(str(exc) or type(exc).__name__) from None
-
-    def cmd(self, command: str, **args: Any) -> Any:
-        try:
-            return self._run(self.client.execute(command, args or None), self.timeout)
-        except QmpError as exc:
-            raise QmpError(f"QMP {command} failed: {exc.message}") from None
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._run(self.client.disconnect(), 1.0)
-        self.loop.close()
-
-    def __enter__(self) -> Qmp:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def stop(pid: int | None, qmp_socket: Path, timeout: float) -> str:
-    """Graceful first (ACPI power button), then QMP quit, then SIGKILL; says which one worked."""
-    if pid is None or not is_our_qemu(pid, qmp_socket):
+async def _stop(pid: int | None, files: VmFiles, timeout: float) -> str:
+    if pid is None or not is_our_qemu(pid, files):
         return "not running"
-    with contextlib.suppress(QmpError), Qmp(qmp_socket, timeout=2) as qmp:
-        qmp.cmd("system_powerdown")
-        if wait_gone(pid, timeout):
+    qmp = AsyncQmp(files.qmp, timeout=2)
+    try:
+        await qmp.connect()
+        await qmp.cmd("system_powerdown")
+        if await wait_until_async(lambda: not alive(pid), timeout):
             return "powered off"
         with contextlib.suppress(QmpError):
-            qmp.cmd("quit")
-        if wait_gone(pid, 5):
+            await qmp.cmd("quit")
+        if await wait_until_async(lambda: not alive(pid), 5):
             return "quit"
-    kill(pid)
+    except QmpError:
+        pass
+    finally:
+        await qmp.close()
+    kill_all([pid])
     return "killed"

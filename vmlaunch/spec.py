@@ -18,6 +18,7 @@ from vmlaunch import __version__
 from vmlaunch.dirs import cache_dir
 from vmlaunch.errors import KeyPath, Location, Problem, SpecError, format_key_path
 from vmlaunch.model import (
+    MACHINE_SATA_PORTS,
     Accel,
     Aio,
     Balloon,
@@ -26,7 +27,7 @@ from vmlaunch.model import (
     Disk,
     DiskBus,
     DiskFormat,
-    Lab,
+    LabSpec,
     Network,
     Nic,
     NicModel,
@@ -34,7 +35,17 @@ from vmlaunch.model import (
     PciDriver,
     SocketNetwork,
     UserNetwork,
-    Vm,
+    VmSpec,
+    default_of,
+)
+from vmlaunch.naming import (
+    DEFAULT_MAC_PREFIX,
+    default_bridge_name,
+    derive_mac,
+    derive_mcast,
+    interface_name_problem,
+    is_multicast_mac,
+    normalise_pci_address,
 )
 from vmlaunch.sourcemap import SourceMap
 from vmlaunch.units import parse_size
@@ -45,8 +56,6 @@ else:  # pragma: no cover - exercised on 3.9/3.10 only
     import tomli as tomllib
 
 SCHEMA_FILE = Path(__file__).resolve().parent / "vmlaunch.schema.json"
-DEFAULT_MAC_PREFIX = "52:54:00"
-IFNAMSIZ = 16  # the kernel's limit, including the terminating NUL
 
 Doc = dict[str, Any]
 
@@ -64,7 +73,7 @@ class _Problems:
         self.items.append(Problem(location, message, hint))
 
 
-def load_lab(path: str | Path) -> Lab:
+def load_lab(path: str | Path) -> LabSpec:
     """Parse, check and build the lab of the spec at `path`."""
     file = Path(path)
     try:
@@ -75,7 +84,7 @@ def load_lab(path: str | Path) -> Lab:
     return parse_lab(data, file)
 
 
-def parse_lab(data: bytes, file: Path) -> Lab:
+def parse_lab(data: bytes, file: Path) -> LabSpec:
     """Like `load_lab` for spec text already read; relative paths resolve against `file`'s folder."""
     try:
         text = data.decode("utf-8")
@@ -238,38 +247,6 @@ def _toml_type(value: object) -> str:
 # --- meaning --------------------------------------------------------------------------------------
 
 
-def derive_mac(prefix: str, lab: str, vm: str, index: int) -> str:
-    """A MAC that is stable across runs and differs between labs, VMs and NICs."""
-    digest = hashlib.sha256(f"{lab}\0{vm}\0{index}".encode()).digest()
-    return prefix.lower() + "".join(f":{byte:02x}" for byte in digest[:3])
-
-
-def derive_mcast(lab: str, network: str) -> str:
-    """A multicast group:port in the administratively scoped 239/8, distinct per (lab, network)."""
-    digest = hashlib.sha256(f"{lab}\0{network}".encode()).digest()
-    port = 20000 + int.from_bytes(digest[3:5], "big") % 40000
-    return f"239.{digest[0]}.{digest[1]}.{digest[2] or 1}:{port}"
-
-
-def default_bridge_name(lab: str, network: str) -> str:
-    return f"vl-{lab}-{network}"
-
-
-def normalise_pci_address(text: str) -> str:
-    """ "15:00.0" -> "0000:15:00.0"."""
-    text = text.lower()
-    return text if text.count(":") == 2 else f"0000:{text}"
-
-
-def interface_name_problem(name: str) -> str | None:
-    """Why the kernel would refuse `name` as a network interface name, or None."""
-    if len(name.encode()) >= IFNAMSIZ:
-        return f"{name!r} is {len(name.encode())} bytes; interface names have at most {IFNAMSIZ - 1}"
-    if name in (".", "..") or any(c in name for c in "/:") or any(c.isspace() for c in name):
-        return f"{name!r} is not a valid interface name (no '/', ':' or spaces; not '.' or '..')"
-    return None
-
-
 def _format_from_name(file: str) -> DiskFormat:
     return DiskFormat.QCOW2 if file.lower().endswith(".qcow2") else DiskFormat.RAW
 
@@ -300,12 +277,12 @@ class _Builder:
             node = node.get(key, {}) if isinstance(node, dict) else {}
         return node if isinstance(node, dict) else {}
 
-    def build(self) -> Lab:
+    def build(self) -> LabSpec:
         lab = self.table(("lab",))
         lab_ok = self.is_valid(("lab",))
         name = str(lab.get("name", "lab")) if lab_ok else "lab"
         prefix = str(lab.get("mac_prefix", DEFAULT_MAC_PREFIX)) if lab_ok else DEFAULT_MAC_PREFIX
-        if int(prefix[:2], 16) & 1:
+        if is_multicast_mac(prefix):
             self.problems.add(("lab", "mac_prefix"), f"{prefix!r} is a multicast prefix",
                               "the first octet must be even, e.g. 52:54:00")
         self.lab_name, self.mac_prefix = name, prefix
@@ -315,7 +292,7 @@ class _Builder:
             net.name: () for net in networks if isinstance(net, UserNetwork) and net.forward}
         broken = {key for key in self.table(("network",)) if key not in known}
         vms = tuple(self.vms(known, broken))
-        return Lab(name=name, file=self.file, source=self.source, networks=networks, vms=vms,
+        return LabSpec(name=name, file=self.file, source=self.source, networks=networks, vms=vms,
                    mac_prefix=prefix.lower())
 
     def networks(self) -> Iterator[Network]:
@@ -350,14 +327,14 @@ class _Builder:
                 self.problems.add((*path, "uplink"), f"uplink {interface_name_problem(uplink)}")
             yield BridgeNetwork(name=net_name, bridge=bridge, mtu=raw.get("mtu"), uplink=uplink)
 
-    def vms(self, networks: set[str], broken: set[str]) -> Iterator[Vm]:
+    def vms(self, networks: set[str], broken: set[str]) -> Iterator[VmSpec]:
         for vm_name in self.table(("vm",)):
             path: KeyPath = ("vm", vm_name)
             vm = self.vm(path, vm_name, networks, broken)
             if vm is not None:
                 yield vm
 
-    def vm(self, path: KeyPath, name: str, networks: set[str], broken: set[str]) -> Vm | None:
+    def vm(self, path: KeyPath, name: str, networks: set[str], broken: set[str]) -> VmSpec | None:
         raw = self.table(path)
         disks = tuple(self.disks(path, raw.get("disk", [])))
         nics = tuple(self.nics(path, name, raw.get("nic", []), networks, broken))
@@ -371,23 +348,32 @@ class _Builder:
                 self.problems.add((*path, key), f"{key} needs kernel", "add kernel = \"...\"")
         if kernel is None and not raw.get("disk"):
             self.problems.add(path, "nothing to boot", "add kernel = \"...\" or a [[disk]]")
-        balloon = Balloon(**raw.get("balloon", {}))
-        return Vm(
-            name=name,
-            memory_mib=memory or 1,
-            cpus=raw.get("cpus", 1),
-            accel=Accel(raw.get("accel", "auto")),
-            cpu_model=raw.get("cpu_model"),
-            machine=raw.get("machine", "q35"),
-            kernel=kernel,
-            initrd=self.path_of(raw.get("initrd")),
-            # A direct-boot kernel without a console= argument would leave the serial log empty.
-            append=raw.get("append", "console=ttyS0" if kernel else None),
-            disks=disks,
-            nics=nics,
-            pci=pci,
-            balloon=balloon,
-        )
+        if not self.sata_fits(path, raw, disks):
+            return None
+        given: dict[str, Any] = {key: raw[key] for key in ("cpus", "cpu_model", "machine", "append")
+                                 if key in raw}
+        if "accel" in raw:
+            given["accel"] = Accel(raw["accel"])
+        if "initrd" in raw:
+            given["initrd"] = self.path_of(raw["initrd"])
+        return VmSpec(name=name, memory_mib=memory or 1, kernel=kernel, disks=disks, nics=nics, pci=pci,
+                      balloon=Balloon(**raw.get("balloon", {})), **given)
+
+    def sata_fits(self, path: KeyPath, raw: Doc, disks: tuple[Disk, ...]) -> bool:
+        """SATA disks need a machine with a built-in AHCI controller, one disk per port."""
+        sata = sum(disk.bus is DiskBus.SATA for disk in disks)
+        if not sata:
+            return True
+        machine = raw.get("machine", default_of(VmSpec, "machine"))
+        ports = next((n for prefix, n in MACHINE_SATA_PORTS.items() if machine.startswith(prefix)), None)
+        if ports is None:
+            self.problems.add((*path, "machine"), "bus = \"sata\" disks need machine = \"q35\" "
+                              "(its built-in AHCI controller)")
+            return False
+        if sata > ports:
+            self.problems.add((*path, "disk"), f"at most {ports} sata disks (AHCI ports)")
+            return False
+        return True
 
     def path_of(self, value: str | None) -> Path | None:
         if value is None:
@@ -426,7 +412,7 @@ class _Builder:
             except ValueError as exc:
                 self.problems.add((*path, "size"), str(exc))
                 ok = False
-        cache = CacheMode(raw.get("cache", "none"))
+        cache = CacheMode(raw["cache"]) if "cache" in raw else default_of(Disk, "cache")
         if cache is CacheMode.UNSAFE and not raw.get("accept_data_loss", False):
             self.problems.add((*path, "cache"), "cache = \"unsafe\" ignores flushes: a host crash "
                               "corrupts the image", "add accept_data_loss = true if that is fine")
@@ -439,7 +425,7 @@ class _Builder:
             ok = False
         file = self.path_of(raw["file"])
         assert file is not None
-        readonly = bool(raw.get("readonly", False))
+        readonly = bool(raw.get("readonly", default_of(Disk, "readonly")))
         if not readonly:
             key = Path(os.path.normpath(file))
             first = self.writable_images.get(key)
@@ -451,15 +437,17 @@ class _Builder:
             self.writable_images.setdefault(key, path)
         if not ok:
             return None
+        given: dict[str, Any] = {key: raw[key] for key in ("discard",) if key in raw}
+        if "bus" in raw:
+            given["bus"] = DiskBus(raw["bus"])
         return Disk(
             file=file,
             format=DiskFormat(raw["format"]) if "format" in raw else _format_from_name(raw["file"]),
             size=size,
             cache=cache,
             aio=aio,
-            bus=DiskBus(raw.get("bus", "virtio")),
             readonly=readonly,
-            discard=raw.get("discard", True),
+            **given,
         )
 
     def nics(
@@ -485,17 +473,17 @@ class _Builder:
                                       "user network")
                 self.forwarding[network] = path
             mac = self.mac(path, raw.get("mac"), vm, index)
-            model = NicModel(raw.get("model", "virtio"))
-            queues = raw.get("queues", 1)
-            if queues > 1 and model is not NicModel.VIRTIO:
+            nic = Nic(network=network, mac=mac or "", model=NicModel(raw["model"]) if "model" in raw
+                      else default_of(Nic, "model"), **{k: raw[k] for k in ("queues",) if k in raw})
+            if nic.queues > 1 and nic.model is not NicModel.VIRTIO:
                 self.problems.add((*path, "queues"), "multi-queue needs model = \"virtio\"")
             if mac is not None:
-                yield Nic(network=network, mac=mac, model=model, queues=queues)
+                yield nic
 
     def mac(self, path: KeyPath, explicit: str | None, vm: str, index: int) -> str | None:
         if explicit is not None:
             mac = explicit.lower()
-            if int(mac[:2], 16) & 1:
+            if is_multicast_mac(mac):
                 self.problems.add((*path, "mac"), f"{explicit!r} is a multicast address",
                                   "the first octet must be even")
                 return None
@@ -522,4 +510,4 @@ class _Builder:
                                   f"through at {format_key_path(first)}")
                 continue
             self.pci_hosts[host] = path
-            yield PciDevice(host=host, driver=PciDriver(raw.get("driver", "vfio-pci")))
+            yield PciDevice(host=host, **({"driver": PciDriver(raw["driver"])} if "driver" in raw else {}))

@@ -7,8 +7,6 @@ import re
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
 _FACTOR = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
-# The regular expression the JSON schema uses for size strings; kept beside the parser so the two agree.
-SIZE_PATTERN = r"^\s*[0-9]+(\.[0-9]+)?\s*([KMGTkmgt]?)([iI]?[bB])?\s*$"
 
 
 def parse_size(text: str | int, default_unit: str = "") -> int:

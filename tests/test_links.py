@@ -1,6 +1,6 @@
-"""vmlaunch.netdev: bridges, uplinks and taps through netlink.
+"""The bridge and tap resources (vmlaunch/resources/bridge.py, tap.py) over netlink (hostlinks.py).
 
-Every netlink operation runs in a private network namespace (`unshare -n`): tests/netns_netdev.py runs
+Every netlink operation runs in a private network namespace (`unshare -n`): tests/netns_links.py runs
 one scenario there and prints what it saw as JSON. The host's interfaces are never touched.
 """
 
@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from vmlaunch.errors import EXIT_RUNTIME
-from vmlaunch.netdev import BridgeRecord, NetdevError, TapRecord
+from vmlaunch.errors import EXIT_HOST, EXIT_RUNTIME
+from vmlaunch.hostlinks import LinkError
 
-SCRIPT = Path(__file__).resolve().parent / "netns_netdev.py"
+SCRIPT = Path(__file__).resolve().parent / "netns_links.py"
 # as root a network namespace is enough; otherwise a user namespace gives CAP_NET_ADMIN inside it
 NETNS = ["unshare", "-n", "--"] if os.geteuid() == 0 else ["unshare", "-rn", "--"]
 NO_NET_ADMIN = ["setpriv", "--bounding-set", "-net_admin", "--inh-caps", "-net_admin", "--"]
@@ -35,7 +35,7 @@ def _netns_usable() -> None:
 
 
 def in_netns(scenario: str, *args: str, wrap: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Run one scenario of netns_netdev.py in a fresh network namespace; its JSON result."""
+    """Run one scenario of netns_links.py in a fresh network namespace; its JSON result."""
     done = subprocess.run([*NETNS, *wrap, sys.executable, str(SCRIPT), scenario, *args], capture_output=True,
                           text=True, check=False, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -48,45 +48,19 @@ def in_netns(scenario: str, *args: str, wrap: tuple[str, ...] = ()) -> dict[str,
 
 
 def test_import_does_not_load_pyroute2() -> None:
-    code = "import sys, vmlaunch.netdev; print(sorted(m for m in sys.modules if m.startswith('pyroute2')))"
+    code = ("import sys, vmlaunch.resources.registry, vmlaunch.compiler; "
+            "print(sorted(m for m in sys.modules if m.startswith('pyroute2')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
 
 
-def test_records_round_trip_through_json() -> None:
-    for record in (BridgeRecord("vlbr-demo", created=True, uplink="eth1"),
-                   BridgeRecord("br0", created=False)):
-        assert BridgeRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
-    tap = TapRecord("vl-demo-a0", bridge="vlbr-demo")
-    assert TapRecord.from_json(json.loads(json.dumps(tap.to_json()))) == tap
-    assert BridgeRecord.from_json({"name": "br0", "created": False}) == BridgeRecord("br0", False)
-
-
-@pytest.mark.parametrize("data", [
-    {"name": "br0"},
-    {"name": "br0", "created": "yes"},
-    {"name": "", "created": True},
-    {"name": "br0", "created": True, "uplink": 3},
-    {"kind": "tap", "name": "br0", "created": True},
-])
-def test_bad_bridge_record(data: dict[str, Any]) -> None:
-    with pytest.raises(NetdevError, match="invalid bridge record"):
-        BridgeRecord.from_json(data)
-
-
-def test_bad_tap_record() -> None:
-    with pytest.raises(NetdevError, match="invalid tap record"):
-        TapRecord.from_json({"name": "tap0"})
-    with pytest.raises(NetdevError, match="invalid tap record"):
-        TapRecord.from_json({"kind": "bridge", "name": "tap0", "bridge": "br0"})
-
-
-def test_error_names_interface_and_hints_at_permission() -> None:
-    error = NetdevError("vlbr-demo", "creating bridge: Operation not permitted (EPERM)", code=1)
-    assert error.exit_code == EXIT_RUNTIME
+def test_error_names_interface_and_permission_is_a_host_error() -> None:
+    error = LinkError("vlbr-demo", "creating bridge: Operation not permitted (EPERM)", code=1)
+    assert error.exit_code == EXIT_HOST  # "needs root" is exit 3 everywhere
     assert str(error).startswith("interface vlbr-demo: creating bridge")
     assert error.hint is not None and "CAP_NET_ADMIN" in error.hint
-    assert NetdevError("br0", "exists", code=17).hint is None
+    assert LinkError("br0", "exists", code=17).hint is None
+    assert LinkError("br0", "exists", code=17).exit_code == EXIT_RUNTIME
 
 
 # --- in a private network namespace ------------------------------------------------------------------
@@ -148,7 +122,7 @@ def test_wrong_kinds_are_errors_and_left_untouched() -> None:
     assert "not a bridge" in errors["tap-on-non-bridge"]["error"]
     assert errors["tap-on-missing"]["error"] == \
         "interface vlbr-nope: bridge of tap vltap-a (alpha) does not exist"
-    assert "not a valid interface name" in errors["long-name"]["error"]
+    assert "interface names have at most 15" in errors["long-name"]["error"]
     assert "exists and is a veth device" in errors["tap-is-veth"]["error"]
     after = result["after"]
     assert {k: v for k, v in after.items() if k != "vlbr-ok"} == result["before"]

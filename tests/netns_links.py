@@ -1,6 +1,7 @@
-"""Scenarios of vmlaunch.netdev, run by tests/test_netdev.py INSIDE A PRIVATE NETWORK NAMESPACE.
+"""Scenarios of the bridge and tap resources, run by tests/test_links.py INSIDE A PRIVATE NETWORK
+NAMESPACE.
 
-    unshare -n -- python tests/netns_netdev.py SCENARIO [ARG]
+    unshare -n -- python tests/netns_links.py SCENARIO [ARG]
 
 Each scenario prints one JSON object that the test asserts on. The state of the interfaces is read with
 `ip -j -d link`, independently of the code under test. Never run this outside a fresh namespace: it
@@ -23,9 +24,41 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vmlaunch import netdev  # noqa: E402
-from vmlaunch.netdev import BridgeRecord, NetdevError, TapRecord  # noqa: E402
-from vmlaunch.plan import CreateBridge, CreateTap  # noqa: E402
+import attrs  # noqa: E402
+
+from vmlaunch.hostlinks import LinkError, netlink  # noqa: E402
+from vmlaunch.resources.base import Context  # noqa: E402
+from vmlaunch.resources.bridge import Bridge, BridgeRecord  # noqa: E402
+from vmlaunch.resources.tap import Tap, TapRecord  # noqa: E402
+
+CTX = Context(lab="t")
+
+
+class netdev:  # noqa: N801 - the resources' apply and undo, by the names the scenarios use
+    @staticmethod
+    def ensure_bridge(bridge: Bridge) -> BridgeRecord:
+        return bridge.apply(CTX)
+
+    @staticmethod
+    def create_tap(tap: Tap) -> TapRecord:
+        return tap.apply(CTX)
+
+    @staticmethod
+    def remove_bridge(record: BridgeRecord) -> None:
+        record.undo(CTX, rollback=False)
+
+    @staticmethod
+    def remove_tap(record: TapRecord) -> None:
+        record.undo(CTX, rollback=False)
+
+    @staticmethod
+    def interface_exists(name: str) -> bool:
+        with netlink(name) as nl:
+            return nl.get(name) is not None
+
+
+def as_json(record: BridgeRecord | TapRecord) -> dict[str, Any]:
+    return {"kind": record.kind, **attrs.asdict(record)}
 
 TUNSETIFF = 0x400454CA
 IFF_TAP, IFF_NO_PI = 0x0002, 0x1000
@@ -53,10 +86,10 @@ def links() -> dict[str, dict[str, Any]]:
 
 
 def attempt(func: Callable[[], object]) -> dict[str, Any]:
-    """Run one call; its NetdevError as data (message, hint), anything else propagates."""
+    """Run one call; its LinkError as data (message, hint), anything else propagates."""
     try:
         func()
-    except NetdevError as exc:
+    except LinkError as exc:
         return {"error": exc.message, "hint": exc.hint, "code": exc.code, "interface": exc.interface}
     return {"error": None}
 
@@ -72,13 +105,13 @@ def open_tap(name: str) -> Iterator[None]:
         os.close(fd)
 
 
-def lab_bridge(mtu: int | None = None, uplink: str | None = None, name: str = "vlbr-t") -> CreateBridge:
-    return CreateBridge(name=name, network="lan", mtu=mtu, uplink=uplink)
+def lab_bridge(mtu: int | None = None, uplink: str | None = None, name: str = "vlbr-t") -> Bridge:
+    return Bridge(name=name, network="lan", mtu=mtu, uplink=uplink)
 
 
 def lab_tap(name: str, bridge: str = "vlbr-t", mtu: int | None = None,
-            multi_queue: bool = False) -> CreateTap:
-    return CreateTap(ifname=name, bridge=bridge, vm="alpha", mtu=mtu, multi_queue=multi_queue)
+            multi_queue: bool = False) -> Tap:
+    return Tap(ifname=name, bridge=bridge, vm="alpha", mtu=mtu, multi_queue=multi_queue)
 
 
 # --- scenarios ---------------------------------------------------------------------------------------
@@ -93,7 +126,7 @@ def basic(_: str) -> dict[str, Any]:
     for tap in taps:
         netdev.remove_tap(tap)
     netdev.remove_bridge(bridge)
-    return {"bridge": bridge.to_json(), "taps": [t.to_json() for t in taps], "up": up, "exists": exists,
+    return {"bridge": as_json(bridge), "taps": [as_json(t) for t in taps], "up": up, "exists": exists,
             "down": links()}
 
 
@@ -105,7 +138,7 @@ def existing(_: str) -> dict[str, Any]:
     up = links()
     netdev.remove_tap(tap)
     netdev.remove_bridge(bridge)
-    return {"bridge": bridge.to_json(), "up": up, "down": links()}
+    return {"bridge": as_json(bridge), "up": up, "down": links()}
 
 
 def foreign(_: str) -> dict[str, Any]:
@@ -119,7 +152,7 @@ def foreign(_: str) -> dict[str, Any]:
     still = links()
     ip("link", "del", "other-tap")
     netdev.remove_bridge(bridge)
-    return {"bridge": bridge.to_json(), "still": still, "down": links()}
+    return {"bridge": as_json(bridge), "still": still, "down": links()}
 
 
 def uplink(_: str) -> dict[str, Any]:
@@ -141,7 +174,7 @@ def uplink(_: str) -> dict[str, Any]:
         "missing": attempt(lambda: netdev.ensure_bridge(lab_bridge(uplink="vl-nope"))),
         "itself": attempt(lambda: netdev.ensure_bridge(lab_bridge(uplink="vlbr-t"))),
     }
-    return {"bridge": bridge.to_json(), "pre": pre.to_json(), "up": up, "down": down, "kept": kept,
+    return {"bridge": as_json(bridge), "pre": as_json(pre), "up": up, "down": down, "kept": kept,
             "errors": errors, "after_errors": links()}
 
 
@@ -173,7 +206,7 @@ def stale(_: str) -> dict[str, Any]:
     with open_tap("vltap-a"):
         busy = attempt(lambda: netdev.create_tap(lab_tap("vltap-a")))
         during = links()["vltap-a"]
-    return {"tap": tap.to_json(), "old": old, "new": new, "busy": busy, "during": during}
+    return {"tap": as_json(tap), "old": old, "new": new, "busy": busy, "during": during}
 
 
 def twice(_: str) -> dict[str, Any]:
@@ -191,14 +224,15 @@ def twice(_: str) -> dict[str, Any]:
 def step_up(_: str) -> dict[str, Any]:
     bridge = netdev.ensure_bridge(lab_bridge(mtu=9000, uplink="vl-up0"))
     taps = [netdev.create_tap(lab_tap(name, mtu=9000)) for name in ("vltap-a", "vltap-b")]
-    return {"bridge": bridge.to_json(), "taps": [t.to_json() for t in taps]}
+    return {"bridge": as_json(bridge), "taps": [as_json(t) for t in taps]}
 
 
 def step_down(records: str) -> dict[str, Any]:
     data = json.loads(records)
     for tap in data["taps"]:
-        netdev.remove_tap(TapRecord.from_json(tap))
-    netdev.remove_bridge(BridgeRecord.from_json(data["bridge"]))
+        netdev.remove_tap(TapRecord(name=tap["name"], bridge=tap["bridge"]))
+    bridge = data["bridge"]
+    netdev.remove_bridge(BridgeRecord(**{key: bridge[key] for key in ("name", "created", "uplink")}))
     return {}
 
 
@@ -258,7 +292,7 @@ SCENARIOS: dict[str, Callable[[str], dict[str, Any]]] = {
 def main() -> None:
     name, arg = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "")
     if name not in ("step_up", "step_down") and set(links()) - {"vlbr-pre"}:
-        sys.exit(f"netns_netdev.py: refusing to run {name}: not in a fresh network namespace")
+        sys.exit(f"netns_links.py: refusing to run {name}: not in a fresh network namespace")
     print(json.dumps(SCENARIOS[name](arg)))
 
 

@@ -1,0 +1,35 @@
+"""Host probing that can run here without the real KVM: what a probe leaves behind."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from vmlaunch import host
+
+
+def test_a_hung_probe_leaves_no_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KVM that hangs guests hangs the probe: it is killed at the timeout, with whatever a wrapper
+    script started (seen: wrapped probes spinning a host CPU for an hour)."""
+    marker = uuid.uuid4().hex
+    wrapper = tmp_path / "qemu-wrapper"
+    sleeper = f"python3 -c 'import time; time.sleep(1000)' {marker}"
+    wrapper.write_text(f"#!/bin/sh\n{sleeper} &\n{sleeper} &\nwait\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(host, "KVM_PROBE_TIMEOUT", 0.5)
+    monkeypatch.setattr(os.path, "exists", lambda path: True)
+    monkeypatch.setattr(os, "access", lambda path, mode: True)
+    status = host.probe_kvm(str(wrapper))
+    assert not status.usable and "did not reach 64-bit mode" in status.reason
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and marker.encode() in _cmdline(p)]
+    assert left == []
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""

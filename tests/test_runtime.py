@@ -1,0 +1,136 @@
+"""The runtime driven directly, in this process: executor (up, down, describe), journal, control and
+qemu, on real guests under TCG. User and socket networks only: nothing is created on the host."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vmlaunch import control, executor, qemu
+from vmlaunch.compiler import compile_lab
+from vmlaunch.errors import RuntimeFailure, UsageError
+from vmlaunch.host import detect_host
+from vmlaunch.journal import Journal, JournalError
+from vmlaunch.plan import Plan
+from vmlaunch.spec import load_lab
+
+pytestmark = [pytest.mark.qemu, pytest.mark.guest]
+READY = "VMLAUNCH-GUEST-READY"
+SPEC = """
+[lab]
+name = "rt"
+[network.lan]
+type = "socket"
+[vm.a]
+memory = "128M"
+accel = "tcg"
+kernel = "GUEST/vmlinuz"
+initrd = "GUEST/initrd.gz"
+[[vm.a.disk]]
+file = "a.img"
+size = "8M"
+[[vm.a.nic]]
+network = "lan"
+[vm.b]
+memory = "128M"
+accel = "tcg"
+kernel = "GUEST/vmlinuz"
+initrd = "GUEST/initrd.gz"
+[[vm.b.nic]]
+network = "lan"
+"""
+
+
+def plan_of(tmp_path: Path, guest: Path, text: str = SPEC, vms: tuple[str, ...] = ()) -> Plan:
+    spec = tmp_path / "lab.toml"
+    spec.write_text(text.replace("GUEST", str(guest)))
+    return compile_lab(load_lab(spec), detect_host(), vms)
+
+
+@pytest.fixture
+def lab(tmp_path: Path, run_dir: Path, test_guest: Path) -> Iterator[Plan]:
+    plan = plan_of(tmp_path, test_guest)
+    yield plan
+    executor.down(plan.run_dir, timeout=1, force=True)
+    assert not plan.run_dir.path.exists()
+
+
+def test_up_status_control_down(lab: Plan, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="vmlaunch")
+    pids = executor.up(lab, spec=tmp_path / "lab.toml", wait_for=READY, timeout=120)
+    assert set(pids) == {"a", "b"} and all(qemu.alive(pid) for pid in pids.values())
+    assert "a: ready" in caplog.text
+    journal = Journal.load(lab.run_dir)
+    assert [e.kind for e in journal.resources] == ["image"] and set(journal.vms) == {"a", "b"}
+    assert journal.spec == str(tmp_path / "lab.toml")
+
+    rows = {row.name: row for row in control.status(lab.run_dir, ["a", "b", "c"])}
+    assert rows["a"].state == "running" and rows["a"].balloon_bytes == 128 << 20
+    assert rows["c"].state == "stopped" and rows["a"].to_json()["pid"] == pids["a"]
+    assert control.qmp_command(lab.run_dir, "b", "query-status")["status"] == "running"
+    assert control.balloon(lab.run_dir, "b") == 128 << 20
+    assert control.balloon(lab.run_dir, "b", 96 << 20, timeout=30, memory=128 << 20) == 96 << 20
+    with pytest.raises(UsageError, match="between 4 KiB and 128 MiB"):
+        control.balloon(lab.run_dir, "b", 1 << 30, memory=128 << 20)
+    assert READY in control.read_log(lab.run_dir, "a")
+    described = "\n".join(executor.describe(lab))
+    assert "[done]" in described and "a: tcg" in described and "[running]" in described
+
+    assert executor.up(lab, spec=tmp_path / "lab.toml") == pids  # already up: nothing to do
+    assert "every VM already runs" in caplog.text
+
+    assert executor.down(lab.run_dir, ["b"], timeout=5)  # b only: a and its image stay
+    assert set(Journal.load(lab.run_dir).vms) == {"a"} and not qemu.alive(pids["b"])
+    assert control.status(lab.run_dir, ["b"])[0].state == "stopped"
+    with pytest.raises(RuntimeFailure, match="VM b is not running"):
+        control.qmp_command(lab.run_dir, "b", "query-status")
+    assert executor.down(lab.run_dir, timeout=5)
+    assert not lab.run_dir.path.exists() and (tmp_path / "a.img").exists()  # down keeps images
+    assert not executor.down(lab.run_dir)
+
+
+def test_a_crashed_vm_shows_and_follow_log_ends(lab: Plan, tmp_path: Path) -> None:
+    pids = executor.up(lab, spec=tmp_path / "lab.toml", timeout=60)
+    chunks = control.follow_log(lab.run_dir, "a")
+    assert next(chunks)  # the boot so far
+    os.kill(pids["a"], signal.SIGKILL)
+    assert qemu.wait_gone(pids["a"], 5)
+    assert isinstance("".join(chunks), str)  # ends once the VM is gone
+    assert control.status(lab.run_dir, ["a"])[0].state == "crashed"
+    assert executor.down(lab.run_dir, timeout=1)
+
+
+def test_a_failing_up_rolls_everything_back(tmp_path: Path, run_dir: Path, test_guest: Path) -> None:
+    plan = plan_of(tmp_path, test_guest, SPEC.replace('initrd = "GUEST/initrd.gz"\n[[vm.b',
+                                                      'initrd = "/nonexistent/initrd"\n[[vm.b'))
+    with pytest.raises(qemu.QemuFailed, match="b: QEMU exited with status 1"):
+        executor.up(plan, spec=tmp_path / "lab.toml", timeout=30)
+    assert not plan.run_dir.path.exists() and not (tmp_path / "a.img").exists()
+
+
+def test_down_force_removes_what_it_recognises(lab: Plan, tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    pids = executor.up(lab, spec=tmp_path / "lab.toml", timeout=60)
+    doc = json.loads(lab.run_dir.state.read_text())
+    doc["resources"].append({"kind": "hugepages", "key": "2M", "vm": None, "record": {"pages": 4}})
+    lab.run_dir.state.write_text(json.dumps(doc))
+    with pytest.raises(JournalError, match="unknown kind 'hugepages'"):
+        executor.down(lab.run_dir, timeout=1)
+    assert all(qemu.alive(pid) for pid in pids.values())  # refused before anything changed
+    assert executor.down(lab.run_dir, timeout=1, force=True)
+    assert not any(qemu.alive(pid) for pid in pids.values()) and not lab.run_dir.path.exists()
+    assert "not recognised, so not undone" in caplog.text and "hugepages" in caplog.text
+
+
+def test_wait_for_times_out_with_the_console_tail(tmp_path: Path, run_dir: Path,
+                                                  test_guest: Path) -> None:
+    plan = plan_of(tmp_path, test_guest, vms=("b",))
+    with pytest.raises(RuntimeFailure, match="timed out after 1 s waiting for 'never printed'"):
+        executor.up(plan, spec=tmp_path / "lab.toml", wait_for="never printed", timeout=1)
+    assert not plan.run_dir.path.exists()

@@ -1,0 +1,285 @@
+"""The journal of a lab (`state.json` in its run dir) and the lock that serialises `up` and `down`.
+
+Every host change is journaled as soon as it is made (atomically: a temp file, fsync'd, renamed over
+the old one), so `down` can undo it from another process even when the `up` that made it was killed
+half-way. The file is read and written through attrs classes with cattrs; each resource record is
+structured as the class its kind names in `resources.registry`, so a record is either the frozen value
+vmlaunch wrote or a clear error naming the file and the record.
+
+    {"version": 2, "spec": "/path/lab.toml",
+     "resources": [{"kind": "tap", "key": "vl-...", "vm": "alpha", "record": {...}}, ...],
+     "vms": {"alpha": {"pid": 1234, "started": 1700000000.0, "accel": "tcg"}}}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import functools
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+
+from vmlaunch.errors import RuntimeFailure
+from vmlaunch.fsutil import write_atomic
+from vmlaunch.resources.base import Record
+from vmlaunch.rundir import RunDir
+from vmlaunch.wait import TimedOut, wait_until
+
+JOURNAL_VERSION = 2  # 1: vmlaunch 0.1.0, records as loose JSON objects
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class JournalError(RuntimeFailure):
+    """The journal cannot be read as one this vmlaunch wrote."""
+
+
+class LabBusy(RuntimeFailure):
+    """Another vmlaunch holds the lab's lock for longer than we were willing to wait."""
+
+
+@attrs.frozen
+class Entry:
+    """One applied resource: its kind and key (unique per kind), the VM that needs it (None: the lab)."""
+
+    kind: str
+    key: str
+    vm: str | None
+    record: Record
+
+
+@attrs.frozen
+class VmEntry:
+    """A VM `up` started: written before its QEMU starts (pid None), then with the pid."""
+
+    pid: int | None
+    started: float
+    accel: str
+
+
+# --- (un)structuring ---------------------------------------------------------------------------------
+
+
+def _exact(kind: type[T]) -> Callable[[Any, Any], T]:
+    """cattrs converts `"5"` to 5 and `0` to False by default: a journal must hold exactly the type."""
+
+    def structure(value: Any, _: Any) -> T:
+        if type(value) is not kind and not (kind is float and type(value) is int):
+            raise TypeError(f"expected {kind.__name__}, got {value!r}")
+        return kind(value)  # type: ignore[call-arg]
+
+    return structure
+
+
+def _path(value: Any, _: Any) -> Path:
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise TypeError(f"expected a path, got {value!r}")
+    return Path(value)
+
+
+@functools.lru_cache(maxsize=2)
+def _converter(strict: bool) -> Any:
+    import cattrs  # only where a journal is read or written: ~15 ms
+
+    conv = cattrs.Converter(forbid_extra_keys=strict)
+    for kind in (str, int, bool, float):
+        conv.register_structure_hook(kind, _exact(kind))
+    conv.register_structure_hook(Path, _path)
+    conv.register_unstructure_hook(Path, str)
+    return conv
+
+
+def _problem(exc: Exception) -> str:
+    import cattrs
+
+    if isinstance(exc, cattrs.BaseValidationError):
+        return "; ".join(cattrs.transform_error(exc))
+    return str(exc)
+
+
+def _entry(data: Any, strict: bool) -> Entry:
+    from vmlaunch.resources.registry import RECORDS
+
+    if not isinstance(data, dict) or not {"kind", "key", "record"} <= set(data):
+        raise ValueError("not an object with kind, key and record")
+    kind, key, vm = data["kind"], data["key"], data.get("vm")
+    if not isinstance(kind, str) or not isinstance(key, str) or not (vm is None or isinstance(vm, str)):
+        raise ValueError("kind, key and vm must be strings")
+    if kind not in RECORDS:
+        raise ValueError(f"unknown kind {kind!r} (this vmlaunch knows {', '.join(sorted(RECORDS))})")
+    record = _converter(strict).structure(data["record"], RECORDS[kind])
+    return Entry(kind=kind, key=key, vm=vm, record=record)
+
+
+def _describe_raw(data: Any) -> str:
+    if isinstance(data, dict):
+        return f"{data.get('kind', '?')} {data.get('key', '?')}"
+    return repr(data)[:60]
+
+
+# --- the journal -------------------------------------------------------------------------------------
+
+
+@attrs.define
+class Journal:
+    """Resources applied (in order) and VMs started, saved on every change."""
+
+    run_dir: RunDir
+    spec: str | None = None
+    resources: list[Entry] = attrs.Factory(list)
+    vms: dict[str, VmEntry] = attrs.Factory(dict)
+    # `load(force=True)` only: what could not be read, one line each, for the user to handle by hand
+    unreadable: list[str] = attrs.Factory(list)
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir.state
+
+    @classmethod
+    def load(cls, run_dir: RunDir, *, force: bool = False) -> Journal:
+        """The lab's journal (empty when there is none).
+
+        A file of another version, or with a damaged record or an unknown kind, is a JournalError naming
+        the file and the record; with `force`, whatever can be read is kept and the rest listed in
+        `unreadable`, so `down --force` removes everything it recognises.
+        """
+        journal = cls(run_dir)
+        try:
+            doc = json.loads(journal.path.read_bytes())
+        except FileNotFoundError:
+            return journal
+        except (OSError, ValueError) as exc:
+            journal._fail(f"cannot be read: {exc}", force)
+            return journal
+        if not isinstance(doc, dict):
+            journal._fail("is not one vmlaunch wrote (not a JSON object)", force)
+            return journal
+        version = doc.get("version")
+        if not isinstance(version, int) or isinstance(version, bool):
+            journal._fail(f"is not one vmlaunch wrote (no journal version, found {version!r})", force)
+        elif version != JOURNAL_VERSION:
+            age = "an older" if version < JOURNAL_VERSION else "a newer"
+            journal._fail(f"was written by {age} vmlaunch (journal version {version}; this one reads "
+                          f"version {JOURNAL_VERSION})", force)
+        spec = doc.get("spec")
+        journal.spec = spec if isinstance(spec, str) else None
+        resources = doc.get("resources", [])
+        if not isinstance(resources, list):
+            journal._fail("has no list of resources", force)
+            resources = []
+        for index, data in enumerate(resources):
+            try:
+                journal.resources.append(_entry(data, strict=not force))
+            except Exception as exc:  # cattrs raises exception groups, validators ValueError, ...
+                journal._fail(f"record {index} ({_describe_raw(data)}) is damaged: {_problem(exc)}",
+                              force, data)
+        vms = doc.get("vms", {})
+        if not isinstance(vms, dict):
+            journal._fail("has no table of VMs", force)
+            vms = {}
+        for name, data in vms.items():
+            try:
+                journal.vms[name] = _converter(not force).structure(data, VmEntry)
+            except Exception as exc:
+                journal._fail(f"the record of VM {name!r} is damaged: {_problem(exc)}", force, data)
+        return journal
+
+    def _fail(self, problem: str, force: bool, data: Any = None) -> None:
+        if not force:
+            raise JournalError(f"the lab's journal {self.path} {problem}",
+                               "`vmlaunch down SPEC --force` stops and removes everything it "
+                               "recognises; the rest is listed for you to remove by hand")
+        self.unreadable.append(problem if data is None else f"{problem}: {json.dumps(data)[:200]}")
+
+    @property
+    def empty(self) -> bool:
+        return not self.resources and not self.vms
+
+    def document(self) -> dict[str, Any]:
+        conv = _converter(True)
+        return {
+            "version": JOURNAL_VERSION,
+            "spec": self.spec,
+            "resources": [{"kind": e.kind, "key": e.key, "vm": e.vm, "record": conv.unstructure(e.record)}
+                          for e in self.resources],
+            "vms": {name: conv.unstructure(vm) for name, vm in self.vms.items()},
+        }
+
+    def save(self) -> None:
+        self.run_dir.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        write_atomic(self.path, json.dumps(self.document(), indent=1))
+
+    def add(self, entry: Entry) -> None:
+        self.resources.append(entry)
+        self.save()
+
+    def drop(self, entry: Entry) -> None:
+        with contextlib.suppress(ValueError):
+            self.resources.remove(entry)
+        self.save()
+
+    def has(self, kind: str, key: str) -> bool:
+        return any(e.kind == kind and e.key == key for e in self.resources)
+
+
+# --- the lock ----------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def locked(run_dir: RunDir, timeout: float) -> Iterator[None]:
+    """Hold the lab's lock; wait up to `timeout` seconds for another `up`/`down` to finish.
+
+    The lock file goes away with the lab: when the run dir is gone at the end, the holder removes it.
+    A waiter that then gets the lock on the removed file notices (the path names another inode, or
+    none) and locks anew, so two processes never both hold the lab.
+    """
+    run_dir.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lock_path = run_dir.lock
+
+    def take() -> int | None:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if _try_lock(fd) and _same_file(fd, lock_path):
+            return fd
+        os.close(fd)
+        return None
+
+    fd = take()
+    if fd is None:
+        log.info("waiting for another vmlaunch on lab %s", run_dir.lab)
+        try:
+            fd = wait_until(take, timeout)
+        except TimedOut:
+            raise LabBusy(f"lab {run_dir.lab} is busy: another vmlaunch up or down holds "
+                          f"{lock_path}", "wait for it to finish, or raise --timeout") from None
+    try:
+        yield
+    finally:
+        if not run_dir.path.exists():
+            with contextlib.suppress(FileNotFoundError):
+                lock_path.unlink()
+        os.close(fd)
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False

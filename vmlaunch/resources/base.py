@@ -1,0 +1,75 @@
+"""The shape every host resource has: a planned `Resource` that applies itself, and the `Record` it
+returns, which is journaled and knows how to undo itself.
+
+Adding a kind is one module (its resource and record classes) and one line in `registry.py`; the
+executor does not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import ClassVar, Protocol, runtime_checkable
+
+import attrs
+
+
+@attrs.frozen
+class Context:
+    """What resources may need from the run that applies or undoes them."""
+
+    lab: str
+    qemu_img: str = "qemu-img"
+    sysfs: Path | None = None  # None: VMLAUNCH_SYSFS, else /sys
+
+
+@runtime_checkable
+class Record(Protocol):
+    """What a resource did, journaled as soon as it is done; frozen, (un)structured by the journal."""
+
+    kind: ClassVar[str]
+
+    def undo(self, ctx: Context, *, rollback: bool) -> None:
+        """Undo exactly what was done. `rollback`: a failing `up` undoes it (not a `down`).
+
+        Undoing twice does nothing the second time; a failure raises a VmlaunchError.
+        """
+
+    def describe(self) -> str:
+        """One line for `status` and `down`: what it is and what vmlaunch did to it."""
+
+
+@runtime_checkable
+class Resource(Protocol):
+    """A host change the plan asks for."""
+
+    kind: ClassVar[str]
+
+    @property
+    def key(self) -> str:
+        """Unique among the resources of its kind in a lab: how the journal knows it is done."""
+
+    @property
+    def owner(self) -> str | None:
+        """The VM that needs it (undone when that VM goes down alone), None for the whole lab."""
+
+    def describe(self) -> str:
+        """One line for `up --dry-run`."""
+
+    def found(self) -> str | None:
+        """For `--dry-run`: what is on the host already that `apply` would keep, else None."""
+
+    def apply(self, ctx: Context) -> Record:
+        """Make the change; on failure leave nothing behind and raise a VmlaunchError."""
+
+
+def preflight(resources: Sequence[Resource]) -> None:
+    """Before anything changes: each kind that can check its resources as a group does so (PCI: every
+    IOMMU group viable), so a plan that cannot work is refused with the host untouched."""
+    by_kind: dict[type[Resource], list[Resource]] = {}
+    for resource in resources:
+        by_kind.setdefault(type(resource), []).append(resource)
+    for kind, group in by_kind.items():
+        check = getattr(kind, "preflight", None)
+        if check is not None:
+            check(group)
