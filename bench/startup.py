@@ -63,6 +63,7 @@ def main() -> int:
         spec = work / "lab.toml"
         spec.write_text(SPEC)
         env = {**os.environ, "VMLAUNCH_CACHE_DIR": str(work / "cache")}
+        env.pop("PYTHONDONTWRITEBYTECODE", None)  # what a user gets: the bytecode cache in use
         tool = vmlaunch_argv()
         cases: dict[str, tuple[list[str], Callable[[int], dict[str, str]]]] = {
             "python -c pass": ([sys.executable, "-c", "pass"], lambda i: env),

@@ -134,3 +134,62 @@ def test_wait_for_times_out_with_the_console_tail(tmp_path: Path, run_dir: Path,
     with pytest.raises(RuntimeFailure, match="timed out after 1 s waiting for 'never printed'"):
         executor.up(plan, spec=tmp_path / "lab.toml", wait_for="never printed", timeout=1)
     assert not plan.run_dir.path.exists()
+
+
+def test_the_cli_commands_in_process(tmp_path: Path, run_dir: Path, test_guest: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI's runtime commands through `main`, in this process (test_e2e runs them as a user would)."""
+    from vmlaunch.cli import main
+
+    spec = tmp_path / "lab.toml"
+    spec.write_text(SPEC.replace("GUEST", str(test_guest)))
+    try:
+        assert main(["up", str(spec), "--dry-run"]) == 0
+        assert "image " in capsys.readouterr().out
+        assert main(["-q", "up", str(spec), "--wait-for", READY, "--timeout", "120"]) == 0
+        assert "a: running (pid" in capsys.readouterr().out
+        assert main(["status", str(spec)]) == 0
+        assert "running" in capsys.readouterr().out
+        assert main(["status", str(spec), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["b"]["state"] == "running"
+        assert main(["logs", str(spec), "a"]) == 0
+        assert READY in capsys.readouterr().out
+        assert main(["balloon", str(spec), "a", "96M", "--timeout", "30"]) == 0
+        assert capsys.readouterr().out.strip() == "a: 96M"
+        assert main(["qmp", str(spec), "a", "query-balloon"]) == 0
+        assert json.loads(capsys.readouterr().out) == {"actual": 96 << 20}
+        assert main(["qmp", str(spec), "a", "balloon", "nope"]) == 64
+        assert main(["balloon", str(spec), "a", "lots"]) == 64
+        assert main(["-v", "down", str(spec), "b", "--timeout", "5"]) == 0
+        assert "b: powered off" in capsys.readouterr().err
+    finally:
+        assert main(["down", str(spec), "--timeout", "5"]) == 0
+    assert main(["down", str(spec)]) == 0
+    assert "lab rt is not up" in capsys.readouterr().out
+
+
+def test_console_attach_and_detach(lab: Plan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                   capfd: pytest.CaptureFixture[str]) -> None:
+    """The interactive console, fed from a pipe: a command reaches the guest, Ctrl-] detaches."""
+    import io
+    import threading
+    import time
+
+    executor.up(lab, spec=tmp_path / "lab.toml", wait_for=READY, timeout=120)
+    read_end, write_end = os.pipe()
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.FileIO(read_end, closefd=False)))
+    attached = threading.Thread(target=control.attach_console, args=(lab.run_dir, "a"))
+    attached.start()
+    os.write(write_end, b"echo console-$((6*7))\n")
+    deadline = time.monotonic() + 30
+    while "console-42" not in control.read_log(lab.run_dir, "a") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with pytest.raises(RuntimeFailure, match="another console is attached to a"):
+        control.attach_console(lab.run_dir, "a")
+    os.write(write_end, b"\x1d")  # Ctrl-]
+    attached.join(10)
+    assert not attached.is_alive()
+    assert "console-42" in control.read_log(lab.run_dir, "a")
+    assert "[detached from a]" in capfd.readouterr().err
+    os.close(read_end)
+    os.close(write_end)

@@ -4,6 +4,9 @@ Every netlink failure becomes a `LinkError` naming the interface and what was be
 
 pyroute2 costs ~200 ms to import: it is imported inside the functions that talk to the kernel, never at
 module level, so that `vmlaunch validate` and `cmdline` do not pay for it.
+
+Coverage: this runs only inside private network namespaces (tests/netns_links.py and the end-to-end
+tests, both subprocesses), which `make test`'s in-process coverage figure does not see.
 """
 
 from __future__ import annotations

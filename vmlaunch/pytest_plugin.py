@@ -5,6 +5,9 @@
         lab.vm("alpha").qmp("query-status")
 
 Every lab the fixture brought up is brought down when the test ends, pass or fail.
+
+Coverage: pytest imports this plugin (an entry point) before coverage starts, so `make test` reports
+it as unrun although tests/test_api.py uses the fixture.
 """
 
 from __future__ import annotations

@@ -31,9 +31,10 @@ __all__ = ["KeyPath", "SourceMap"]
 
 KeyPath = tuple[Union[str, int], ...]
 
-_SKIP = re.compile(r"(?:[ \t\r\n]+|#[^\n]*)*")  # whitespace, newlines and comments
-_KEY_PART = re.compile(r"""[ \t]*([A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|'[^']*')[ \t]*""")
-_VALUE = re.compile(
+# Patterns as text, compiled by the scanner: a spec without problems is never scanned.
+_SKIP = r"(?:[ \t\r\n]+|#[^\n]*)*"  # whitespace, newlines and comments
+_KEY_PART = r"""[ \t]*([A-Za-z0-9_-]+|"(?:[^"\\]|\\.)*"|'[^']*')[ \t]*"""
+_VALUE = (
     r'"""(?:[^\\]|\\[\s\S])*?"{3,5}'  # multi-line basic string; may end in one or two quotes
     r"|'''[\s\S]*?'{3,5}"  # multi-line literal string, likewise
     r'|"(?:[^"\\]|\\.)*"'  # basic string
@@ -43,8 +44,8 @@ _VALUE = re.compile(
 )
 
 
-def _match(pattern: re.Pattern[str], text: str, pos: int) -> re.Match[str]:
-    match = pattern.match(text, pos)
+def _match(pattern: str, text: str, pos: int) -> re.Match[str]:
+    match = re.compile(pattern).match(text, pos)  # compiled once: re caches compiled patterns
     if match is None:
         raise ValueError(f"not valid TOML at offset {pos}")
     return match
@@ -137,23 +138,34 @@ class _Scanner:
 
 
 class SourceMap:
-    """Key path -> 1-based source line of a TOML document (see the module docstring)."""
+    """Key path -> 1-based source line of a TOML document (see the module docstring).
 
-    __slots__ = ("_lines",)
+    The text is only scanned when a line is first asked for: a spec without problems never is.
+    """
 
-    def __init__(self, lines: dict[KeyPath, int]) -> None:
-        self._lines = lines
+    __slots__ = ("_text", "_map")
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        self._map: dict[KeyPath, int] | None = None
 
     @classmethod
     def from_text(cls, text: str) -> SourceMap:
         """Map `text`, which tomllib must have accepted."""
-        return cls(_Scanner(text).run())
+        return cls(text)
+
+    @property
+    def _lines(self) -> dict[KeyPath, int]:
+        if self._map is None:
+            self._map = _Scanner(self._text).run()
+        return self._map
 
     def line_of(self, path: Sequence[str | int]) -> int:
         """1-based line of the longest prefix of `path` that the source defines; 1 if none."""
         key = tuple(path)
+        lines = self._lines
         for length in range(len(key), 0, -1):
-            line = self._lines.get(key[:length])
+            line = lines.get(key[:length])
             if line is not None:
                 return line
         return 1

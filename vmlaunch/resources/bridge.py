@@ -3,6 +3,9 @@
 The record says what was really done, so `down` undoes exactly that: a bridge that existed before is
 never deleted, an uplink that was already enslaved is never released, and a bridge that still has
 ports (another lab's taps) is left in place.
+
+Coverage: this runs only inside private network namespaces (tests/netns_links.py and the end-to-end
+tests, both subprocesses), which `make test`'s in-process coverage figure does not see.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 vmlaunch owns its taps rather than leaving them to ifup/ifdown scripts: a downscript does not run when
 QEMU is killed, so scripts leak taps. A tap is journaled like any resource and removed by `down` or a
 failed `up`, whatever happened to QEMU.
+
+Coverage: this runs only inside private network namespaces (tests/netns_links.py and the end-to-end
+tests, both subprocesses), which `make test`'s in-process coverage figure does not see.
 """
 
 from __future__ import annotations
