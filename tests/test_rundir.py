@@ -1,0 +1,42 @@
+"""One owner per name: the run dir's file names are spelled in rundir.py only, QMP lives in qmp.py."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from vmlaunch.rundir import RunDir
+
+PACKAGE = Path(__file__).resolve().parent.parent / "vmlaunch"
+SUFFIXES = (".qmp", ".console", ".pid", ".stderr.log", ".serial.log", ".lock", "state.json")
+
+
+def sources() -> dict[str, str]:
+    return {str(path.relative_to(PACKAGE)): path.read_text() for path in PACKAGE.rglob("*.py")}
+
+
+def test_run_dir_names_are_spelled_in_one_module() -> None:
+    for name, text in sources().items():
+        if name == "rundir.py":
+            continue
+        for suffix in SUFFIXES:
+            # a name built from a suffix: f"{name}.qmp", "state.json", ... (not "qemu.qmp", a module)
+            built = rf"(\}}|[\"'/]){re.escape(suffix)}[\"']"
+            assert not re.search(built, text), (name, suffix)
+
+
+def test_one_qmp_module() -> None:
+    users = {name for name, text in sources().items() if "qemu.qmp" in text or "QMPClient" in text}
+    assert users == {"qmp.py"}
+
+
+def test_layout() -> None:
+    run_dir = RunDir.of(Path("/run/vmlaunch"), "demo")
+    files = run_dir.vm("alpha")
+    assert (run_dir.state, run_dir.lock) == (Path("/run/vmlaunch/demo/state.json"),
+                                             Path("/run/vmlaunch/.demo.lock"))
+    assert [p.name for p in (files.qmp, files.console, files.pidfile, files.serial_log,
+                             files.stderr_log, files.console_lock)] == [
+        "alpha.qmp", "alpha.console", "alpha.pid", "alpha.serial.log", "alpha.stderr.log",
+        "alpha.console.lock"]
+    assert run_dir.lab == "demo" and str(run_dir) == "/run/vmlaunch/demo"
