@@ -98,3 +98,37 @@ def test_start_up_stays_light(tmp_path: Path) -> None:
             capture_output=True, text=True, check=True, env={**os.environ, **env})
         imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines()}
         assert not imported & {"pyroute2", "qemu.qmp", "jsonschema", "asyncio"}, args
+
+
+@pytest.mark.parametrize(("command", "value"), [
+    ("up", "nan"), ("up", "inf"), ("up", "-inf"), ("up", "-1"), ("up", "0"), ("up", "1e300"),
+    ("up", "soon"), ("down", "-0.5"), ("down", "nan"), ("balloon", "0"), ("balloon", "inf"),
+])
+def test_timeout_must_be_a_sane_number_of_seconds(
+    command: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    extra = ["alpha"] if command == "balloon" else []
+    assert main([command, str(EXAMPLES / "lab.toml"), *extra, "--timeout", value]) == 64
+    assert "argument --timeout:" in capsys.readouterr().err
+
+
+def test_down_timeout_zero_stops_at_once() -> None:
+    from vmlaunch.cli import build_parser
+
+    args = build_parser().parse_args(["down", "lab.toml", "--timeout", "0"])
+    assert args.timeout == 0.0
+
+
+@pytest.mark.parametrize("command", ["validate", "cmdline"])
+def test_closed_stdout_exits_quietly(command: str, tmp_path: Path, qemu_binary: str) -> None:
+    """`vmlaunch cmdline lab.toml | head -1`: no traceback, no "Exception ignored", exit 141."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line is written
+    try:
+        done = subprocess.run([sys.executable, "-m", "vmlaunch", "-q", command, str(EXAMPLES / "lab.toml")],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, check=False,
+                              env={**os.environ, "VMLAUNCH_CACHE_DIR": str(tmp_path)}, timeout=60)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141
+    assert done.stderr == ""

@@ -9,11 +9,18 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
 from vmlaunch import __version__
-from vmlaunch.errors import EXIT_INTERRUPTED, EXIT_RUNTIME, SpecError, UsageError, VmlaunchError
+from vmlaunch.errors import (
+    EXIT_BROKEN_PIPE,
+    EXIT_INTERRUPTED,
+    EXIT_RUNTIME,
+    SpecError,
+    UsageError,
+    VmlaunchError,
+)
 
 log = logging.getLogger("vmlaunch")
 
@@ -25,6 +32,27 @@ if TYPE_CHECKING:
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UsageError(message, f"see `{self.prog} --help`")
+
+
+MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: more is a typo, and would overflow the C timeouts below
+
+
+def _seconds(zero_ok: bool) -> Callable[[str], float]:
+    """An argparse type for --timeout: a finite number of seconds, more than 0 unless `zero_ok`."""
+
+    def seconds(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        in_range = 0 <= value <= MAX_TIMEOUT if zero_ok else 0 < value <= MAX_TIMEOUT
+        if not in_range:  # NaN and infinities too: NaN fails every comparison
+            least = "0 or more" if zero_ok else "more than 0"
+            raise argparse.ArgumentTypeError(
+                f"{text!r} seconds: must be {least} and at most {MAX_TIMEOUT:.0f} (a week)")
+        return value
+
+    return seconds
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="print the host actions and each QEMU command line; change nothing")
     up.add_argument("--wait-for", metavar="TEXT",
                     help="also wait until each VM's serial console has printed TEXT")
-    up.add_argument("--timeout", metavar="S", type=float, default=60.0,
+    up.add_argument("--timeout", metavar="S", type=_seconds(zero_ok=False), default=60.0,
                     help="seconds to wait for the VMs (and for another up/down of the lab); default 60")
     up.set_defaults(run=cmd_up)
 
@@ -87,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     down.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
     down.add_argument("vms", metavar="VM", nargs="*", help="only these VMs")
-    down.add_argument("--timeout", metavar="S", type=float, default=10.0,
-                      help="seconds each guest gets to power off before it is stopped; default 10")
+    down.add_argument("--timeout", metavar="S", type=_seconds(zero_ok=True), default=10.0,
+                      help="seconds each guest gets to power off before it is stopped (0: stop it "
+                      "at once); default 10")
     down.add_argument("--force", action="store_true",
                       help="when the lab's journal cannot be read whole (damaged, or written by "
                       "another vmlaunch version), stop and remove everything it recognises and list "
@@ -123,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     balloon.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
     balloon.add_argument("vm", metavar="VM")
     balloon.add_argument("size", metavar="SIZE", nargs="?")
-    balloon.add_argument("--timeout", metavar="S", type=float, default=10.0,
+    balloon.add_argument("--timeout", metavar="S", type=_seconds(zero_ok=False), default=10.0,
                          help="seconds the guest gets to follow; default 10")
     balloon.set_defaults(run=cmd_balloon)
 
@@ -324,10 +353,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     stopping = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {sig: signal.signal(sig, _stop_on_signal) for sig in stopping}
     try:
-        return _main(argv)
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe is seen below
+        sys.stderr.flush()
+        return code
+    except BrokenPipeError:
+        # `vmlaunch cmdline lab.toml | head -1`: the reader has all it wanted. Exit as a process
+        # killed by SIGPIPE would, silently; what is still buffered goes to /dev/null, not to an
+        # "Exception ignored" message at exit.
+        _discard_output()
+        return EXIT_BROKEN_PIPE
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _reader_gone() -> bool:
+    """True when whoever read our standard output (or error) has closed it."""
+    import contextlib
+    import select
+
+    poller = select.poll()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # not a real file (tests capture output)
+            poller.register(stream.fileno(), select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _discard_output() -> None:
+    import contextlib
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):  # not a real file (tests capture output)
+                os.dup2(devnull, stream.fileno())
+    finally:
+        os.close(devnull)
 
 
 class _Formatter(logging.Formatter):
@@ -372,12 +434,10 @@ def _main(argv: Sequence[str] | None) -> int:
             print("vmlaunch: terminated", file=sys.stderr)
         raise
     except OSError as exc:  # the host: a run dir that cannot be made, a full disk, ...
+        if isinstance(exc, BrokenPipeError) and _reader_gone():
+            raise  # handled in main; a QMP socket closing on us is a failure like any other
         print(f"vmlaunch: error: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
-    except BrokenPipeError:
-        # `vmlaunch cmdline lab.toml | head -1`: not an error worth a message
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
     except Exception as exc:  # a bug in vmlaunch, not the user's mistake
         if os.environ.get("VMLAUNCH_DEBUG"):
             raise

@@ -6,6 +6,7 @@ Exit codes (documented in the README):
   4   a run-time failure (QEMU refused to start, a host resource is busy)
   64  the command line itself is wrong (usage)
   130 interrupted
+  141 the reader of standard output went away (`vmlaunch cmdline lab.toml | head -1`), as SIGPIPE
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ EXIT_HOST = 3
 EXIT_RUNTIME = 4
 EXIT_USAGE = 64
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE: what a shell shows for `yes | head -1`
 
 
 def format_key_path(path: Sequence[str | int]) -> str:
