@@ -134,6 +134,9 @@ class Disk:
     bus: DiskBus = DiskBus.VIRTIO
     readonly: bool = False
     discard: bool = True  # pass guest TRIM through: images stay sparse
+    # Opt-ins for disk files vmlaunch refuses by default (vmlaunch/diskfiles.py has the rule):
+    block_device: bool = False  # the file may be a block device, not only a regular file
+    accept_other_owner: bool = False  # the file, or a folder on its path, may be another user's
 
 
 @attrs.frozen

@@ -437,7 +437,8 @@ class _Builder:
             self.writable_images.setdefault(key, path)
         if not ok:
             return None
-        given: dict[str, Any] = {key: raw[key] for key in ("discard",) if key in raw}
+        given: dict[str, Any] = {key: raw[key] for key in ("discard", "block_device", "accept_other_owner")
+                                 if key in raw}
         if "bus" in raw:
             given["bus"] = DiskBus(raw["bus"])
         return Disk(
