@@ -49,10 +49,20 @@ def running_vms(journal: Journal) -> dict[str, int]:
 
 
 def _apply(resource: Resource, ctx: Context, journal: Journal, stack: contextlib.ExitStack) -> None:
-    """Apply one resource, journal its record, and put its undo on the stack for a failing `up`."""
+    """Apply one resource, journal its record, and put its undo on the stack for a failing `up`.
+
+    A resource that writes for a while (an image) may name a `claim` to apply and journal first, unless
+    a killed run did: what a crash half-way leaves, `down` undoes and the next `up` finishes. The
+    finished record then replaces the claim's."""
+    claim_of = getattr(resource, "claim", None)
+    claim: Resource | None = claim_of(ctx) if claim_of is not None else None
+    if claim is not None and not journal.has(claim.kind, claim.key):
+        _apply(claim, ctx, journal, stack)
     record = resource.apply(ctx)
     entry = Entry(kind=resource.kind, key=resource.key, vm=resource.owner, record=record)
     stack.callback(_roll_back, entry, ctx, journal)  # first: undone even if the journal cannot be written
+    if claim is not None:
+        journal.resources = [e for e in journal.resources if (e.kind, e.key) != (claim.kind, claim.key)]
     journal.add(entry)
 
 
@@ -100,6 +110,10 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
             journal.save()
             pids = qemu.start(to_start)
             stack.callback(qemu.kill_all, list(pids.values()))
+            for resource in plan.resources:  # QEMUs wait paused: a resource may check what QEMU opened
+                check_opened = getattr(resource, "check_opened", None)
+                if check_opened is not None and resource.owner in pids:
+                    check_opened(pids[resource.owner])
             for vm in to_start:  # QEMU's daemonize sets umask 027; these are ours alone
                 journal.vms[vm.name] = VmEntry(pid=pids[vm.name], started=journal.vms[vm.name].started,
                                                accel=vm.accel.accel.value)
