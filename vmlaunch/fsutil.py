@@ -14,7 +14,7 @@ def write_atomic(path: Path, data: bytes | str, mode: int = 0o600, *, durable: b
     rebuilt pass False.
     """
     raw = data.encode() if isinstance(data, str) else data
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # is_temp_of knows this shape
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         with os.fdopen(fd, "wb") as out:
@@ -29,6 +29,12 @@ def write_atomic(path: Path, data: bytes | str, mode: int = 0o600, *, durable: b
         raise
     if durable:
         _fsync_dir(path.parent)
+
+
+def is_temp_of(name: str, target: str) -> bool:
+    """Whether `name` is a temp file `write_atomic` of `target` leaves when killed half-way."""
+    middle = name[len(target) + 2:-4] if name.startswith(f".{target}.") and name.endswith(".tmp") else ""
+    return middle.isdigit()
 
 
 def _fsync_dir(folder: Path) -> None:

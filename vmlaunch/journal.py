@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import os
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,9 +30,10 @@ import attrs
 from vmlaunch.errors import RuntimeFailure
 from vmlaunch.fsutil import write_atomic
 from vmlaunch.resources.base import Record
-from vmlaunch.rundir import RunDir
+from vmlaunch.rundir import RunDir, open_in_run_dir
 from vmlaunch.wait import TimedOut, wait_until
 
+MAX_SIZE = 64 << 20  # a journal of thousands of resources is under a megabyte
 JOURNAL_VERSION = 2  # 1: vmlaunch 0.1.0, records as loose JSON objects
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,10 @@ T = TypeVar("T")
 
 class JournalError(RuntimeFailure):
     """The journal cannot be read as one this vmlaunch wrote."""
+
+
+class LabTaken(RuntimeFailure):
+    """The lab's name is up from another spec file."""
 
 
 class LabBusy(RuntimeFailure):
@@ -155,12 +161,21 @@ class Journal:
         `unreadable`, so `down --force` removes everything it recognises.
         """
         journal = cls(run_dir)
+        if not run_dir.secure():
+            return journal
         try:
-            doc = json.loads(journal.path.read_bytes())
+            fd = open_in_run_dir(journal.path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not hang us
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise ValueError("it is not a regular file")
+                doc = json.loads(f.read(MAX_SIZE + 1))
         except FileNotFoundError:
             return journal
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             journal._fail(f"cannot be read: {exc}", force)
+            return journal
+        except RuntimeFailure as exc:  # a planted link
+            journal._fail(f"cannot be read: {exc.message}", force)
             return journal
         if not isinstance(doc, dict):
             journal._fail("is not one vmlaunch wrote (not a JSON object)", force)
@@ -202,6 +217,15 @@ class Journal:
                                "recognises; the rest is listed for you to remove by hand")
         self.unreadable.append(problem if data is None else f"{problem}: {json.dumps(data)[:200]}")
 
+    def check_spec(self, spec: str | os.PathLike[str], *, force: bool) -> None:
+        """Two spec files with one lab name would share this run dir: a lab that is up answers only
+        to the spec that brought it up (compared as resolved paths), unless `force` takes it over."""
+        mine = os.path.realpath(spec)
+        if self.spec is None or self.empty or os.path.realpath(self.spec) == mine or force:
+            return
+        raise LabTaken(f"lab {self.run_dir.lab} is up from another spec, {self.spec}, not {mine}",
+                       "use that spec, give this lab another name, or add --force to take it over")
+
     @property
     def empty(self) -> bool:
         return not self.resources and not self.vms
@@ -218,7 +242,8 @@ class Journal:
         }
 
     def save(self) -> None:
-        self.run_dir.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not self.run_dir.path.is_dir():
+            self.run_dir.create()
         write_atomic(self.path, json.dumps(self.document(), indent=1))
 
     def add(self, entry: Entry) -> None:
@@ -245,11 +270,19 @@ def locked(run_dir: RunDir, timeout: float) -> Iterator[None]:
     A waiter that then gets the lock on the removed file notices (the path names another inode, or
     none) and locks anew, so two processes never both hold the lab.
     """
-    run_dir.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    from vmlaunch.dirs import secure_dir
+
+    root = run_dir.path.parent
+    secure_dir(root, top=root, create=True)
     lock_path = run_dir.lock
 
     def take() -> int | None:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fd = open_in_run_dir(lock_path, os.O_RDWR | os.O_CREAT)
+        except OSError as exc:
+            if exc.errno != errno.EROFS:
+                raise
+            fd = open_in_run_dir(lock_path, os.O_RDONLY)  # a read-only run root: `down` still runs
         if _try_lock(fd) and _same_file(fd, lock_path):
             return fd
         os.close(fd)

@@ -18,8 +18,9 @@ from vmlaunch.errors import RuntimeFailure
 from vmlaunch.plan import VmPlan
 from vmlaunch.qemuopts import escape
 from vmlaunch.qmp import AsyncQmp, QmpError
-from vmlaunch.rundir import VmFiles
+from vmlaunch.rundir import VmFiles, open_in_run_dir
 from vmlaunch.signals import held
+from vmlaunch.textsafe import printable
 from vmlaunch.wait import TimedOut, wait_until, wait_until_async
 
 
@@ -40,11 +41,14 @@ def start(vms: Sequence[VmPlan]) -> dict[str, int]:
     procs: dict[str, subprocess.Popen[bytes]] = {}
     try:
         for vm in vms:
-            with open(vm.files.stderr_log, "wb") as stderr:
+            stderr = open_in_run_dir(vm.files.stderr_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            try:
                 # umask 077: the QMP and console sockets QEMU creates are for their owner only.
                 procs[vm.name] = subprocess.Popen([*vm.argv, "-daemonize", "-S"],
                                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                                   stderr=stderr, umask=0o077)
+            finally:
+                os.close(stderr)
         failures = []
         pids = {}
         for vm in vms:
@@ -52,7 +56,7 @@ def start(vms: Sequence[VmPlan]) -> dict[str, int]:
             if code == 0 and (pid := read_pid(vm.files)) is not None:
                 pids[vm.name] = pid
             else:
-                text = vm.files.stderr_log.read_text(errors="replace").strip()
+                text = printable(read_text(vm.files.stderr_log)).strip()
                 failures.append(f"{vm.name}: QEMU exited with status {code}: "
                                 f"{text or '(no message)'}\n"
                                 f"  command: {shlex.join(vm.argv)} -daemonize -S")
@@ -67,21 +71,46 @@ def start(vms: Sequence[VmPlan]) -> dict[str, int]:
 
 
 def _kill_started(vms: Sequence[VmPlan], procs: dict[str, subprocess.Popen[bytes]]) -> None:
-    """Interrupted while QEMUs were starting: kill the daemonizing parents and what they spawned."""
+    """Interrupted while QEMUs were starting: kill the daemonizing parents, wait for each, then kill
+    every process serving one of these VMs. The daemon forks twice and may not have written its
+    pidfile yet, so they are found by their command line (`scan`), until a scan finds none."""
     for proc in procs.values():
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
     for proc in procs.values():
         proc.wait()
-    kill_all([pid for vm in vms if vm.name in procs and (pid := read_pid(vm.files)) is not None
-              and is_our_qemu(pid, vm.files)])
+    started = [vm.files for vm in vms if vm.name in procs]
+    for _ in range(10):  # a fork that raced a scan shows in the next one
+        found = [pid for files in started for pid in scan(files)]
+        if not found:
+            return
+        kill_all(found)
+
+
+def read_text(path: Path) -> str:
+    """A file of the run dir as text ("" when missing), never read through a symlink."""
+    try:
+        fd = open_in_run_dir(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return ""
+    with os.fdopen(fd, "rb") as f:
+        return f.read().decode(errors="replace")
 
 
 def read_pid(files: VmFiles) -> int | None:
     try:
-        return int(files.pidfile.read_text().strip())
-    except (OSError, ValueError):
+        return int(read_text(files.pidfile).strip())
+    except (OSError, ValueError, RuntimeFailure):
         return None
+
+
+def scan(files: VmFiles) -> list[int]:
+    """Every live process serving this VM's QMP socket: the QEMU, also before it wrote its pidfile."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid() and is_our_qemu(int(entry), files):
+            pids.append(int(entry))
+    return pids
 
 
 def is_our_qemu(pid: int | None, files: VmFiles) -> bool:
@@ -97,12 +126,17 @@ def is_our_qemu(pid: int | None, files: VmFiles) -> bool:
 
 
 def find_pid(files: VmFiles, recorded: int | None = None) -> int | None:
-    """The pid of the VM's QEMU if it runs: the recorded one, else the one in its pidfile (a vmlaunch
-    killed while QEMU started never recorded it)."""
+    """The pid of the VM's QEMU if it runs: the recorded one, else the one in its pidfile, else one
+    found by its command line (a vmlaunch killed while QEMU started recorded neither)."""
     if is_our_qemu(recorded, files):
         return recorded
     pid = read_pid(files)
-    return pid if is_our_qemu(pid, files) else None
+    if is_our_qemu(pid, files):
+        return pid
+    if recorded is None:
+        found = scan(files)
+        return found[0] if found else None
+    return None
 
 
 def alive(pid: int) -> bool:

@@ -1,6 +1,7 @@
 """The one owner of a lab's run-dir layout: every file name under it is spelled here and nowhere else.
 
     run_root/LAB/              the run dir (0700)
+        .vmlaunch-run-dir      vmlaunch's mark: only a run dir that has it is ever removed
         state.json             the journal of what `up` did (`journal.py`)
         V.qmp  V.console       QMP and serial console sockets of VM V
         V.pid  V.stderr.log    QEMU's pidfile and its own messages
@@ -12,9 +13,30 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import attrs
+
+from vmlaunch.errors import RuntimeFailure
+
+MARK = ".vmlaunch-run-dir"
+STATE = "state.json"
+VM_SUFFIXES = (".qmp", ".console", ".console.lock", ".serial.log", ".pid", ".stderr.log")
+NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_in_run_dir(path: Path, flags: int, mode: int = 0o600) -> int:
+    """os.open that never follows a symlink: nothing in a run dir is one, so a link found there was
+    planted, and root must not create, truncate or read a file through it."""
+    try:
+        return os.open(path, flags | NOFOLLOW, mode)
+    except OSError as exc:
+        if exc.errno == 40:  # ELOOP: the last component is a symlink
+            raise RuntimeFailure(f"refusing to open {path}: it is a symlink, and vmlaunch never makes "
+                                 "one there", "remove it; someone may have planted it") from None
+        raise
 
 
 @attrs.frozen
@@ -25,6 +47,7 @@ class VmFiles:
     name: str
 
     def _file(self, suffix: str) -> Path:
+        assert suffix in VM_SUFFIXES
         return self.dir / f"{self.name}{suffix}"
 
     @property
@@ -82,7 +105,64 @@ class RunDir:
 
     @property
     def state(self) -> Path:
-        return self.path / "state.json"
+        return self.path / STATE
+
+    @property
+    def mark(self) -> Path:
+        return self.path / MARK
+
+    def secure(self, *, create: bool = False) -> bool:
+        """Check the run root and this run dir against the ownership rule (`dirs.secure_dir`); with
+        `create`, make what is missing. Returns whether the run dir exists."""
+        from vmlaunch.dirs import secure_dir
+
+        return secure_dir(self.path, top=self.path.parent, create=create)
+
+    def create(self) -> None:
+        """Make the run dir (0700, marked as vmlaunch's), or check the one there is vmlaunch's."""
+        existed = self.path.exists()
+        self.secure(create=True)
+        os.chmod(self.path, 0o700)
+        # Unmarked but with a journal: an older vmlaunch's run dir, which the journal then judges.
+        if existed and not self.mark.exists() and not self.state.exists() and any(os.scandir(self.path)):
+            raise RuntimeFailure(f"{self.path} exists and was not made by vmlaunch (it has no "
+                                 f"{MARK} mark), so lab {self.lab} cannot use it",
+                                 "move it away, or give the lab another name")
+        if not existed or not self.mark.exists():
+            fd = open_in_run_dir(self.mark, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            with os.fdopen(fd, "w") as out:
+                out.write(f"vmlaunch run dir of lab {self.lab}\n")
+
+    def remove(self) -> str | None:
+        """Remove the run dir if it is vmlaunch's (marked) and holds only what vmlaunch puts there;
+        else leave it and return why. Files are removed one by one, never through a link."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            return f"it cannot be opened ({exc.strerror})"
+        try:
+            names = os.listdir(fd)
+            if MARK not in names:
+                return f"it has no {MARK} mark, so vmlaunch did not make it"
+            strangers = [n for n in names if not _ours(n) or
+                         stat.S_ISDIR(os.lstat(n, dir_fd=fd).st_mode)]
+            if strangers:
+                return f"it holds what vmlaunch did not put there: {', '.join(sorted(strangers)[:5])}"
+            for name in names:
+                if name != MARK:
+                    os.unlink(name, dir_fd=fd)
+            os.unlink(MARK, dir_fd=fd)  # last: a removal cut short leaves a run dir still marked
+        except OSError as exc:
+            return f"it could not be emptied ({exc.strerror})"
+        finally:
+            os.close(fd)
+        try:
+            os.rmdir(self.path)
+        except OSError as exc:
+            return f"it could not be removed ({exc.strerror})"
+        return None
 
     @property
     def lock(self) -> Path:
@@ -93,3 +173,12 @@ class RunDir:
 
     def __str__(self) -> str:
         return str(self.path)
+
+
+def _ours(name: str) -> bool:
+    """A name vmlaunch puts in a run dir: the mark, the journal (and its temp files), a VM's files."""
+    from vmlaunch.fsutil import is_temp_of
+
+    if name in (MARK, STATE) or is_temp_of(name, STATE):
+        return True
+    return any(name.endswith(suffix) and len(name) > len(suffix) for suffix in VM_SUFFIXES)
