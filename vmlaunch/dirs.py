@@ -29,6 +29,20 @@ def cache_dir() -> Path:
     return Path(base) / "vmlaunch"
 
 
+def usable_cache_dir() -> Path | None:
+    """The cache dir when it passes the ownership rule (made if missing), else None: another user's
+    cache could name the QEMU binary vmlaunch runs, so it is neither read nor written."""
+    path = cache_dir()
+    try:
+        secure_dir(path, top=path, create=True, setting="VMLAUNCH_CACHE_DIR")
+        return path
+    except (UnsafeDirectory, OSError) as exc:
+        import logging
+
+        logging.getLogger(__name__).warning("not using the cache: %s", exc)
+        return None
+
+
 def run_root() -> Path:
     """Where labs keep their run dirs: VMLAUNCH_RUN_DIR, /run/vmlaunch as root, else XDG_RUNTIME_DIR
     (without one, as under sudo, su or cron: /tmp/vmlaunch-UID, which `secure_dir` checks is ours)."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from vmlaunch import __version__
-from vmlaunch.dirs import cache_dir, run_root
+from vmlaunch.dirs import run_root, usable_cache_dir
 from vmlaunch.errors import HostError
 
 if TYPE_CHECKING:
@@ -103,18 +103,22 @@ def _probe_key(binary: str) -> dict[str, Any]:
 
 def _cached_probe(binary: str) -> tuple[QemuInfo, KvmStatus]:
     key = _probe_key(binary)
-    cache = cache_dir() / "host.json"
+    folder = usable_cache_dir()
+    cache = folder / "host.json" if folder is not None else None
     try:
+        if cache is None:
+            raise FileNotFoundError("no usable cache")
         saved = json.loads(cache.read_text())
         if saved["key"] == key:
             return _qemu_from_json(saved["qemu"]), KvmStatus(**saved["kvm"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         pass
     qemu = probe_qemu(binary)
     kvm = probe_kvm(binary)
     record = {"key": key, "qemu": attrs.asdict(qemu), "kvm": attrs.asdict(kvm)}
     record["qemu"]["devices"] = sorted(qemu.devices)
-    _write_cache(cache, json.dumps(record, indent=1))
+    if cache is not None:
+        _write_cache(cache, json.dumps(record, indent=1))
     return qemu, kvm
 
 
