@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from vmlaunch.diskfiles import DiskOrigin
 from vmlaunch.errors import HostError, KeyPath, Location
 from vmlaunch.host import Host
 from vmlaunch.model import (
@@ -69,9 +70,11 @@ def host_resources(lab: LabSpec, vms: Sequence[VmSpec]) -> Iterator[Resource]:
         for dev in vm.pci:
             yield PciBind(address=dev.host, driver=dev.driver, vm=vm.name)
     for vm in vms:
-        for disk in vm.disks:
-            if disk.size is not None:
-                yield Image(path=disk.file, size=disk.size, format=disk.format, vm=vm.name)
+        for index, disk in enumerate(vm.disks):  # every disk file is checked; one with a size created
+            yield Image(path=disk.file, size=disk.size, format=disk.format, vm=vm.name,
+                        readonly=disk.readonly, block_device=disk.block_device,
+                        accept_other_owner=disk.accept_other_owner,
+                        origin=DiskOrigin(lab.file, ("vm", vm.name, "disk", index), lab.source))
     used = {nic.network for vm in vms for nic in vm.nics}
     for net in lab.networks:
         if isinstance(net, BridgeNetwork) and net.name in used:
