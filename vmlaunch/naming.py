@@ -2,35 +2,105 @@
 
 Derived names are stable across runs (a hash of what they belong to), so a lab comes back with the
 same MACs, taps and multicast groups, and differ between labs.
+
+Interface names: the default bridge of a network and the tap of a NIC are a 60-bit hash in base32 of
+what they belong to, `vlb<12>` for bridges and `vl-<12>` for taps, 15 bytes (the kernel's limit). The
+lab and VM names the spec allows (up to 20 and 32 bytes) do not fit IFNAMSIZ whole, so no injective
+name exists; 60 bits are enough because:
+
+- by accident: among n names the chance that any two collide is about n^2 / 2^61, one in 2 * 10^10
+  for 10,000 interfaces on one host;
+- on purpose: taking another lab's name needs a second preimage of SHA-256 cut to 60 bits, ~2^60
+  hashes (centuries of CPU time); a birthday collision (~2^30 hashes, minutes) needs both names
+  chosen by the attacker, so it only hits the attacker's own labs;
+- and whatever happens, an interface vmlaunch creates carries a mark (its ifalias, `vmlaunch lab=...`)
+  and vmlaunch never deletes an interface whose mark is not the lab's own: a collision is refused, it
+  never removes another lab's interface.
+
+The previous names were `vl-{lab}-{network}` (not injective: lab `p` network `q-r` and lab `p-q`
+network `r` shared a bridge) and a 32-bit hash for taps (collisions found in under a second).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import re
 
 IFNAMSIZ = 16  # the kernel's limit for interface names, including the terminating NUL
 DEFAULT_MAC_PREFIX = "52:54:00"  # QEMU's and libvirt's locally administered range
+NAME_HASH_CHARS = 12  # base32: 5 bits each, 60 bits
+
+# Printable ASCII without the space. The kernel takes any other byte too (control characters,
+# non-ASCII); such names cannot be shown or typed safely, and a trailing newline passes `$`.
+_INTERFACE_NAME = re.compile(r"[!-~]+")
+
+MARK = "vmlaunch"  # the first word of the ifalias of every interface vmlaunch creates
+_MARK_FIELD = re.compile(r"([a-z]+)=([!-~]+)")
 
 
 def interface_name_problem(name: str) -> str | None:
-    """Why the kernel would refuse `name` as a network interface name, or None."""
+    """Why `name` cannot be a network interface name vmlaunch creates or uses, or None.
+
+    At least as strict as the kernel's dev_valid_name (net/core/dev.c): 1 to IFNAMSIZ - 1 bytes, not
+    "." or "..", no '/', ':' or white space; also no '%' (a format to the kernel) and nothing but
+    printable ASCII (no NUL, control characters, or non-ASCII).
+    """
     if not name:
         return "an interface name must not be empty"
     if len(name.encode()) >= IFNAMSIZ:
         return f"{name!r} is {len(name.encode())} bytes; interface names have at most {IFNAMSIZ - 1}"
     if name in (".", "..") or any(c in name for c in "/:") or any(c.isspace() for c in name):
         return f"{name!r} is not a valid interface name (no '/', ':' or spaces; not '.' or '..')"
+    if "%" in name:
+        return f"{name!r} is not a valid interface name (no '%': the kernel reads \"%d\" as a number to pick)"
+    if _INTERFACE_NAME.fullmatch(name) is None:
+        return f"{name!r} is not a valid interface name (printable ASCII only: no NUL, control or non-ASCII)"
     return None
 
 
+def _name_hash(*parts: str) -> str:
+    """NAME_HASH_CHARS of base32 (lower case) of SHA-256 over `parts`, which never hold a NUL."""
+    digest = hashlib.sha256("\0".join(parts).encode()).digest()
+    return base64.b32encode(digest).decode().lower()[:NAME_HASH_CHARS]
+
+
 def default_bridge_name(lab: str, network: str) -> str:
-    return f"vl-{lab}-{network}"
+    """The bridge of a network whose spec names none: vlb<60-bit hash of lab and network>."""
+    return f"vlb{_name_hash('bridge', lab, network)}"
 
 
 def tap_name(lab: str, vm: str, index: int) -> str:
-    """A tap name that fits IFNAMSIZ, is stable, and differs between labs: vl-<hash>-<nic>."""
-    digest = hashlib.sha256(f"{lab}\0{vm}".encode()).hexdigest()
-    return f"vl-{digest[:8]}-{index}"
+    """The tap of NIC `index` of a VM: vl-<60-bit hash of lab, VM and NIC index>.
+
+    Never equal to a default bridge name (the third character differs).
+    """
+    return f"vl-{_name_hash('tap', lab, vm, str(index))}"
+
+
+def interface_mark(lab: str, **fields: str) -> str:
+    """The ifalias vmlaunch gives an interface it creates: `vmlaunch lab=LAB key=value ...`."""
+    return " ".join([MARK, f"lab={lab}", *(f"{key}={value}" for key, value in fields.items())])
+
+
+def mark_fields(alias: str | None) -> dict[str, str] | None:
+    """The fields of a vmlaunch mark (always with "lab"), None when `alias` is not one."""
+    words = (alias or "").split(" ")
+    if words[0] != MARK:
+        return None
+    fields: dict[str, str] = {}
+    for word in words[1:]:
+        found = _MARK_FIELD.fullmatch(word)
+        if found is None or found[1] in fields:
+            return None
+        fields[found[1]] = found[2]
+    return fields if "lab" in fields else None
+
+
+def mark_lab(alias: str | None) -> str | None:
+    """The lab a vmlaunch mark names, None when `alias` is not a vmlaunch mark."""
+    fields = mark_fields(alias)
+    return None if fields is None else fields["lab"]
 
 
 def derive_mac(prefix: str, lab: str, vm: str, index: int) -> str:
@@ -63,13 +133,9 @@ def process_name(vm: str) -> str:
 
 def is_pci_address(text: str) -> bool:
     """A normalised PCI address: "0000:15:00.0" (domain:bus:slot.function, lower case)."""
-    import re
-
     return re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", text) is not None
 
 
 def is_driver_name(name: str) -> bool:
     """A kernel driver name as it appears under /sys/bus/pci/drivers (never a path)."""
-    import re
-
     return re.fullmatch(r"[A-Za-z0-9_.+-]+", name) is not None and name not in (".", "..")
