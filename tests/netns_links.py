@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import struct
 import subprocess
@@ -26,12 +27,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import attrs  # noqa: E402
 
-from vmlaunch.hostlinks import LinkError, netlink  # noqa: E402
+from vmlaunch.dirs import run_root  # noqa: E402
+from vmlaunch.hostlinks import LinkError, Netlink, netlink  # noqa: E402
+from vmlaunch.naming import default_bridge_name, tap_name  # noqa: E402
 from vmlaunch.resources.base import Context  # noqa: E402
 from vmlaunch.resources.bridge import Bridge, BridgeRecord  # noqa: E402
+from vmlaunch.resources.bridge_registry import REGISTRY_FILE  # noqa: E402
 from vmlaunch.resources.tap import Tap, TapRecord  # noqa: E402
+from vmlaunch.rundir import RunDir  # noqa: E402
 
 CTX = Context(lab="t")
+WARNINGS: list[str] = []  # what vmlaunch logged at WARNING, for the scenarios that expect it
+
+
+class _Collect(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING:
+            WARNINGS.append(record.getMessage())
 
 
 class netdev:  # noqa: N801 - the resources' apply and undo, by the names the scenarios use
@@ -79,6 +91,7 @@ def links() -> dict[str, dict[str, Any]]:
         info = link.get("linkinfo", {})
         result[link["ifname"]] = {"index": link["ifindex"], "kind": info.get("info_kind"),
                                   "master": link.get("master"), "mtu": link["mtu"],
+                                  "alias": link.get("ifalias"),
                                   "up": "UP" in link["flags"],
                                   "lower_up": "LOWER_UP" in link["flags"],
                                   "tun": info.get("info_data", {}) if info.get("info_kind") == "tun" else {}}
@@ -197,9 +210,11 @@ def not_bridge(_: str) -> dict[str, Any]:
 
 
 def stale(_: str) -> dict[str, Any]:
-    """A tap left by a killed run (other flags, no master) is replaced; one held open is not."""
+    """A tap of the lab's left by a killed run (other flags, no master) is replaced; one held open is
+    not."""
     netdev.ensure_bridge(lab_bridge())
     ip("tuntap", "add", "dev", "vltap-a", "mode", "tap", "multi_queue")
+    ip("link", "set", "vltap-a", "alias", "vmlaunch lab=t vm=alpha bridge=vlbr-t")  # a killed up's
     old = links()["vltap-a"]
     tap = netdev.create_tap(lab_tap("vltap-a", mtu=1400))
     new = links()["vltap-a"]
@@ -283,15 +298,166 @@ def qemu_queues(qemu: str) -> dict[str, Any]:
     return {"running": running, "opened": opened, "stderr": stderr}
 
 
+# --- labs that share a host --------------------------------------------------------------------------
+
+
+def journal_of(lab: str) -> None:
+    """Make `lab` look up (a journal in its run dir): its claims on bridges are live."""
+    run_dir = RunDir.of(run_root(), lab)
+    run_dir.path.mkdir(parents=True, exist_ok=True)
+    run_dir.state.write_text("{}")
+
+
+def gone(lab: str) -> None:
+    """`lab` went down: its run dir is removed, as `down` does."""
+    run_dir = RunDir.of(run_root(), lab)
+    run_dir.state.unlink()
+    run_dir.path.rmdir()
+
+
+def registry() -> dict[str, Any]:
+    path = run_root() / REGISTRY_FILE
+    if not path.exists():
+        return {}
+    bridges: dict[str, Any] = json.loads(path.read_text())["bridges"]
+    return bridges
+
+
+def shared(order: str) -> dict[str, Any]:
+    """Labs a and b share bridge vlbr-s, each with a tap on it; they go down in `order` ("ab", "ba")."""
+    records = {}
+    for lab in "ab":
+        journal_of(lab)
+        ctx = Context(lab=lab)
+        bridge = Bridge(name="vlbr-s", network="lan").apply(ctx)
+        tap = Tap(ifname=f"vltap-{lab}", bridge="vlbr-s", vm="vm").apply(ctx)
+        records[lab] = (bridge, tap)
+    up, up_registry = links(), registry()
+    steps = []
+    for lab in order:
+        bridge, tap = records[lab]
+        tap.undo(Context(lab=lab), rollback=False)
+        bridge.undo(Context(lab=lab), rollback=False)
+        gone(lab)
+        steps.append({"links": links(), "registry": registry()})
+    return {"records": {lab: as_json(b) for lab, (b, _) in records.items()}, "up": up,
+            "up_registry": up_registry, "steps": steps}
+
+
+def shared_stale(_: str) -> dict[str, Any]:
+    """Lab a's claim is stale (its run dir was removed without a down): b, the last live user,
+    removes the bridge vmlaunch created; a bridge that existed before is kept however labs leave."""
+    journal_of("a")
+    Bridge(name="vlbr-s", network="lan").apply(Context(lab="a"))
+    journal_of("b")
+    record = Bridge(name="vlbr-s", network="lan").apply(Context(lab="b"))
+    gone("a")  # no down: its claim stays in the registry
+    before = registry()
+    record.undo(Context(lab="b"), rollback=False)
+    after_stale = {"links": links(), "registry": registry()}
+    ip("link", "add", "vlbr-pre", "type", "bridge")
+    pre = {lab: Bridge(name="vlbr-pre", network="lan").apply(Context(lab=lab)) for lab in "ab"}
+    for lab in "ab":
+        pre[lab].undo(Context(lab=lab), rollback=False)
+    return {"before": before, "after_stale": after_stale, "pre": {k: as_json(v) for k, v in pre.items()},
+            "after_pre": {"links": links(), "registry": registry()}}
+
+
+def killed_step(mode: str) -> dict[str, Any]:
+    """Lab k's up, killed (SIGKILL: no rollback) after creating its bridge: before marking it
+    (`create`), or after apply returned, before the executor journaled the record (`apply`)."""
+    bridge = Bridge(name=default_bridge_name("k", "lan"), network="lan")
+    if mode == "create":
+        add = Netlink.add
+
+        def add_then_die(self: Netlink, name: str, doing: str, **kwargs: Any) -> bool:
+            add(self, name, doing, **kwargs)
+            os._exit(9)
+
+        Netlink.add = add_then_die  # type: ignore[method-assign]
+    bridge.apply(Context(lab="k"))
+    os._exit(9)
+
+
+def killed(_: str) -> dict[str, Any]:
+    """After a killed up (`killed_step`), `down` of lab k removes the bridge; or the next up finishes
+    it (the record says created) and its down removes it. One result per way."""
+    from vmlaunch import executor
+
+    name = default_bridge_name("k", "lan")
+    results: dict[str, Any] = {}
+    for mode in ("create-down", "apply-down", "create-up", "apply-up"):
+        step = subprocess.run([sys.executable, __file__, "killed_step", mode.split("-")[0]],
+                              capture_output=True, text=True, check=False)
+        after_kill = {"rc": step.returncode, "links": links(), "registry": registry()}
+        result: dict[str, Any] = {"name": name, "after_kill": after_kill}
+        if mode.endswith("-down"):
+            result["down"] = executor.down(RunDir.of(run_root(), "k"))
+        else:
+            record = Bridge(name=name, network="lan").apply(Context(lab="k"))
+            result["record"] = as_json(record)
+            result["up"] = {"links": links(), "registry": registry()}
+            record.undo(Context(lab="k"), rollback=False)
+        result["after"] = {"links": links(), "registry": registry()}
+        results[mode] = result
+    return results
+
+
+def leaked_tap(_: str) -> dict[str, Any]:
+    """The lab's own tap leaked in its bridge (its record lost): removing the bridge removes it
+    first. Another lab's tap keeps the bridge (and is untouched) until it is gone."""
+    bridge = netdev.ensure_bridge(lab_bridge())
+    netdev.create_tap(lab_tap("vltap-a"))  # its record is lost
+    up = links()
+    netdev.remove_bridge(bridge)
+    own = links()
+    bridge = netdev.ensure_bridge(lab_bridge())
+    Tap(ifname="vltap-o", bridge="vlbr-t", vm="vm").apply(Context(lab="other"))
+    netdev.remove_bridge(bridge)
+    other = {"links": links(), "registry": registry(), "warnings": list(WARNINGS)}
+    ip("link", "del", "vltap-o")
+    netdev.remove_bridge(bridge)
+    return {"up": up, "own": own, "other": other, "down": links()}
+
+
+def marks(_: str) -> dict[str, Any]:
+    """Taps of another lab, or not vmlaunch's, are never replaced or deleted; a default bridge name
+    taken by another lab's bridge or an unmarked one is refused."""
+    netdev.ensure_bridge(lab_bridge())
+    name = tap_name("t", "alpha", 0)
+    Tap(ifname=name, bridge="vlbr-t", vm="web").apply(Context(lab="other"))
+    ip("tuntap", "add", "dev", "vltap-u", "mode", "tap")
+    before = links()
+    result: dict[str, Any] = {
+        "up_other": attempt(lambda: netdev.create_tap(lab_tap(name))),
+        "up_unmarked": attempt(lambda: netdev.create_tap(lab_tap("vltap-u"))),
+    }
+    netdev.remove_tap(TapRecord(name=name, bridge="vlbr-t"))
+    netdev.remove_tap(TapRecord(name="vltap-u", bridge="vlbr-t"))
+    result["warnings"] = list(WARNINGS)
+    mine = default_bridge_name("t", "lan")
+    ip("link", "add", mine, "type", "bridge")
+    result["bridge_unmarked"] = attempt(lambda: netdev.ensure_bridge(Bridge(name=mine, network="lan")))
+    ip("link", "set", mine, "alias", "vmlaunch lab=other net=lan")
+    result["bridge_other"] = attempt(lambda: netdev.ensure_bridge(Bridge(name=mine, network="lan")))
+    ip("link", "set", mine, "alias", "vmlaunch lab=t net=lan")
+    result["bridge_own"] = as_json(netdev.ensure_bridge(Bridge(name=mine, network="lan")))
+    return {**result, "before": before, "after": links()}
+
+
 SCENARIOS: dict[str, Callable[[str], dict[str, Any]]] = {
     f.__name__: f for f in (basic, existing, foreign, uplink, not_bridge, stale, twice, step_up, step_down,
-                            fresh_process, no_cap, no_cap_tap, qemu_queues)
+                            fresh_process, no_cap, no_cap_tap, qemu_queues, shared, shared_stale,
+                            killed_step, killed, leaked_tap, marks)
 }
 
 
 def main() -> None:
     name, arg = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "")
-    if name not in ("step_up", "step_down") and set(links()) - {"vlbr-pre"}:
+    if not os.environ.get("VMLAUNCH_RUN_DIR"):  # the bridge registry: never the host's own
+        sys.exit("netns_links.py: set VMLAUNCH_RUN_DIR to a directory of the test's own")
+    logging.getLogger("vmlaunch").addHandler(_Collect())
+    if name not in ("step_up", "step_down", "killed_step") and set(links()) - {"vlbr-pre"}:
         sys.exit(f"netns_links.py: refusing to run {name}: not in a fresh network namespace")
     print(json.dumps(SCENARIOS[name](arg)))
 

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,13 @@ def _netns_usable() -> None:
 
 
 def in_netns(scenario: str, *args: str, wrap: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Run one scenario of netns_links.py in a fresh network namespace; its JSON result."""
-    done = subprocess.run([*NETNS, *wrap, sys.executable, str(SCRIPT), scenario, *args], capture_output=True,
-                          text=True, check=False, timeout=120)
+    """Run one scenario of netns_links.py in a fresh network namespace (and a run root of its own, for
+    the bridge registry); its JSON result."""
+    with tempfile.TemporaryDirectory(prefix="vl-links-") as run_root:
+        os.chmod(run_root, 0o755)  # a scenario may drop privileges
+        env = {**os.environ, "VMLAUNCH_RUN_DIR": run_root}
+        done = subprocess.run([*NETNS, *wrap, sys.executable, str(SCRIPT), scenario, *args],
+                              capture_output=True, text=True, check=False, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     result: dict[str, Any] = json.loads(done.stdout)
@@ -173,3 +178,75 @@ def test_qemu_opens_multi_queue_tap_with_two_queues(qemu_binary: str) -> None:
     opened = result["opened"]
     assert opened["vltap-mq"]["lower_up"] and opened["vltap-mq"]["tun"]["numqueues"] == 2
     assert opened["vltap-sq"]["lower_up"] and opened["vltap-sq"]["tun"]["multi_queue"] is False
+
+
+# --- labs that share a host (issue 7) ----------------------------------------------------------------
+
+
+def test_marks_are_set_on_what_vmlaunch_creates() -> None:
+    up = in_netns("basic")["up"]
+    assert up["vlbr-t"]["alias"] == "vmlaunch lab=t net=lan"
+    assert up["vltap-a"]["alias"] == "vmlaunch lab=t vm=alpha bridge=vlbr-t"
+
+
+@pytest.mark.parametrize("order", ["ab", "ba"])
+def test_shared_bridge_goes_with_the_last_lab_in_either_order(order: str) -> None:
+    result = in_netns("shared", order)
+    # created by the first lab; for the registry it is vmlaunch's whichever lab goes first
+    assert result["records"]["a"]["created"] is True and result["records"]["b"]["created"] is True
+    assert result["up_registry"]["vlbr-s"]["labs"] == ["a", "b"]
+    assert result["up_registry"]["vlbr-s"]["index"] == result["up"]["vlbr-s"]["index"]
+    first, last = result["steps"]
+    assert set(first["links"]) == {"vlbr-s", f"vltap-{order[1]}"}  # kept for the other lab
+    assert first["registry"]["vlbr-s"]["labs"] == [order[1]]
+    assert last == {"links": {}, "registry": {}}
+
+
+def test_stale_claim_does_not_keep_a_bridge_and_a_foreign_bridge_is_never_removed() -> None:
+    result = in_netns("shared_stale")
+    assert result["before"]["vlbr-s"]["labs"] == ["a", "b"]
+    assert result["after_stale"] == {"links": {}, "registry": {}}
+    assert all(record["created"] is False for record in result["pre"].values())
+    assert set(result["after_pre"]["links"]) == {"vlbr-pre"} and result["after_pre"]["registry"] == {}
+
+
+def test_up_killed_between_creating_and_journaling_a_bridge() -> None:
+    for mode, result in in_netns("killed").items():
+        name, killed = result["name"], result["after_kill"]
+        assert killed["rc"] == 9, mode
+        assert set(killed["links"]) == {name}, mode  # the bridge is there, and so is the claim
+        assert killed["registry"][name]["labs"] == ["k"] and killed["registry"][name]["created"], mode
+        if mode.endswith("-up"):  # the next up finishes it: vmlaunch's, marked, its index recorded
+            assert result["record"]["created"] is True
+            assert result["up"]["links"][name]["alias"] == "vmlaunch lab=k net=lan"
+            assert result["up"]["registry"][name]["index"] == result["up"]["links"][name]["index"]
+        assert result["after"] == {"links": {}, "registry": {}}, mode
+
+
+def test_own_leaked_tap_does_not_keep_the_bridge_another_labs_does() -> None:
+    result = in_netns("leaked_tap")
+    assert result["up"]["vltap-a"]["master"] == "vlbr-t"
+    assert result["own"] == {}  # the lab's leaked tap, then the bridge
+    other = result["other"]
+    assert set(other["links"]) == {"vlbr-t", "vltap-o"}
+    assert other["links"]["vltap-o"]["alias"] == "vmlaunch lab=other vm=vm bridge=vlbr-t"
+    assert other["registry"]["vlbr-t"] == {"created": True, "index": other["links"]["vlbr-t"]["index"],
+                                           "uplink": None, "labs": []}
+    assert any("vltap-o (lab other's" in line for line in other["warnings"])
+    assert result["down"] == {}  # released again once the other tap is gone
+
+
+def test_interfaces_of_other_labs_or_not_vmlaunchs_are_refused_and_kept() -> None:
+    result = in_netns("marks")
+    assert "a tap of that name exists and is lab other's" in result["up_other"]["error"]
+    assert "ip link del" in result["up_other"]["hint"]
+    assert "exists and is not marked by vmlaunch" in result["up_unmarked"]["error"]
+    taken = [name for name, link in result["before"].items() if link["kind"] == "tun"]
+    assert len(taken) == 2
+    for name in taken:  # neither up nor down touched them
+        assert result["after"][name]["index"] == result["before"][name]["index"]
+        assert any(line.startswith(f"tap {name} of lab t: not deleted") for line in result["warnings"])
+    assert "is not marked by vmlaunch" in result["bridge_unmarked"]["error"]
+    assert "network.lan.bridge" in result["bridge_unmarked"]["hint"]
+    assert "is lab other's" in result["bridge_other"]["error"]
+    assert result["bridge_own"]["created"] is True  # marked by this lab: a leftover of its own

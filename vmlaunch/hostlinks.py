@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 import attrs
 
 from vmlaunch.errors import EXIT_HOST, RuntimeFailure, needs_root
-from vmlaunch.naming import interface_name_problem
+from vmlaunch.naming import interface_name_problem, mark_lab
 
-# the kernel's IFLA_INFO_KIND of a tap created through pyroute2's "tuntap"
+# the kernel's IFLA_INFO_KIND of a tap (a tun device in tap mode)
 TUN_KIND = "tun"
 BRIDGE_KIND = "bridge"
 
@@ -55,12 +55,26 @@ class Link:
     kind: str | None  # IFLA_INFO_KIND: "bridge", "tun" (taps), "veth", None (physical NICs, lo)
     master: int | None
     carrier: bool  # for a tap: a process (QEMU) has it open
+    alias: str | None = None  # IFLA_IFALIAS: vmlaunch's mark on what it created (naming.interface_mark)
 
     @classmethod
     def parse(cls, msg: Any) -> Link:
         master = msg.get("master")
+        alias = msg.get("ifalias")
         return cls(index=int(msg["index"]), name=str(msg.get("ifname")), kind=msg.get(("linkinfo", "kind")),
-                   master=int(master) if master else None, carrier=bool(msg.get("carrier")))
+                   master=int(master) if master else None, carrier=bool(msg.get("carrier")),
+                   alias=str(alias) if alias else None)
+
+    @property
+    def lab(self) -> str | None:
+        """The lab whose vmlaunch created this interface (its mark), None when not marked by vmlaunch."""
+        return mark_lab(self.alias)
+
+    def owner_text(self) -> str:
+        """Whose it is, for a message: "lab demo's (marked ...)" or "not marked by vmlaunch"."""
+        if self.lab is not None:
+            return f"lab {self.lab}'s (marked {self.alias!r})"
+        return "not marked by vmlaunch" + (f" (alias {self.alias!r})" if self.alias else "")
 
     def describe(self) -> str:
         return {BRIDGE_KIND: "a bridge", TUN_KIND: "a tun/tap device", None: "a network device"}.get(
@@ -126,6 +140,10 @@ class Netlink:
     def set(self, link: Link, doing: str, **kwargs: Any) -> None:
         self._call(link.name, doing, lambda: self._ipr.link("set", index=link.index, **kwargs))
 
+    def mark(self, link: Link, mark: str) -> None:
+        """Mark an interface vmlaunch created as its own (its ifalias, `ip link` shows it as alias)."""
+        self.set(link, "marking it as vmlaunch's", ifalias=mark)
+
     def delete(self, link: Link) -> None:
         """Delete an interface; one already gone is not an error."""
         try:
@@ -156,6 +174,48 @@ def netlink(ifname: str) -> Iterator[Netlink]:
         raise _netlink_error(ifname, "opening a netlink socket", code, exc.args) from exc
     with ipr:
         yield Netlink(ipr)
+
+
+IFF_TAP, IFF_NO_PI, IFF_MULTI_QUEUE, IFF_TUN_EXCL = 0x0002, 0x1000, 0x0100, 0x8000
+
+
+@contextlib.contextmanager
+def new_tap(nl: Netlink, name: str, *, multi_queue: bool, mark: str) -> Iterator[Link]:
+    """Create a tap and mark it; set it up in the block; it persists only when the block succeeds.
+
+    The tap is created without TUNSETPERSIST, so it lives only while our file descriptor is open:
+    killed (even by SIGKILL) before the end of the block, vmlaunch leaves no tap behind, and every tap
+    that outlives it carries its mark. IFF_TUN_EXCL makes the kernel refuse a name in use (EBUSY)
+    rather than attach to that interface.
+    """
+    import fcntl
+    import struct
+
+    from pyroute2.netlink.rtnl.ifinfmsg.tuntap import TUNSETIFF, TUNSETPERSIST
+
+    flags = IFF_TAP | IFF_NO_PI | IFF_TUN_EXCL | (IFF_MULTI_QUEUE if multi_queue else 0)
+    try:
+        fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _netlink_error(name, "opening /dev/net/tun", exc.errno, (exc.errno, exc.strerror)) from exc
+    try:
+        try:
+            fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH22x", name.encode(), flags))  # struct ifreq
+        except OSError as exc:
+            if exc.errno == errno.EBUSY:
+                raise LinkError(name, "an interface of that name appeared while creating the tap",
+                                code=exc.errno) from exc
+            raise _netlink_error(name, "creating the tap", exc.errno, (exc.errno, exc.strerror)) from exc
+        tap = nl.require(name, "after creating it")
+        nl.mark(tap, mark)
+        yield nl.require(name, "after marking it")
+        try:
+            fcntl.ioctl(fd, TUNSETPERSIST, 1)
+        except OSError as exc:
+            raise _netlink_error(name, "making the tap persistent", exc.errno,
+                                 (exc.errno, exc.strerror)) from exc
+    finally:
+        os.close(fd)  # before TUNSETPERSIST: the kernel removes the tap
 
 
 def check_name(name: str) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from vmlaunch.resources.base import Record
-from vmlaunch.resources.bridge import BridgeRecord
+from collections.abc import Callable
+
+from vmlaunch.resources.base import Context, Record
+from vmlaunch.resources.bridge import BridgeRecord, release_unjournaled_bridges
 from vmlaunch.resources.image import ImageRecord
 from vmlaunch.resources.pci import PciRecord
 from vmlaunch.resources.tap import TapRecord
@@ -14,3 +16,14 @@ RECORDS: dict[str, type[Record]] = {record.kind: record for record in (
     TapRecord,
     PciRecord,
 )}
+
+# Kinds that keep claims outside the journal (a bridge shared between labs: bridge_registry.py), each a
+# function that drops the lab's claims no journaled record backs. One line per kind.
+UNJOURNALED_CLAIMS: tuple[Callable[[Context, Callable[[str, str], bool]], list[str]], ...] = (
+    release_unjournaled_bridges,
+)
+
+
+def release_unjournaled(ctx: Context, journaled: Callable[[str, str], bool]) -> list[str]:
+    """For `down`: drop what an `up` killed between claiming and journaling left; what failed."""
+    return [problem for release in UNJOURNALED_CLAIMS for problem in release(ctx, journaled)]

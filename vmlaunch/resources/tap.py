@@ -4,20 +4,27 @@ vmlaunch owns its taps rather than leaving them to ifup/ifdown scripts: a downsc
 QEMU is killed, so scripts leak taps. A tap is journaled like any resource and removed by `down` or a
 failed `up`, whatever happened to QEMU.
 
+Every tap vmlaunch creates carries its lab's mark (ifalias `vmlaunch lab=L vm=V bridge=B`), set before
+the tap is made persistent, so no tap outlives vmlaunch without it. A tap is only ever replaced or
+deleted when it carries the lab's own mark: a name taken by another lab's tap, or by one vmlaunch did
+not create, is refused by `up` and left (with a warning) by `down`.
+
 Coverage: this runs only inside private network namespaces (tests/netns_links.py and the end-to-end
 tests, both subprocesses), which `make test`'s in-process coverage figure does not see.
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
 from typing import Any, ClassVar
 
 import attrs
 
-from vmlaunch.hostlinks import BRIDGE_KIND, TUN_KIND, LinkError, check_name, netlink
-from vmlaunch.naming import interface_name_problem
+from vmlaunch.hostlinks import BRIDGE_KIND, TUN_KIND, LinkError, check_name, netlink, new_tap
+from vmlaunch.naming import interface_mark, interface_name_problem
 from vmlaunch.resources.base import Context
+
+log = logging.getLogger(__name__)
 
 
 def _interface_name(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
@@ -27,7 +34,7 @@ def _interface_name(instance: object, attribute: attrs.Attribute[Any], value: st
 
 @attrs.frozen
 class TapRecord:
-    """A tap `Tap.apply` made (always ours: a stale one of the same name is replaced)."""
+    """A tap `Tap.apply` made (always ours: a stale one of the lab's is replaced)."""
 
     kind: ClassVar[str] = "tap"
 
@@ -35,11 +42,17 @@ class TapRecord:
     bridge: str = attrs.field(validator=_interface_name)
 
     def undo(self, ctx: Context, *, rollback: bool) -> None:
-        """Delete the tap; one already gone (or an interface of that name that is no tap) is left."""
+        """Delete the tap. One already gone is nothing to do; an interface of that name that is not a
+        tap with the lab's mark is not ours, and left with a warning."""
         with netlink(self.name) as nl:
             tap = nl.get(self.name)
-            if tap is not None and tap.kind == TUN_KIND:
-                nl.delete(tap)
+            if tap is None:
+                return
+            if tap.kind != TUN_KIND or tap.lab != ctx.lab:
+                log.warning("tap %s of lab %s: not deleted: the interface of that name is %s, %s",
+                            self.name, ctx.lab, tap.describe(), tap.owner_text())
+                return
+            nl.delete(tap)
 
     def describe(self) -> str:
         return f"tap {self.name} on bridge {self.bridge}"
@@ -72,10 +85,11 @@ class Tap:
         return None
 
     def apply(self, ctx: Context) -> TapRecord:
-        """Create the tap (MTU, port of its bridge, up), replacing a stale one of that name.
+        """Create the tap (marked, MTU, port of its bridge, up), replacing a stale one of the lab's.
 
-        A tap of that name that no process has open (left by a killed vmlaunch) is deleted and
-        recreated; one that is open (a running QEMU) or an interface that is not a tap is an error.
+        A tap of that name with the lab's mark that no process has open (left by a killed vmlaunch) is
+        deleted and recreated; one that is open (a running QEMU), that is another lab's or not marked by
+        vmlaunch, or an interface that is not a tap is an error.
         """
         check_name(self.ifname)
         with netlink(self.ifname) as nl:
@@ -89,24 +103,19 @@ class Tap:
                 if old.kind != TUN_KIND:
                     raise LinkError(self.ifname, f"the tap of {self.vm} cannot be created: an interface "
                                     f"of that name exists and is {old.describe()}")
+                if old.lab != ctx.lab:
+                    raise LinkError(self.ifname, f"the tap of {self.vm} cannot be created: a tap of that "
+                                    f"name exists and is {old.owner_text()}",
+                                    hint="vmlaunch never removes what is not its lab's; if it is a "
+                                    f"leftover, `ip link del {self.ifname}`")
                 if old.carrier:
                     raise LinkError(self.ifname, f"the tap of {self.vm} exists and a process has it open",
                                     hint="is this lab already up? (`vmlaunch status`)")
                 nl.delete(old)
-            # pyroute2 creates taps with the TUNSETIFF ioctl, which attaches to an existing tap of that
-            # name rather than failing (hence the look-up above) and fails with EINVAL on a non-tap
-            flags = {"no_pi": True, "multi_queue": self.multi_queue}
-            if not nl.add(self.ifname, f"creating the tap of {self.vm}", kind="tuntap", mode="tap",
-                          ifr=flags):
-                raise LinkError(self.ifname, "an interface of that name appeared while creating the tap")
-            tap = nl.require(self.ifname, "after creating it")
-            try:
+            mark = interface_mark(ctx.lab, vm=self.vm, bridge=self.bridge)
+            with new_tap(nl, self.ifname, multi_queue=self.multi_queue, mark=mark) as tap:
                 if self.mtu is not None:  # before enslaving: a bridge with a set MTU keeps it
                     nl.set(tap, f"setting mtu {self.mtu}", mtu=self.mtu)
                 nl.set(tap, f"enslaving it to bridge {self.bridge}", master=bridge.index)
                 nl.set(tap, "bringing it up", state="up")
-            except BaseException:
-                with contextlib.suppress(LinkError):
-                    nl.delete(tap)
-                raise
         return TapRecord(name=self.ifname, bridge=self.bridge)

@@ -1,0 +1,235 @@
+"""Which labs use which bridge, host-wide, and whether vmlaunch created it: `bridges.json` in the run root.
+
+A bridge can be shared: two labs whose specs name the same `network.X.bridge`. Whether it is removed
+must not depend on which lab saw it first, nor on the order the labs go down, so one file records, for
+every bridge a lab uses, the labs that use it and whether vmlaunch created it; the last lab to leave a
+bridge vmlaunch created removes it, and a bridge vmlaunch did not create is never removed.
+
+    {"version": 1,
+     "bridges": {"br0": {"created": true, "index": 7, "uplink": "eth1", "labs": ["a", "b"]}}}
+
+- `created`: vmlaunch created the bridge, the interface whose ifindex is `index`. The claim is written
+  before the bridge is created, with `index` null until it is: a vmlaunch killed in between leaves a
+  claim that the next `up` or `down` of its lab finishes (ifindexes are not reused, so a bridge
+  deleted and made again by someone else is not taken for ours).
+- `uplink`: the uplink vmlaunch enslaved to it, released when the last lab leaves.
+- `labs`: the labs that use it. A lab whose run dir has no journal and that no `up` or `down` holds
+  the lock of is gone (its run dir was removed, or a killed `up` never journaled anything): its claim
+  is stale and dropped, so it never keeps a bridge alive.
+
+The file is read and replaced (atomically, `fsutil.write_atomic`) only under the flock of
+`bridges.lock` beside it; both are the owner's alone (0600) and never followed through a symlink, and
+both are removed when no bridge is left in the registry. Lock order: a lab's own lock, then this one;
+the locks of other labs are only ever tried, never waited for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import re
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from vmlaunch.dirs import run_root
+from vmlaunch.errors import RuntimeFailure
+from vmlaunch.fsutil import write_atomic
+from vmlaunch.naming import interface_name_problem
+from vmlaunch.rundir import RunDir
+from vmlaunch.wait import TimedOut, wait_until
+
+REGISTRY_VERSION = 1
+REGISTRY_FILE = "bridges.json"  # no lab is called that: lab names have no '.'
+REGISTRY_LOCK = "bridges.lock"  # a lab's lock is ".LAB.lock"
+LOCK_TIMEOUT = 30.0
+_LAB_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,18}[a-z0-9])?")
+
+
+class RegistryError(RuntimeFailure):
+    """The bridge registry cannot be read or locked."""
+
+
+@attrs.define
+class BridgeEntry:
+    """One bridge some lab uses (see the module docstring)."""
+
+    created: bool
+    index: int | None = None
+    uplink: str | None = None
+    labs: list[str] = attrs.Factory(list)
+
+    def claim(self, lab: str) -> None:
+        if lab not in self.labs:
+            self.labs.append(lab)
+
+    def leave(self, lab: str) -> None:
+        self.labs = [other for other in self.labs if other != lab]
+
+
+@attrs.define
+class BridgeRegistry:
+    """The registry as read under its lock; `save` writes it back."""
+
+    root: Path
+    bridges: dict[str, BridgeEntry] = attrs.Factory(dict)
+
+    @property
+    def path(self) -> Path:
+        return self.root / REGISTRY_FILE
+
+    @classmethod
+    @contextlib.contextmanager
+    def locked(cls, root: Path | None = None, timeout: float = LOCK_TIMEOUT) -> Iterator[BridgeRegistry]:
+        """The registry, read under its lock, held for the block (which saves what it changes).
+
+        With no bridge left the file and its lock are removed, so a run root without labs is empty; a
+        waiter that then gets the lock on the removed file notices (the path names another inode, or
+        none) and locks anew.
+        """
+        root = run_root() if root is None else root
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        lock = root / REGISTRY_LOCK
+
+        def take() -> int | None:
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                raise RegistryError(f"cannot open the bridge registry's lock {lock}: "
+                                    f"{exc.strerror or exc}") from exc
+            try:
+                _check_owner(fd, lock)
+                if _try_lock(fd) and _same_file(fd, lock):
+                    return fd
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+            return None
+
+        try:
+            fd = wait_until(take, timeout)
+        except TimedOut:
+            raise RegistryError(f"the bridge registry is busy: another vmlaunch holds {lock}",
+                                "wait for it to finish") from None
+        try:
+            yield cls.load(root)
+        finally:
+            if not (root / REGISTRY_FILE).exists():
+                with contextlib.suppress(FileNotFoundError):
+                    lock.unlink()
+            os.close(fd)
+
+    @classmethod
+    def load(cls, root: Path) -> BridgeRegistry:
+        registry = cls(root)
+        try:
+            fd = os.open(registry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return registry
+        except OSError as exc:
+            raise registry._damaged(exc.strerror or str(exc)) from exc
+        with os.fdopen(fd, "rb") as file:
+            _check_owner(file.fileno(), registry.path)
+            raw = file.read()
+        try:
+            doc = json.loads(raw)
+            if not isinstance(doc, dict) or doc.get("version") != REGISTRY_VERSION:
+                raise ValueError(f"not a version {REGISTRY_VERSION} registry")
+            bridges = doc.get("bridges")
+            if not isinstance(bridges, dict):
+                raise ValueError("no table of bridges")
+            registry.bridges = {name: _entry(name, data) for name, data in bridges.items()}
+        except ValueError as exc:
+            raise registry._damaged(str(exc)) from exc
+        return registry
+
+    def _damaged(self, problem: str) -> RegistryError:
+        return RegistryError(f"the bridge registry {self.path} cannot be read: {problem}",
+                             "remove it: vmlaunch then keeps every bridge that exists (it cannot know "
+                             "which ones it created) and records anew")
+
+    def save(self) -> None:
+        if not self.bridges:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            return
+        doc = {"version": REGISTRY_VERSION,
+               "bridges": {name: attrs.asdict(entry) for name, entry in sorted(self.bridges.items())}}
+        write_atomic(self.path, json.dumps(doc, indent=1) + "\n")
+
+    def users(self, name: str, but: str) -> list[str]:
+        """The labs other than `but` that still use bridge `name`; stale claims are dropped."""
+        entry = self.bridges.get(name)
+        if entry is None:
+            return []
+        entry.labs = [lab for lab in entry.labs if lab == but or lab_in_use(self.root, lab)]
+        return [lab for lab in entry.labs if lab != but]
+
+    def of_lab(self, lab: str) -> list[str]:
+        """The bridges `lab` has a claim on."""
+        return [name for name, entry in self.bridges.items() if lab in entry.labs]
+
+
+def lab_in_use(root: Path, lab: str) -> bool:
+    """Whether a lab may still use what it claimed: it has a journal, or an `up`/`down` of it runs."""
+    run_dir = RunDir.of(root, lab)
+    if run_dir.state.exists():
+        return True
+    try:
+        fd = os.open(run_dir.lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False  # no lock file: nothing of that lab runs
+    try:
+        if not _try_lock(fd):
+            return True  # an up or down of it runs (it may not have journaled yet)
+        return run_dir.state.exists()  # it may have finished just now
+    finally:
+        os.close(fd)
+
+
+def _entry(name: str, data: Any) -> BridgeEntry:
+    if interface_name_problem(name):
+        raise ValueError(f"bridge {name!r}: {interface_name_problem(name)}")
+    if not isinstance(data, dict) or set(data) - {"created", "index", "uplink", "labs"}:
+        raise ValueError(f"bridge {name}: not an object with created, index, uplink and labs")
+    created, index, uplink, labs = (data.get(k) for k in ("created", "index", "uplink", "labs"))
+    if not isinstance(created, bool) or not (index is None or type(index) is int):
+        raise ValueError(f"bridge {name}: created must be true or false, index a number or null")
+    if uplink is not None and (not isinstance(uplink, str) or interface_name_problem(uplink)):
+        raise ValueError(f"bridge {name}: uplink {uplink!r} is not an interface name")
+    if not isinstance(labs, list) or not all(isinstance(lab, str) and _LAB_NAME.fullmatch(lab)
+                                             for lab in labs):
+        raise ValueError(f"bridge {name}: labs must be a list of lab names")
+    return BridgeEntry(created=created, index=index, uplink=uplink, labs=list(labs))
+
+
+def _check_owner(fd: int, path: Path) -> None:
+    """Refuse a registry another user could have written: it decides which bridges are deleted."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise RegistryError(f"{path} is not a file of this user's alone; refusing to use it",
+                            f"remove it if you trust nothing in {path.parent}")
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.lstat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
