@@ -212,6 +212,11 @@ def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, fo
     """
     with locked(run_dir, timeout + 30):
         journal = Journal.load(run_dir, force=force)
+        if not journal.unreadable:  # what an `up` killed before journaling left (resources/registry.py)
+            from vmlaunch.resources.registry import release_unjournaled
+
+            for problem in release_unjournaled(Context(lab=run_dir.lab), journal.has):
+                log.warning("%s", problem)
         if journal.empty and not journal.unreadable:
             shutil.rmtree(run_dir.path, ignore_errors=True)
             return False
