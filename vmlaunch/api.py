@@ -48,7 +48,7 @@ class Lab:
                     wait_for=wait_for or self.wait_for, timeout=timeout or self.timeout)
 
     def down(self, timeout: float = 10.0) -> None:
-        executor.down(self.run_dir, self.only, timeout=timeout)
+        executor.down(self.run_dir, self.only, timeout=timeout, spec=self.model.file)
 
     def vm(self, name: str) -> Vm:
         self.model.select([name])

@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also wait until each VM's serial console has printed TEXT")
     up.add_argument("--timeout", metavar="S", type=_seconds(zero_ok=False), default=60.0,
                     help="seconds to wait for the VMs (and for another up/down of the lab); default 60")
+    up.add_argument("--force", action="store_true",
+                    help="take the lab over when it is up from another spec file with the same lab name")
     up.set_defaults(run=cmd_up)
 
     down = commands.add_parser(
@@ -121,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     down.add_argument("--force", action="store_true",
                       help="when the lab's journal cannot be read whole (damaged, or written by "
                       "another vmlaunch version), stop and remove everything it recognises and list "
-                      "the rest")
+                      "the rest; also take down a lab of this name that is up from another spec file")
     down.set_defaults(run=cmd_down)
 
     status = commands.add_parser("status", help="show each VM: running, stopped or crashed",
@@ -266,7 +268,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(line)
         return 0
     pids = executor.up(plan, spec=str(lab.file), qemu_img=host.qemu.img, wait_for=args.wait_for,
-                       timeout=args.timeout)
+                       timeout=args.timeout, force=args.force)
     for vm in plan.vms:
         print(f"{vm.name}: running (pid {pids[vm.name]}, {vm.accel.accel.value})")
     return 0
@@ -281,7 +283,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     run_dir = RunDir.of(run_root(), lab_name(args.spec))
     if args.vms:
         _lab_vm(args.spec, *args.vms)
-    if not executor.down(run_dir, args.vms, timeout=args.timeout, force=args.force):
+    if not executor.down(run_dir, args.vms, timeout=args.timeout, force=args.force, spec=args.spec):
         print(f"lab {run_dir.lab} is not up")
     return 0
 

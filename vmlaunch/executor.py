@@ -10,9 +10,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
+import stat
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from vmlaunch import qemu, signals
 from vmlaunch.errors import RuntimeFailure, VmlaunchError
@@ -21,6 +22,7 @@ from vmlaunch.plan import Plan, VmPlan
 from vmlaunch.qmp import QuickQmp
 from vmlaunch.resources.base import Context, Resource, preflight
 from vmlaunch.rundir import RunDir, VmFiles
+from vmlaunch.textsafe import printable
 from vmlaunch.wait import TimedOut, remaining, wait_until
 
 log = logging.getLogger(__name__)
@@ -73,22 +75,26 @@ def _roll_back(entry: Entry, ctx: Context, journal: Journal) -> None:
 
 
 def up(plan: Plan, *, spec: str | os.PathLike[str], qemu_img: str | None = None, wait_for: str | None = None,
-       timeout: float = 60.0) -> dict[str, int]:
-    """Make the plan real; return name -> pid of every VM of the plan now running."""
+       timeout: float = 60.0, force: bool = False) -> dict[str, int]:
+    """Make the plan real; return name -> pid of every VM of the plan now running.
+
+    A lab that is up from another spec file (same lab name) is refused unless `force` takes it over.
+    """
     umask = os.umask(0o077)  # the run dir, journal and logs are for their owner only
     try:
         ctx = Context(lab=plan.lab, qemu_img=qemu_img or "qemu-img")
-        return _up(plan, os.fspath(spec), ctx, wait_for, timeout)
+        return _up(plan, os.fspath(spec), ctx, wait_for, timeout, force)
     finally:
         os.umask(umask)
 
 
-def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: float) -> dict[str, int]:
+def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: float,
+        force: bool) -> dict[str, int]:
     with locked(plan.run_dir, timeout):
-        plan.run_dir.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(plan.run_dir.path, 0o700)
+        plan.run_dir.create()
         journal = Journal.load(plan.run_dir)
-        journal.spec = spec
+        journal.check_spec(spec, force=force)
+        journal.spec = os.path.realpath(spec)
         already = running_vms(journal)
         to_start = [vm for vm in plan.vms if vm.name not in already]
         if not to_start:
@@ -108,8 +114,9 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
                 # `down` finds the QEMU by (through the pidfile).
                 journal.vms[vm.name] = VmEntry(pid=None, started=time.time(), accel=vm.accel.accel.value)
             journal.save()
+            # Before start: a signal the moment start returns must not leave its QEMUs running.
+            stack.callback(qemu.kill_serving, [vm.files for vm in to_start])
             pids = qemu.start(to_start)
-            stack.callback(qemu.kill_all, list(pids.values()))
             for resource in plan.resources:  # QEMUs wait paused: a resource may check what QEMU opened
                 check_opened = getattr(resource, "check_opened", None)
                 if check_opened is not None and resource.owner in pids:
@@ -118,8 +125,7 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
                 journal.vms[vm.name] = VmEntry(pid=pids[vm.name], started=journal.vms[vm.name].started,
                                                accel=vm.accel.accel.value)
                 for path in vm.files.private:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.chmod(path, 0o600)
+                    _narrow(path)
             journal.save()
             _wait_ready(to_start, pids, wait_for, timeout)
         except BaseException:
@@ -129,13 +135,45 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
                 finally:
                     for vm in to_start:
                         journal.vms.pop(vm.name, None)
-                    if journal.empty:
-                        shutil.rmtree(plan.run_dir.path, ignore_errors=True)
-                    else:
-                        journal.save()
+                    _settle(journal)
             raise
         stack.pop_all()  # success: keep everything for `down`
         return {**already, **pids}
+
+
+def _narrow(path: Path) -> None:
+    """chmod 0600, but never through a symlink (a chmod follows one)."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISLNK(os.lstat(path).st_mode):
+            os.chmod(path, 0o600)
+
+
+def _settle(journal: Journal) -> list[str]:
+    """Save the journal, or remove the run dir when nothing is left in it; return what failed.
+
+    Removing needs no free space: a full run dir still loses an empty journal. A run dir that is not
+    vmlaunch's, or holds files vmlaunch did not put there, is kept and said so.
+    """
+    run_dir = journal.run_dir
+    if journal.empty:
+        try:
+            if stat.S_ISREG(os.lstat(run_dir.state).st_mode):
+                os.unlink(run_dir.state)  # first: whatever else fails, nothing is left to undo
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            return [f"the journal {run_dir.state} could not be removed ({exc.strerror or exc}); "
+                    "everything it lists is undone: run down again to remove the run dir"]
+        why = run_dir.remove()
+        if why is not None:
+            log.warning("kept %s: %s", run_dir, why)
+        return []
+    try:
+        journal.save()
+    except OSError as exc:
+        return [f"the journal {run_dir.state} could not be updated ({exc.strerror or exc}); it still "
+                "lists what was undone, which the next down finds gone and skips"]
+    return []
 
 
 def _clear_stale(files: VmFiles) -> None:
@@ -169,7 +207,7 @@ def _wait_console(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str, ti
 
     def all_ready() -> bool:
         for name, vm in list(waiting.items()):
-            if wait_for in _read(vm.files.serial_log):
+            if wait_for in qemu.read_text(vm.files.serial_log):
                 log.info("%s: ready (%r on the console)", name, wait_for)
                 del waiting[name]
             elif not qemu.alive(pids[name]):
@@ -179,8 +217,8 @@ def _wait_console(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str, ti
 
     def progress(waited: float) -> None:
         for name, vm in waiting.items():
-            tail = _read(vm.files.serial_log).strip().splitlines()[-1:] or ["(no output yet)"]
-            log.info("%s: waiting for %r: %s", name, wait_for, tail[0][:70])
+            lines = printable(qemu.read_text(vm.files.serial_log)).strip().splitlines()
+            log.info("%s: waiting for %r: %s", name, wait_for, (lines or ["(no output yet)"])[-1][:70])
 
     try:
         wait_until(all_ready, timeout, progress=progress)
@@ -190,35 +228,35 @@ def _wait_console(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str, ti
                              f"console of {', '.join(sorted(waiting))}; the last lines:{tails}") from None
 
 
-def _tail(path: os.PathLike[str], lines: int = 5) -> str:
-    """The end of a log, for an error message: a failed `up` removes the run dir it lives in."""
-    text = _read(path).strip()
+def _tail(path: Path, lines: int = 5) -> str:
+    """The end of a log, for an error message (a failed `up` removes the run dir it lives in), with
+    the guest's terminal escapes taken out: this is vmlaunch speaking, not the guest."""
+    text = printable(qemu.read_text(path)).strip()
     return "".join(f"\n  | {line}" for line in text.splitlines()[-lines:]) if text else ""
 
 
-def _read(path: os.PathLike[str]) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()
-    except FileNotFoundError:
-        return ""
-
-
-def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, force: bool = False) -> bool:
+def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, force: bool = False,
+         spec: str | os.PathLike[str] | None = None) -> bool:
     """Stop the lab's VMs (or those named) and undo what `up` did; False when nothing was up.
 
-    Keeps going when a step fails and reports every failure at the end. With `force`, a journal that
-    cannot be read whole is used for what can be read, and the rest is reported.
+    Keeps going when a step fails (a full or read-only run dir included) and reports every failure
+    once at the end. With `force`, a journal that cannot be read whole is used for what can be read,
+    and the rest is reported, and a lab up from another spec than `spec` is taken down anyway.
     """
     with locked(run_dir, timeout + 30):
         journal = Journal.load(run_dir, force=force)
+        if spec is not None:
+            journal.check_spec(spec, force=force)
         if not journal.unreadable:  # what an `up` killed before journaling left (resources/registry.py)
             from vmlaunch.resources.registry import release_unjournaled
 
-            for problem in release_unjournaled(Context(lab=run_dir.lab), journal.has):
-                log.warning("%s", problem)
+            try:
+                for problem in release_unjournaled(Context(lab=run_dir.lab), journal.has):
+                    log.warning("%s", problem)
+            except (VmlaunchError, OSError) as exc:  # a read-only run root: still stop every VM
+                log.warning("%s", exc)
         if journal.empty and not journal.unreadable:
-            shutil.rmtree(run_dir.path, ignore_errors=True)
+            _settle(journal)
             return False
         names = [name for name in journal.vms if not only or name in only]
         targets = {name: (qemu.find_pid(run_dir.vm(name), journal.vms[name].pid), run_dir.vm(name))
@@ -237,12 +275,11 @@ def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, fo
                 journal.resources.remove(entry)
             except VmlaunchError as exc:
                 failures.append(str(exc))
+            except OSError as exc:
+                failures.append(f"{entry.record.describe()}: {exc.strerror or exc}")
         for line in journal.unreadable:  # only with force: anything else raised in load
             log.warning("not recognised, so not undone (check by hand): %s", line)
-        if journal.empty:
-            shutil.rmtree(run_dir.path, ignore_errors=True)
-        else:
-            journal.save()
+        failures += _settle(journal)
         if failures:
             raise RuntimeFailure("down could not undo everything:\n" + "\n".join(failures),
                                  f"the journal is kept in {run_dir}; run down again after fixing it"

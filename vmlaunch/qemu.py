@@ -71,17 +71,21 @@ def start(vms: Sequence[VmPlan]) -> dict[str, int]:
 
 
 def _kill_started(vms: Sequence[VmPlan], procs: dict[str, subprocess.Popen[bytes]]) -> None:
-    """Interrupted while QEMUs were starting: kill the daemonizing parents, wait for each, then kill
-    every process serving one of these VMs. The daemon forks twice and may not have written its
-    pidfile yet, so they are found by their command line (`scan`), until a scan finds none."""
+    """Interrupted while QEMUs were starting: kill the daemonizing parents, wait for each, then every
+    process serving one of these VMs (the daemon may not have written its pidfile yet)."""
     for proc in procs.values():
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
     for proc in procs.values():
         proc.wait()
-    started = [vm.files for vm in vms if vm.name in procs]
-    for _ in range(10):  # a fork that raced a scan shows in the next one
-        found = [pid for files in started for pid in scan(files)]
+    kill_serving([vm.files for vm in vms if vm.name in procs])
+
+
+def kill_serving(vms: Sequence[VmFiles]) -> None:
+    """Kill every process serving one of these VMs, found by command line until a scan finds none:
+    a daemonizing QEMU forks twice, and a fork that raced one scan shows in the next."""
+    for _ in range(10):
+        found = [pid for files in vms for pid in scan(files)]
         if not found:
             return
         kill_all(found)

@@ -38,7 +38,7 @@ from typing import Any
 
 import attrs
 
-from vmlaunch.dirs import run_root
+from vmlaunch.dirs import run_root, secure_dir
 from vmlaunch.errors import RuntimeFailure
 from vmlaunch.fsutil import write_atomic
 from vmlaunch.naming import interface_name_problem
@@ -94,7 +94,7 @@ class BridgeRegistry:
         none) and locks anew.
         """
         root = run_root() if root is None else root
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        secure_dir(root, top=root, create=True)
         lock = root / REGISTRY_LOCK
 
         def take() -> int | None:
