@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,8 @@ def test_defaults_qcow2_from_extension_and_pci_normalised(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(("text", "expected"), [
     # TOML syntax
-    (HEAD + "[vm.a]\nmemory = \n", "lab.toml:4: TOML syntax error: Invalid value (column 10)"),
+    (HEAD + "[vm.a]\nmemory = \n", "lab.toml:4: TOML syntax error: a value is missing or is not a "
+     'TOML value (column 10) (strings need quotes: name = "web", memory = "1G")'),
     # structure: unknown key, with a suggestion
     (HEAD + VM + "[[vm.a.nic]]\nnetwork = \"n\"\nmodle = \"virtio\"\n",
      "lab.toml:8: vm.a.nic[0].modle: unknown key 'modle' (did you mean 'model'?)"),
@@ -99,9 +101,9 @@ def test_defaults_qcow2_from_extension_and_pci_normalised(tmp_path: Path) -> Non
     (HEAD + '[network.n]\nbridge = "a/b"\n' + VM,
      "lab.toml:4: network.n.bridge: bridge 'a/b' is not a valid interface name (no '/', ':' or "
      "spaces; not '.' or '..')"),
-    ('[lab]\nname = "a-long-lab-name"\n[network.network]\n' + VM,
-     "lab.toml:3: network.network: bridge 'vl-a-long-lab-name-network' is 26 bytes; interface "
-     "names have at most 15 (name it with bridge = \"...\")"),
+    (HEAD + '[network.n]\nbridge = "br%d"\n' + VM,
+     "lab.toml:4: network.n.bridge: bridge 'br%d' is not a valid interface name (no '%': the kernel "
+     "reads \"%d\" as a number to pick)"),
     # network references
     (HEAD + '[network.lan]\n' + VM + '[[vm.a.nic]]\nnetwork = "wan"\n',
      "lab.toml:8: vm.a.nic[0].network: no network named 'wan' (networks: lan)"),
@@ -198,3 +200,212 @@ def test_valid_spec_is_remembered(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 def test_aio_default_left_to_compiler(tmp_path: Path) -> None:
     spec = write_spec(tmp_path, HEAD + VM + '[[vm.a.disk]]\nfile = "d"\naio = "threads"\n')
     assert load_lab(spec).vms[0].disks[0].aio is Aio.THREADS
+
+
+# --- hardening (issue 7): values QEMU would take for a query, trailing newlines, NUL, nesting -------
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("machine", "help"), ("machine", "HELP"), ("cpu_model", "help"), ("machine", "?"),
+    ("machine", "q35,help"), ("cpu_model", "max,help"), ("cpu_model", "?"),
+])
+def test_qemu_queries_never_reach_qemu(tmp_path: Path, key: str, value: str) -> None:
+    found = problems(tmp_path, HEAD + VM + f'{key} = "{value}"\n')
+    assert len(found) == 1 and found[0].startswith(f"lab.toml:6: vm.a.{key}: "), found
+
+
+def test_help_as_a_machine_says_why(tmp_path: Path) -> None:
+    assert problems(tmp_path, HEAD + VM + 'machine = "help"\n') == [
+        "lab.toml:6: vm.a.machine: 'help' would make QEMU list its machine types and exit instead of "
+        "starting the VM (name one; `qemu-system-x86_64 -machine help` lists them)"]
+
+
+@pytest.mark.parametrize(("text", "where"), [
+    ('[lab]\nname = "t\\n"\n' + VM, "lab.toml:2: lab.name: "),
+    ('[lab]\nname = "t"\nmac_prefix = "52:54:00\\n"\n' + VM, "lab.toml:3: lab.mac_prefix: "),
+    (HEAD + '[vm."a\\n"]\nmemory = 64\nkernel = "k"\n', 'lab.toml:3: vm."a\\n": '),
+    (HEAD + '[network."n\\n"]\n' + VM, 'lab.toml:3: network."n\\n": '),
+    (HEAD + VM + 'machine = "q35\\n"\n', "lab.toml:6: vm.a.machine: "),
+    (HEAD + VM + 'cpu_model = "max\\n"\n', "lab.toml:6: vm.a.cpu_model: "),
+    (HEAD + '[vm.a]\nmemory = "64M\\n"\nkernel = "k"\n', "lab.toml:4: vm.a.memory: "),
+    (HEAD + VM + '[[vm.a.disk]]\nfile = "d"\nsize = "1G\\n"\n', "lab.toml:8: vm.a.disk[0].size: "),
+    (HEAD + VM + '[network.n]\n[[vm.a.nic]]\nnetwork = "n"\nmac = "52:54:00:00:00:01\\n"\n',
+     "lab.toml:9: vm.a.nic[0].mac: "),
+    (HEAD + VM + '[[vm.a.pci]]\nhost = "15:00.0\\n"\n', "lab.toml:7: vm.a.pci[0].host: "),
+    (HEAD + '[network.m]\ntype = "socket"\nmcast = "239.1.2.3:5000\\n"\n' + VM,
+     "lab.toml:5: network.m.mcast: "),
+    (HEAD + '[network.u]\ntype = "user"\nforward = ["tcp::2222-:22\\n"]\n' + VM,
+     "lab.toml:5: network.u.forward[0]: "),
+])
+def test_a_trailing_newline_passes_no_pattern(tmp_path: Path, text: str, where: str) -> None:
+    found = problems(tmp_path, text)
+    assert [line for line in found if line.startswith(where)], found
+
+
+def _schema_patterns() -> list[str]:
+    import json
+
+    from vmlaunch.spec import SCHEMA_FILE
+
+    found: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                found.append(node["pattern"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(json.loads(SCHEMA_FILE.read_text()))
+    return found
+
+
+def test_schema_patterns_read_alike_in_python_and_ecma() -> None:
+    """Anchored at both ends, `$` only at the end (vmlaunch reads it as \\Z), and no class that
+    differs between the dialects."""
+    patterns = _schema_patterns()
+    assert len(patterns) >= 8
+    for pattern in patterns:
+        assert pattern.startswith("^") and pattern.endswith("$") and "$" not in pattern[:-1], pattern
+        for escape in ("\\d", "\\w", "\\s", "\\b", "\\D", "\\W", "\\S", "\\B"):
+            assert escape not in pattern, pattern
+
+
+@pytest.mark.parametrize(("text", "where"), [
+    ('[lab]\nname = "t\\u0000"\n' + VM, "lab.toml:2: lab.name: "),
+    (HEAD + '[vm.a]\nmemory = 64\nkernel = "k\\u0000x"\n', "lab.toml:5: vm.a.kernel: "),
+    (HEAD + VM + 'append = "console=ttyS0\\u0000 init=/bin/sh"\n', "lab.toml:6: vm.a.append: "),
+    (HEAD + VM + 'initrd = "\\u0000"\n', "lab.toml:6: vm.a.initrd: "),
+    (HEAD + VM + '[[vm.a.disk]]\nfile = "d\\u0000.img"\n', "lab.toml:7: vm.a.disk[0].file: "),
+    (HEAD + '[network.n]\nbridge = "br\\u0000"\n' + VM, "lab.toml:4: network.n.bridge: "),
+    (HEAD + '[network.u]\ntype = "user"\nforward = ["tcp::2222-:22", "\\u0000"]\n' + VM,
+     "lab.toml:5: network.u.forward[1]: "),
+    (HEAD + VM + '"x\\u0000" = 1\n', 'lab.toml:6: vm.a."x\\u0000": '),
+    (HEAD + '[vm."a\\u0000"]\nmemory = 64\nkernel = "k"\n', 'lab.toml:3: vm."a\\u0000": '),
+    (HEAD + '[network.n]\n' + VM + '[[vm.a.nic]]\nnetwork = "n\\u0000"\n',
+     "lab.toml:8: vm.a.nic[0].network: "),
+])
+def test_nul_anywhere_is_one_problem_with_its_key_and_line(tmp_path: Path, text: str, where: str) -> None:
+    found = problems(tmp_path, text)
+    assert len(found) == 1 and found[0].startswith(where) and "NUL" in found[0], found
+    assert "\0" not in found[0]
+
+
+def test_nesting(tmp_path: Path) -> None:
+    deep = HEAD + VM + "x = " + "[" * 10000 + "]" * 10000 + "\n"
+    assert problems(tmp_path, deep) == [
+        "lab.toml:6: arrays or inline tables are nested too deeply (a lab needs at most 16 levels)"]
+    found = problems(tmp_path, HEAD + VM + "x = " + "[" * 100 + "]" * 100 + "\n")
+    assert found == ["lab.toml:6: vm.a.x[0][0][0][0][0][0][0][0][0][0][0][0][0][0]: nested more than 16 "
+                     "levels deep (a lab needs only a few levels (vm.NAME.disk[0].file))"]
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (HEAD + '[vm.a]\nmemory = 1' + "0" * 400 + '\nkernel = "k"\n',
+     "lab.toml:4: vm.a.memory: 100000000000000000000000000000...(401 characters) is too large"),
+    (HEAD + '[vm.a]\nmemory = "' + "9" * 400 + 'G"\nkernel = "k"\n',
+     "lab.toml:4: vm.a.memory: '99999999999999999999999999999...(403 characters) is too large"),
+    (HEAD + VM + "cpus = 1" + "0" * 400 + "\n",
+     "lab.toml:6: vm.a.cpus: 100000000000000000000000000000000000000000000000...(401 characters) is "
+     "more than the maximum 1024"),
+    (HEAD + VM + "x = 1" + "0" * 5000 + "\n", "lab.toml:6: a number has thousands of digits"),
+    # absurd sizes
+    (HEAD + '[vm.a]\nmemory = "17T"\nkernel = "k"\n',
+     "lab.toml:4: vm.a.memory: '17T' is more memory than a VM can have (at most 16T)"),
+    (HEAD + VM + '[[vm.a.disk]]\nfile = "d"\nsize = "1025T"\n',
+     "lab.toml:8: vm.a.disk[0].size: '1025T' is larger than a disk image can be (at most 1024T)"),
+    # B is bytes
+    (HEAD + '[vm.a]\nmemory = "256B"\nkernel = "k"\n',
+     "lab.toml:4: vm.a.memory: '256B' is not a whole number of MiB"),
+    # impossible addresses and ports
+    (HEAD + '[network.u]\ntype = "user"\nforward = ["tcp:127.0.0.1:65536-:22"]\n' + VM,
+     "lab.toml:5: network.u.forward[0]: 'tcp:127.0.0.1:65536-:22': host port 65536 is not 1-65535"),
+    (HEAD + '[network.u]\ntype = "user"\nforward = ["udp::53-10.0.2.256:0"]\n' + VM,
+     "lab.toml:5: network.u.forward[0]: 'udp::53-10.0.2.256:0': 10.0.2.256 is not an IPv4 address"),
+    (HEAD + '[network.u]\ntype = "user"\nforward = ["tcp::0-:22"]\n' + VM,
+     "lab.toml:5: network.u.forward[0]: 'tcp::0-:22': host port 0 is not 1-65535"),
+    (HEAD + '[network.m]\ntype = "socket"\nmcast = "239.1.2.300:5000"\n' + VM,
+     "lab.toml:5: network.m.mcast: '239.1.2.300:5000' is not a valid group:port (a multicast group "
+     "224.0.0.0-239.255.255.255, a port 1-65535)"),
+    # a table where an array of tables belongs
+    (HEAD + VM + 'disk = {file = "x"}\n', "lab.toml:6: vm.a.disk: expected an array, got a table"),
+    (HEAD + VM + 'nic = {network = "n"}\n', "lab.toml:6: vm.a.nic: expected an array, got a table"),
+    (HEAD + VM + 'pci = {host = "15:00.0"}\n', "lab.toml:6: vm.a.pci: expected an array, got a table"),
+    (HEAD + VM + 'disk = ["x"]\n', "lab.toml:6: vm.a.disk[0]: expected a table, got a string"),
+    # a float where an integer or a size belongs
+    (HEAD + '[vm.a]\nmemory = 256.0\nkernel = "k"\n',
+     "lab.toml:4: vm.a.memory: expected a string or an integer, got a float"),
+    (HEAD + VM + "cpus = 2.0\n", "lab.toml:6: vm.a.cpus: expected an integer, got a float"),
+    (HEAD + '[network.n]\nmtu = 1500.0\n' + VM,
+     "lab.toml:4: network.n.mtu: expected an integer, got a float"),
+    (HEAD + '[vm.a]\nmemory = true\nkernel = "k"\n',
+     "lab.toml:4: vm.a.memory: expected a string or an integer, got a boolean"),
+    # TOML syntax, in plain words
+    (HEAD + '[vm.a]\nmemory = 64\nkernel = "k\n',
+     "lab.toml:5: TOML syntax error: unterminated string: a \"...\" or '...' string must end on the "
+     "line it starts (column 12) (close it, or use \"\"\"...\"\"\" for text of several lines)"),
+    (HEAD + '[vm.a]\nmemory = 64\nkernel = """k\n',
+     "lab.toml:5: TOML syntax error: unterminated string: the file ends inside it (close the string)"),
+    (HEAD + '[vm.a]\nmemory = 64\nkernel = "k\x01"\n',
+     "lab.toml:5: TOML syntax error: Illegal character '\\x01' (control characters must be written "
+     "as escapes, e.g. \\u0000) (column 12)"),
+])
+def test_hardening_bad_input(tmp_path: Path, text: str, expected: str) -> None:
+    assert problems(tmp_path, text) == [expected]
+
+
+def test_memory_up_to_16t_is_fine(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = "16T"\nkernel = "k"\n')
+    assert load_lab(spec).vms[0].memory_mib == 16 << 20
+
+
+def test_every_unknown_key_once(tmp_path: Path) -> None:
+    found = problems(tmp_path, '[lab]\nname = "t"\nfoo = 1\nbar = 2\n' + VM + "x = 1\ny = 2\n")
+    assert [line.split(": ")[1] for line in found] == ["lab.foo", "lab.bar", "vm.a.x", "vm.a.y"]
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    # a bad network type: once, and no "unknown key" for a key of the kind it meant
+    (HEAD + '[network.u]\ntype = "usr"\nforward = ["tcp::2222-:22"]\n' + VM,
+     ["lab.toml:4: network.u.type: 'usr' is not one of bridge, user, socket"]),
+    (HEAD + '[network.u]\ntype = 5\n' + VM,
+     ["lab.toml:4: network.u.type: 5 is not one of bridge, user, socket"]),
+    (HEAD + "network = {u = 5}\n" + VM, ["lab.toml:3: lab.network: unknown key 'network' (known keys: "
+                                         "mac_prefix, name)"]),
+    ('network = {u = 5}\n' + HEAD + VM, ["lab.toml:1: network.u: expected a table, got an integer"]),
+    ("", ["lab.toml:1: missing required key 'lab', 'vm'"]),
+])
+def test_each_problem_once(tmp_path: Path, text: str, expected: list[str]) -> None:
+    assert problems(tmp_path, text) == expected
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "device", "too large"])
+def test_spec_must_be_a_regular_file_of_sane_size(tmp_path: Path, kind: str) -> None:
+    from vmlaunch.spec import lab_name
+
+    path = tmp_path / "lab.toml"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "device":
+        path = Path("/dev/zero")
+    else:
+        path.write_text(HEAD + VM)
+        os.truncate(path, 2 << 20)  # sparse: costs nothing
+    for read in (load_lab, lab_name):
+        with pytest.raises(SpecError, match="cannot read the spec: it is"):
+            read(path)
+
+
+def test_lab_name_of_a_broken_spec_is_still_a_valid_name(tmp_path: Path) -> None:
+    """`down` of a spec edited since `up` takes the name alone, but only a name `up` could have used."""
+    from vmlaunch.spec import lab_name
+
+    assert lab_name(write_spec(tmp_path, '[lab]\nname = "t"\n[vm.a]\nmemory = "12X"\n')) == "t"
+    for name in ("t\\n", "../t", "t\\u0000"):
+        with pytest.raises(SpecError):
+            lab_name(write_spec(tmp_path, f'[lab]\nname = "{name}"\n[vm.a]\nmemory = "12X"\n'))

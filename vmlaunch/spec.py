@@ -1,16 +1,23 @@
 """Read a TOML lab spec into a `model.Lab`, or raise `SpecError` listing every problem found.
 
-Three passes: TOML syntax, structure (the JSON schema in schemas/, the single source of structure),
-then meaning (references, sizes, clashes), which only looks at the parts the schema accepted so that
-one typo does not hide the other problems nor drown them in follow-on errors.
+Four passes: TOML syntax, one walk over every key and string (no NUL, no absurd nesting), structure
+(the JSON schema in schemas/, the single source of structure), then meaning (references, sizes,
+clashes), which only looks at the parts the schema accepted so that one typo does not hide the other
+problems nor drown them in follow-on errors. Each problem is reported once.
+
+The spec file itself is refused before it is read when it is not a regular file (a FIFO or /dev/zero
+would never end) or is larger than any lab needs.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+import re
+import stat
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +55,7 @@ from vmlaunch.naming import (
     normalise_pci_address,
 )
 from vmlaunch.sourcemap import SourceMap
-from vmlaunch.units import parse_size
+from vmlaunch.units import format_size, parse_size
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -56,6 +63,16 @@ else:  # pragma: no cover - exercised on 3.9/3.10 only
     import tomli as tomllib
 
 SCHEMA_FILE = Path(__file__).resolve().parent / "vmlaunch.schema.json"
+# Bumped when the checks below change what they accept, so that no spec remembered as valid by an
+# older check skips the new one (see _check_structure).
+_CHECKS_REVISION = b"2"
+
+MAX_SPEC_BYTES = 1 << 20  # a 50-VM lab is 10 KiB; more is a mistake (or /dev/zero behind a link)
+MAX_DEPTH = 16  # the deepest key a lab has is vm.NAME.disk[0].file (5): 16 is generous
+MAX_MEMORY = 16 << 40  # 16 TiB: more than any host has, and past the guest physical address bits
+MAX_DISK_SIZE = 1 << 50  # 1 PiB: qcow2 with its default 64 KiB clusters takes up to 2 PiB
+# Values that make QEMU print a list and exit instead of starting a VM (QEMU's is_help_option).
+_QEMU_QUERIES = ("help", "?")
 
 Doc = dict[str, Any]
 
@@ -67,34 +84,94 @@ class _Problems:
         self.file = file
         self.source = source
         self.items: list[Problem] = []
+        self._seen: set[Problem] = set()
 
     def add(self, path: KeyPath, message: str, hint: str | None = None) -> None:
-        location = Location(self.file, self.source.line_of(path), path)
-        self.items.append(Problem(location, message, hint))
+        location = Location(self.file, self.source.line_of(path), _printable_path(path))
+        problem = Problem(location, message, hint)
+        if problem not in self._seen:  # one schema rule may fail twice in one place
+            self._seen.add(problem)
+            self.items.append(problem)
+
+
+def _printable_path(path: KeyPath) -> KeyPath:
+    """Keys as TOML would quote them when they are not bare ("a.b", "x\\u0000"), so a message never
+    carries a NUL, a newline or an escape sequence to the terminal, and a dotted key stays one key."""
+    import json
+
+    return tuple(part if isinstance(part, int) or _BARE_KEY.fullmatch(part) else json.dumps(part)
+                 for part in path)
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _shown(value: object) -> str:
+    """A value as messages show it: its repr, cut short when long (a size of 400 digits)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:48]}...({len(text)} characters)"
 
 
 def load_lab(path: str | Path) -> LabSpec:
     """Parse, check and build the lab of the spec at `path`."""
     file = Path(path)
+    return parse_lab(read_spec(file), file)
+
+
+def read_spec(file: Path) -> bytes:
+    """The bytes of the spec at `file`; SpecError when it is not a regular file of a sane size.
+
+    Checked before reading (stat), and again on what was opened (fstat): opened non-blocking, a FIFO
+    swapped in between cannot hang us, and a device is never read.
+    """
+    def refuse(reason: str) -> SpecError:
+        return SpecError([Problem(Location(file, 1), f"cannot read the spec: {reason}")])
+
     try:
-        data = file.read_bytes()
+        _check_spec_file(os.stat(file), refuse)
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as exc:
-        reason = exc.strerror or str(exc)
-        raise SpecError([Problem(Location(file, 1), f"cannot read the spec: {reason}")]) from None
-    return parse_lab(data, file)
+        raise refuse(exc.strerror or str(exc)) from None
+    except ValueError as exc:  # a NUL in the path (from the Python API; argv cannot hold one)
+        raise refuse(str(exc)) from None
+    try:
+        _check_spec_file(os.fstat(fd), refuse)
+        chunks, size = [], 0
+        while size <= MAX_SPEC_BYTES:
+            chunk = os.read(fd, MAX_SPEC_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise refuse(exc.strerror or str(exc)) from None
+    finally:
+        os.close(fd)
+    if size > MAX_SPEC_BYTES:  # it grew while we read it
+        raise refuse(f"it is larger than {format_size(MAX_SPEC_BYTES)}")
+    return b"".join(chunks)
+
+
+def _check_spec_file(info: os.stat_result, refuse: Callable[[str], SpecError]) -> None:
+    if stat.S_ISDIR(info.st_mode):
+        raise refuse("it is a directory, not a file")
+    if not stat.S_ISREG(info.st_mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(info.st_mode) else "a socket" if stat.S_ISSOCK(info.st_mode)
+                else "a device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode)
+                else "not a regular file")
+        raise refuse(f"it is {kind}, not a regular file")
+    if info.st_size > MAX_SPEC_BYTES:
+        raise refuse(f"it is {info.st_size} bytes; a spec may have at most {format_size(MAX_SPEC_BYTES)}")
 
 
 def parse_lab(data: bytes, file: Path) -> LabSpec:
     """Like `load_lab` for spec text already read; relative paths resolve against `file`'s folder."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise SpecError([Problem(Location(file, line), "the spec is not UTF-8 text")]) from None
+    text = _decode(data, file)
     doc = _parse_toml(text, file)
     source = SourceMap.from_text(text)
     problems = _Problems(file, source)
-    invalid = _check_structure(doc, data, problems)
+    walked = _walk(doc, problems)
+    invalid = _check_structure(doc, data, problems, walked)
     lab = _Builder(doc, file.resolve(), source, problems, invalid).build()
     if problems.items:
         raise SpecError(problems.items)
@@ -104,54 +181,152 @@ def parse_lab(data: bytes, file: Path) -> LabSpec:
 def lab_name(path: str | Path) -> str:
     """The lab's name, for `down`: from the checked spec, or, when the spec no longer validates
     (edited since `up`), from its `[lab] name` alone, so a broken spec never strands a running lab."""
+    file = Path(path)
+    data = read_spec(file)
     try:
-        return load_lab(path).name
+        return parse_lab(data, file).name
     except SpecError as exc:
         try:
-            name = tomllib.loads(Path(path).read_text()).get("lab", {}).get("name")
-        except (OSError, ValueError):
+            name = tomllib.loads(data.decode()).get("lab", {}).get("name")
+        except (ValueError, RecursionError, AttributeError):  # bad text, deep nesting, lab not a table
             name = None
-        if isinstance(name, str) and name and "/" not in name and not name.startswith("."):
+        if isinstance(name, str) and _ecma_search(_lab_name_pattern(), name):
             return name
         raise exc from None
 
 
-def _parse_toml(text: str, file: Path) -> Doc:
-    import re
+def _lab_name_pattern() -> str:
+    import json
 
+    return str(json.loads(SCHEMA_FILE.read_bytes())["properties"]["lab"]["properties"]["name"]["pattern"])
+
+
+def _decode(data: bytes, file: Path) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise SpecError([Problem(Location(file, line), "the spec is not UTF-8 text",
+                                 f"byte {data[exc.start]:#04x} at offset {exc.start}")]) from None
+
+
+# tomllib's words -> plain words, with what to do (Python 3.11's messages; others are kept as they are)
+_TOML_MESSAGES = {
+    "Illegal character '\\n'": ("unterminated string: a \"...\" or '...' string must end on the line "
+                                 "it starts", 'close it, or use """...""" for text of several lines'),
+    "Unterminated string": ("unterminated string: the file ends inside it", "close the string"),
+    "Unclosed array": ("unclosed array: '[' without its ']'", None),
+    "Unclosed inline table": ("unclosed inline table: '{' without its '}', or it spans lines",
+                              "an inline table must be on one line; use a [table] for more"),
+    "Invalid value": ("a value is missing or is not a TOML value",
+                      'strings need quotes: name = "web", memory = "1G"'),
+    "Invalid statement": ("not a key = value line nor a [table] header", None),
+    "Expected '=' after a key in a key/value pair": ("expected '=' after the key", None),
+}
+
+
+def _parse_toml(text: str, file: Path) -> Doc:
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         message = str(exc)
         line = getattr(exc, "lineno", None)
-        found = re.search(r"\(at line (\d+), column (\d+)\)", message)
+        column = getattr(exc, "colno", None)
+        found = re.search(r"\(at line ([0-9]+), column ([0-9]+)\)\Z", message)
         if found:
-            line = line or int(found.group(1))
-            message = f"{message[: found.start()].strip()} (column {found.group(2)})"
-        elif "end of document" in message:
-            line = line or text.count("\n") + 1
-        problem = Problem(Location(file, line or 1), f"TOML syntax error: {message}")
-        raise SpecError([problem]) from None
+            line, column = line or int(found.group(1)), column or int(found.group(2))
+            message = message[: found.start()].strip()
+        elif message.endswith("(at end of document)"):
+            line = line or text.rstrip().count("\n") + 1  # the last line with text on it
+            message = message[: -len("(at end of document)")].strip()
+        if message.startswith("Illegal character") and message not in _TOML_MESSAGES:
+            message += " (control characters must be written as escapes, e.g. \\u0000)"
+        words, hint = _TOML_MESSAGES.get(message, (message, None))
+        where = f" (column {column})" if column else ""
+        problem = Problem(Location(file, line or 1), f"TOML syntax error: {words}{where}", hint)
+    except RecursionError:  # tomllib recurses once per level of nested arrays or inline tables
+        problem = Problem(Location(file, _deep_line(text)), "arrays or inline tables are nested "
+                          "too deeply", f"a lab needs at most {MAX_DEPTH} levels")
+    except ValueError:  # int() refuses integers of more than 4300 digits before tomllib sees them
+        line = _line_at(text, re.search(r"[0-9_]{4000,}", text))
+        problem = Problem(Location(file, line), "a number has thousands of digits")
+    raise SpecError([problem]) from None
+
+
+def _deep_line(text: str) -> int:
+    return _line_at(text, re.search(rf"[\[{{](?:[ \t\r\n]*[\[{{]){{{MAX_DEPTH}}}", text))
+
+
+def _line_at(text: str, found: re.Match[str] | None) -> int:
+    return text.count("\n", 0, found.start()) + 1 if found else 1
+
+
+# --- every key and string --------------------------------------------------------------------------
+
+
+def _walk(doc: Doc, problems: _Problems) -> list[KeyPath]:
+    """One pass over the whole document: no key or string holds a NUL (no file name, QEMU option or
+    kernel argument can), and nothing nests deeper than MAX_DEPTH. Returns the paths it reported.
+
+    Iterative, so it cannot run out of stack; raises SpecError at once on absurd nesting, which the
+    schema check (recursive) must not see.
+    """
+    found: list[KeyPath] = []
+    too_deep = False
+    todo: list[tuple[KeyPath, Any]] = [((), doc)]
+    while todo:
+        path, node = todo.pop()
+        if len(path) > MAX_DEPTH:
+            problems.add(path, f"nested more than {MAX_DEPTH} levels deep",
+                         "a lab needs only a few levels (vm.NAME.disk[0].file)")
+            found.append(path)
+            too_deep = True
+            continue
+        if isinstance(node, str) and "\0" in node:
+            problems.add(path, f"{_shown(node)} holds a NUL character, which no file name, option "
+                         "or argument can hold", "remove the \\u0000")
+            found.append(path)
+        elif isinstance(node, dict):
+            for key, value in reversed(node.items()):
+                if "\0" in key:
+                    problems.add((*path, key), "a key holds a NUL character", "remove the \\u0000")
+                    found.append((*path, key))
+                else:
+                    todo.append(((*path, key), value))
+        elif isinstance(node, list):
+            todo.extend(((*path, index), value) for index, value in reversed(list(enumerate(node))))
+    if too_deep:
+        raise SpecError(problems.items)
+    return found
 
 
 # --- structure ------------------------------------------------------------------------------------
 
 
-def _check_structure(doc: Doc, data: bytes, problems: _Problems) -> list[KeyPath]:
-    """Validate against the JSON schema; return the key paths of the parts it rejected.
+def _check_structure(doc: Doc, data: bytes, problems: _Problems, walked: list[KeyPath]) -> list[KeyPath]:
+    """Validate against the JSON schema; return the key paths of the parts it (or `_walk`, whose
+    `walked` paths it does not report again) rejected.
 
-    A spec that validated clean before (same bytes, same schema, same vmlaunch) is remembered by
-    hash, so the common case skips importing jsonschema (~70 ms, more than Python's own start-up).
+    A spec that validated clean before (same bytes, same schema, same checks, same vmlaunch) is
+    remembered by hash, so the common case skips importing jsonschema (~70 ms, more than Python's own
+    start-up).
     """
     schema_bytes = SCHEMA_FILE.read_bytes()
-    digest = hashlib.sha256(b"\0".join([__version__.encode(), schema_bytes, data])).hexdigest()
-    stamp = cache_dir() / "valid" / digest
-    if stamp.exists():
+    digest = hashlib.sha256(b"\0".join([__version__.encode(), _CHECKS_REVISION, schema_bytes, data]))
+    stamp = cache_dir() / "valid" / digest.hexdigest()
+    if not walked and stamp.exists():
         return []
     import json
 
-    invalid = []
-    for path, message, hint in _schema_errors(doc, json.loads(schema_bytes)):
+    invalid = list(walked)
+    try:
+        errors = list(_schema_errors(doc, json.loads(schema_bytes)))
+    except RecursionError:  # cannot happen below MAX_DEPTH; a message, not a crash, if it does
+        problems.add((), "the spec is nested too deeply to check")
+        raise SpecError(problems.items) from None
+    for path, message, hint in errors:
+        if any(path[: len(bad)] == bad for bad in walked):
+            continue  # already reported by the walk, which says better what is wrong
         problems.add(path, message, hint)
         invalid.append(path)
     if not invalid:
@@ -168,51 +343,106 @@ def _touch(stamp: Path) -> None:
 
 
 def _schema_errors(doc: Doc, schema: Doc) -> Iterator[tuple[KeyPath, str, str | None]]:
-    import jsonschema  # heavy: only when a spec is not known to be valid
-
-    validator = jsonschema.Draft202012Validator(schema)
+    validator = _validator_class()(schema)
     for error in validator.iter_errors(doc):
-        yield _describe(error)
+        yield from _describe(error)
 
 
-def _describe(error: Any) -> tuple[KeyPath, str, str | None]:
-    """Turn a jsonschema error into (key path, message, hint) a user can act on."""
+@functools.cache
+def _validator_class() -> Any:
+    """Draft 2020-12 as TOML needs it: an integer is a TOML integer (JSON Schema takes 2.0 for one,
+    and true is not one), and a pattern is matched as ECMA-262 does (`$` only at the very end)."""
+    import jsonschema  # heavy: only when a spec is not known to be valid
+    from jsonschema import validators
+
+    base = jsonschema.Draft202012Validator
+
+    def is_integer(checker: Any, value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def pattern(validator: Any, regex: str, instance: object, schema: Doc) -> Iterator[Any]:
+        if isinstance(instance, str) and not _ecma_search(regex, instance):
+            yield jsonschema.ValidationError(f"{_shown(instance)} does not match {regex!r}")
+
+    def unique_items(validator: Any, unique: bool, instance: object, schema: Doc) -> Iterator[Any]:
+        # jsonschema's own compares every pair when the items do not sort (1 and "a"): 60,000 of
+        # them took minutes. One set of canonical forms is linear.
+        if unique and isinstance(instance, list):
+            import json
+
+            forms = [json.dumps(item, sort_keys=True, default=repr) for item in instance]
+            if len(set(forms)) != len(forms):
+                yield jsonschema.ValidationError("has non-unique elements")
+
+    return validators.extend(base, {"pattern": pattern, "uniqueItems": unique_items},
+                             type_checker=base.TYPE_CHECKER.redefine("integer", is_integer))
+
+
+def _ecma_search(pattern: str, text: str) -> bool:
+    """`pattern` (ECMA-262, as the schema writes it) searched in `text` as ECMA-262 would."""
+    return _python_regex(pattern).search(text) is not None
+
+
+@functools.cache
+def _python_regex(pattern: str) -> re.Pattern[str]:
+    """Python's `$` also matches before a final newline, ECMA-262's only at the end: `$` -> `\\Z`.
+
+    The schema's patterns keep to what both dialects read alike otherwise (tests/test_spec.py checks).
+    """
+    out, in_class, escaped = [], False, False
+    for char in pattern:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == "[":
+            in_class = True
+        elif char == "]":
+            in_class = False
+        elif char == "$" and not in_class:
+            char = "\\Z"
+        out.append(char)
+    return re.compile("".join(out))
+
+
+def _describe(error: Any) -> Iterator[tuple[KeyPath, str, str | None]]:
+    """Turn a jsonschema error into (key path, message, hint)s a user can act on."""
     path: KeyPath = tuple(error.absolute_path)
     kind = error.validator
     value = error.instance
     schema = error.schema
     if "propertyNames" in error.absolute_schema_path:
-        return (*path, value), f"the name {value!r} {_schema_message(error)}", None
-    if kind == "required":
+        yield (*path, value), f"the name {_shown(value)} {_schema_message(error)}", None
+    elif kind == "required":
         missing = [key for key in error.validator_value if key not in value]
-        return path, f"missing required key {', '.join(map(repr, missing))}", None
-    if kind == "additionalProperties":
-        allowed = sorted(schema.get("properties", {}))
-        extra = [key for key in value if key not in allowed]
-        key = extra[0] if extra else "?"
+        yield path, f"missing required key {', '.join(map(repr, missing))}", None
+    elif kind == "additionalProperties":
         import difflib
 
-        close = difflib.get_close_matches(key, allowed, n=1)
-        hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(allowed)}"
-        return (*path, key), f"unknown key {key!r}", hint
-    if kind in ("enum", "const"):
+        allowed = sorted(schema.get("properties", {}))
+        for key in (key for key in value if key not in allowed):  # every one, not only the first
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(allowed)}"
+            yield (*path, key), f"unknown key {_shown(key)}", hint
+    elif kind in ("enum", "const"):
         options = error.validator_value if kind == "enum" else [error.validator_value]
-        return path, f"{value!r} is not one of {', '.join(map(str, options))}", None
-    if kind == "type":
-        return path, f"expected {_type_words(error.validator_value)}, got {_toml_type(value)}", None
-    if kind == "minProperties":
-        return path, _schema_message(error), None
-    if kind == "minimum":
-        return path, f"{value} is less than the minimum {error.validator_value}", None
-    if kind == "maximum":
-        return path, f"{value} is more than the maximum {error.validator_value}", None
-    if kind == "minLength":
-        return path, "must not be empty", None
-    if kind == "uniqueItems":
-        return path, "has duplicate entries", None
-    if kind == "pattern":
-        return path, f"{value!r} {_schema_message(error)}", None
-    return path, str(error.message), None
+        yield path, f"{_shown(value)} is not one of {', '.join(map(str, options))}", None
+    elif kind == "type":
+        yield path, f"expected {_type_words(error.validator_value)}, got {_toml_type(value)}", None
+    elif kind == "minProperties":
+        yield path, _schema_message(error), None
+    elif kind == "minimum":
+        yield path, f"{_shown(value)} is less than the minimum {error.validator_value}", None
+    elif kind == "maximum":
+        yield path, f"{_shown(value)} is more than the maximum {error.validator_value}", None
+    elif kind == "minLength":
+        yield path, "must not be empty", None
+    elif kind == "uniqueItems":
+        yield path, "has duplicate entries", None
+    elif kind == "pattern":
+        yield path, f"{_shown(value)} {_schema_message(error)}", None
+    else:
+        yield path, str(error.message), None
 
 
 def _schema_message(error: Any) -> str:
@@ -247,6 +477,25 @@ def _toml_type(value: object) -> str:
 # --- meaning --------------------------------------------------------------------------------------
 
 
+# The values the builder takes apart. The schema checks their shape first; these are matched whole
+# (re.fullmatch: `$` would let a trailing newline through) so that nothing else reaches QEMU either way.
+_MAC = re.compile(r"[0-9a-f]{2}(?::[0-9a-f]{2}){5}")
+_MAC_PREFIX = re.compile(r"[0-9a-fA-F]{2}(?::[0-9a-fA-F]{2}){2}")
+_PCI_ADDRESS = re.compile(r"(?:[0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[01][0-9a-fA-F]\.[0-7]")
+_IPV4 = r"[0-9]{1,3}(?:\.[0-9]{1,3}){3}"
+_MCAST = re.compile(r"(?P<group>2(?:2[4-9]|3[0-9])(?:\.[0-9]{1,3}){3}):(?P<port>[0-9]{1,5})")
+_HOSTFWD = re.compile(rf"(?:tcp|udp):(?P<host_addr>{_IPV4})?:(?P<host_port>[0-9]{{1,5}})"
+                      rf"-(?P<guest_addr>{_IPV4})?:(?P<guest_port>[0-9]{{1,5}})")
+
+
+def _is_ipv4(text: str) -> bool:
+    return all(int(octet) <= 255 for octet in text.split("."))
+
+
+def _is_port(text: str) -> bool:
+    return 1 <= int(text) <= 65535
+
+
 def _format_from_name(file: str) -> DiskFormat:
     return DiskFormat.QCOW2 if file.lower().endswith(".qcow2") else DiskFormat.RAW
 
@@ -277,12 +526,22 @@ class _Builder:
             node = node.get(key, {}) if isinstance(node, dict) else {}
         return node if isinstance(node, dict) else {}
 
+    @staticmethod
+    def tables(raw: Doc, key: str) -> list[Doc]:
+        """The array of tables `raw[key]`; nothing when it is not one (the schema said so already,
+        at the array, which `is_valid` of an element does not see)."""
+        items = raw.get(key, [])
+        return [item if isinstance(item, dict) else {} for item in items] if isinstance(items, list) else []
+
     def build(self) -> LabSpec:
         lab = self.table(("lab",))
         lab_ok = self.is_valid(("lab",))
         name = str(lab.get("name", "lab")) if lab_ok else "lab"
         prefix = str(lab.get("mac_prefix", DEFAULT_MAC_PREFIX)) if lab_ok else DEFAULT_MAC_PREFIX
-        if is_multicast_mac(prefix):
+        if _MAC_PREFIX.fullmatch(prefix) is None:  # the schema's pattern refused it already
+            self.problems.add(("lab", "mac_prefix"), f"{_shown(prefix)} is not three octets like 52:54:00")
+            prefix = DEFAULT_MAC_PREFIX
+        elif is_multicast_mac(prefix):
             self.problems.add(("lab", "mac_prefix"), f"{prefix!r} is a multicast prefix",
                               "the first octet must be even, e.g. 52:54:00")
         self.lab_name, self.mac_prefix = name, prefix
@@ -302,14 +561,19 @@ class _Builder:
             if not self.is_valid(path):
                 continue
             if raw.get("type") == "user":
-                yield UserNetwork(name=net_name, forward=tuple(raw.get("forward", ())))
+                forward = tuple(raw.get("forward", ()))
+                bad = [self.forward_problem((*path, "forward", i), rule) for i, rule in enumerate(forward)]
+                if not any(bad):
+                    yield UserNetwork(name=net_name, forward=forward)
                 continue
             if raw.get("type") == "socket":
-                group, port = raw.get("mcast", derive_mcast(self.lab_name, net_name)).split(":")
-                if not 1 <= int(port) <= 65535 or any(int(o) > 255 for o in group.split(".")):
-                    self.problems.add((*path, "mcast"), f"{raw['mcast']!r} is not a valid group:port")
+                mcast = raw.get("mcast", derive_mcast(self.lab_name, net_name))
+                found = _MCAST.fullmatch(mcast)
+                if found is None or not _is_ipv4(found["group"]) or not _is_port(found["port"]):
+                    self.problems.add((*path, "mcast"), f"{_shown(mcast)} is not a valid group:port",
+                                      "a multicast group 224.0.0.0-239.255.255.255, a port 1-65535")
                     continue
-                yield SocketNetwork(name=net_name, group=group, port=int(port))
+                yield SocketNetwork(name=net_name, group=found["group"], port=int(found["port"]))
                 continue
             bridge_path = (*path, "bridge") if "bridge" in raw else path
             bridge = raw.get("bridge") or default_bridge_name(self.lab_name, net_name)
@@ -327,6 +591,22 @@ class _Builder:
                 self.problems.add((*path, "uplink"), f"uplink {interface_name_problem(uplink)}")
             yield BridgeNetwork(name=net_name, bridge=bridge, mtu=raw.get("mtu"), uplink=uplink)
 
+    def forward_problem(self, path: KeyPath, rule: str) -> bool:
+        """Adds a problem and returns True when a hostfwd rule is impossible (port 99999, 300.1.1.1)."""
+        found = _HOSTFWD.fullmatch(rule)
+        if found is None:  # the schema's pattern refused it already, unless it changed
+            self.problems.add(path, f"{_shown(rule)} is not a port forward like \"tcp:127.0.0.1:2222-:22\"")
+            return True
+        for side in ("host", "guest"):
+            address, port = found[f"{side}_addr"], found[f"{side}_port"]
+            if address and not _is_ipv4(address):
+                self.problems.add(path, f"{_shown(rule)}: {address} is not an IPv4 address")
+                return True
+            if not _is_port(port):
+                self.problems.add(path, f"{_shown(rule)}: {side} port {int(port)} is not 1-65535")
+                return True
+        return False
+
     def vms(self, networks: set[str], broken: set[str]) -> Iterator[VmSpec]:
         for vm_name in self.table(("vm",)):
             path: KeyPath = ("vm", vm_name)
@@ -336,10 +616,12 @@ class _Builder:
 
     def vm(self, path: KeyPath, name: str, networks: set[str], broken: set[str]) -> VmSpec | None:
         raw = self.table(path)
-        disks = tuple(self.disks(path, raw.get("disk", [])))
-        nics = tuple(self.nics(path, name, raw.get("nic", []), networks, broken))
-        pci = tuple(self.pci(path, raw.get("pci", [])))
-        if not self.is_valid(path):
+        disks = tuple(self.disks(path, self.tables(raw, "disk")))
+        nics = tuple(self.nics(path, name, self.tables(raw, "nic"), networks, broken))
+        pci = tuple(self.pci(path, self.tables(raw, "pci")))
+        queries = [key for key in ("machine", "cpu_model")
+                   if self.is_valid((*path, key)) and self.is_qemu_query((*path, key), raw.get(key))]
+        if not self.is_valid(path) or queries:
             return None  # the schema already reported it; its parts were checked above
         memory = self.memory_mib((*path, "memory"), raw["memory"])
         kernel = self.path_of(raw.get("kernel"))
@@ -358,6 +640,19 @@ class _Builder:
             given["initrd"] = self.path_of(raw["initrd"])
         return VmSpec(name=name, memory_mib=memory or 1, kernel=kernel, disks=disks, nics=nics, pci=pci,
                       balloon=Balloon(**raw.get("balloon", {})), **given)
+
+    def is_qemu_query(self, path: KeyPath, value: object) -> bool:
+        """machine = "help" (or "?", or help after a comma) would make QEMU list its machines and exit
+        instead of starting the VM: report it, and return True."""
+        if not isinstance(value, str):
+            return False
+        parts = [part.strip().lower() for part in value.split(",")]
+        if not any(part in _QEMU_QUERIES or part.startswith("help=") for part in parts):
+            return False
+        what, option = ("machine types", "-machine") if path[-1] == "machine" else ("CPU models", "-cpu")
+        self.problems.add(path, f"{_shown(value)} would make QEMU list its {what} and exit instead of "
+                          "starting the VM", f"name one; `qemu-system-x86_64 {option} help` lists them")
+        return True
 
     def sata_fits(self, path: KeyPath, raw: Doc, disks: tuple[Disk, ...]) -> bool:
         """SATA disks need a machine with a built-in AHCI controller, one disk per port."""
@@ -388,10 +683,14 @@ class _Builder:
             self.problems.add(path, str(exc))
             return None
         if size % (1 << 20):
-            self.problems.add(path, f"{value!r} is not a whole number of MiB")
+            self.problems.add(path, f"{_shown(value)} is not a whole number of MiB")
             return None
         if size < 16 << 20:
-            self.problems.add(path, f"{value!r} is too little memory", "at least 16M")
+            self.problems.add(path, f"{_shown(value)} is too little memory", "at least 16M")
+            return None
+        if size > MAX_MEMORY:
+            self.problems.add(path, f"{_shown(value)} is more memory than a VM can have",
+                              f"at most {format_size(MAX_MEMORY)}")
             return None
         return size >> 20
 
@@ -412,6 +711,11 @@ class _Builder:
             except ValueError as exc:
                 self.problems.add((*path, "size"), str(exc))
                 ok = False
+            else:
+                if size > MAX_DISK_SIZE:
+                    self.problems.add((*path, "size"), f"{_shown(raw['size'])} is larger than a disk "
+                                      "image can be", f"at most {format_size(MAX_DISK_SIZE)}")
+                    ok = False
         cache = CacheMode(raw["cache"]) if "cache" in raw else default_of(Disk, "cache")
         if cache is CacheMode.UNSAFE and not raw.get("accept_data_loss", False):
             self.problems.add((*path, "cache"), "cache = \"unsafe\" ignores flushes: a host crash "
@@ -484,6 +788,9 @@ class _Builder:
     def mac(self, path: KeyPath, explicit: str | None, vm: str, index: int) -> str | None:
         if explicit is not None:
             mac = explicit.lower()
+            if _MAC.fullmatch(mac) is None:  # the schema's pattern refused it already
+                self.problems.add((*path, "mac"), f"{_shown(explicit)} is not a MAC address")
+                return None
             if is_multicast_mac(mac):
                 self.problems.add((*path, "mac"), f"{explicit!r} is a multicast address",
                                   "the first octet must be even")
@@ -503,6 +810,9 @@ class _Builder:
         for index, raw in enumerate(items):
             path = (*vm_path, "pci", index)
             if not self.is_valid(path):
+                continue
+            if _PCI_ADDRESS.fullmatch(raw["host"]) is None:  # the schema's pattern refused it already
+                self.problems.add((*path, "host"), f"{_shown(raw['host'])} is not a PCI address")
                 continue
             host = normalise_pci_address(raw["host"])
             first = self.pci_hosts.get(host)
