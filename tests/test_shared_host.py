@@ -408,7 +408,9 @@ def test_a_cache_others_may_write_is_not_used(root: Path, monkeypatch: pytest.Mo
     os.chmod(shared, 0o777)
     (shared / "host.json").write_text('{"key": "planted"}')
     monkeypatch.setenv("VMLAUNCH_CACHE_DIR", str(shared))
+    dirs._usable.cache_clear()
     assert dirs.usable_cache_dir() is None
     assert "not using the cache: refusing to use" in caplog.text and "VMLAUNCH_CACHE_DIR" in caplog.text
     os.chmod(shared, 0o700)
+    dirs._usable.cache_clear()  # checked once per process
     assert dirs.usable_cache_dir() == shared

@@ -10,6 +10,7 @@ swap a console socket, or plant a link for root to write through.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import stat
 from pathlib import Path
@@ -32,7 +33,11 @@ def cache_dir() -> Path:
 def usable_cache_dir() -> Path | None:
     """The cache dir when it passes the ownership rule (made if missing), else None: another user's
     cache could name the QEMU binary vmlaunch runs, so it is neither read nor written."""
-    path = cache_dir()
+    return _usable(cache_dir())
+
+
+@functools.lru_cache(maxsize=4)
+def _usable(path: Path) -> Path | None:  # once per path and process: one warning, not one per use
     try:
         secure_dir(path, top=path, create=True, setting="VMLAUNCH_CACHE_DIR")
         return path

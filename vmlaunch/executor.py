@@ -91,9 +91,9 @@ def up(plan: Plan, *, spec: str | os.PathLike[str], qemu_img: str | None = None,
 def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: float,
         force: bool) -> dict[str, int]:
     with locked(plan.run_dir, timeout):
-        plan.run_dir.create()
-        journal = Journal.load(plan.run_dir)
+        journal = Journal.load(plan.run_dir)  # first: a journal it cannot read leaves no mark
         journal.check_spec(spec, force=force)
+        plan.run_dir.create()
         journal.spec = os.path.realpath(spec)
         already = running_vms(journal)
         to_start = [vm for vm in plan.vms if vm.name not in already]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from vmlaunch import __version__
-from vmlaunch.dirs import cache_dir
+from vmlaunch.dirs import usable_cache_dir
 from vmlaunch.errors import KeyPath, Location, Problem, SpecError, format_key_path
 from vmlaunch.model import (
     MACHINE_SATA_PORTS,
@@ -313,8 +313,9 @@ def _check_structure(doc: Doc, data: bytes, problems: _Problems, walked: list[Ke
     """
     schema_bytes = SCHEMA_FILE.read_bytes()
     digest = hashlib.sha256(b"\0".join([__version__.encode(), _CHECKS_REVISION, schema_bytes, data]))
-    stamp = cache_dir() / "valid" / digest.hexdigest()
-    if not walked and stamp.exists():
+    cache = usable_cache_dir()  # a stamp another user could plant would skip the schema check
+    stamp = cache / "valid" / digest.hexdigest() if cache is not None else None
+    if not walked and stamp is not None and stamp.exists():
         return []
     import json
 
@@ -329,7 +330,7 @@ def _check_structure(doc: Doc, data: bytes, problems: _Problems, walked: list[Ke
             continue  # already reported by the walk, which says better what is wrong
         problems.add(path, message, hint)
         invalid.append(path)
-    if not invalid:
+    if not invalid and stamp is not None:
         _touch(stamp)
     return invalid
 
