@@ -2,7 +2,14 @@
 returns, which is journaled and knows how to undo itself.
 
 Adding a kind is one module (its resource and record classes) and one line in `registry.py`; the
-executor does not change.
+executor does not change. Besides the protocol, a resource class may define, and the executor then
+calls:
+
+- `preflight(resources)` (static): check the kind's resources as a group before anything changes;
+- `claim(ctx) -> Resource | None`: a resource applied and journaled before `apply` runs, for a change
+  that takes a while (an image qemu-img writes): a crash leaves a journaled claim `down` can undo;
+- `check_opened(pid)`: once the QEMUs run paused, check what this VM's QEMU opened (the disk file the
+  path named when it was checked), before any guest runs.
 """
 
 from __future__ import annotations
