@@ -132,3 +132,56 @@ def test_closed_stdout_exits_quietly(command: str, tmp_path: Path, qemu_binary: 
         os.close(write_end)
     assert done.returncode == 141
     assert done.stderr == ""
+
+
+# --- main's own paths, in process (the end-to-end tests run them in a subprocess) -------------------
+
+
+def _failing_validate(monkeypatch: pytest.MonkeyPatch, exc: BaseException) -> None:
+    from vmlaunch import cli
+
+    def fail(args: object) -> int:
+        raise exc
+
+    monkeypatch.setattr(cli, "cmd_validate", fail)
+
+
+@pytest.mark.parametrize(("exc", "code", "said"), [
+    (KeyboardInterrupt(), 130, "vmlaunch: interrupted"),
+    (ValueError("oops"), 1, "internal error: ValueError: oops"),
+    (OSError(28, "No space left on device"), 4, "error: [Errno 28] No space left on device"),
+])
+def test_main_turns_exceptions_into_exit_codes(monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str],
+                                               exc: BaseException, code: int, said: str) -> None:
+    _failing_validate(monkeypatch, exc)
+    assert main(["validate", "x.toml"]) == code
+    assert said in capsys.readouterr().err
+
+
+def test_a_reader_that_went_away_is_exit_141(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vmlaunch import cli
+
+    _failing_validate(monkeypatch, BrokenPipeError(32, "Broken pipe"))
+    monkeypatch.setattr(cli, "_reader_gone", lambda: True)
+    assert main(["validate", "x.toml"]) == 141
+    monkeypatch.setattr(cli, "_reader_gone", lambda: False)  # a QMP socket, not our output
+    assert main(["validate", "x.toml"]) == 4
+
+
+def test_a_signal_unwinds_once_then_is_ignored() -> None:
+    import signal
+
+    from vmlaunch.cli import _stop_on_signal
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _stop_on_signal(signal.SIGINT, None)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        with pytest.raises(SystemExit) as stopped:
+            _stop_on_signal(signal.SIGTERM, None)
+        assert stopped.value.code == 128 + signal.SIGTERM
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

@@ -33,3 +33,23 @@ def _cmdline(proc: Path) -> bytes:
         return (proc / "cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def test_without_a_usable_cache_the_host_is_probed_and_nothing_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    qemu = host.QemuInfo(binary="/q", version=(7, 2, 0), devices=frozenset(), io_uring=False, img="/i")
+    monkeypatch.setattr(host, "usable_cache_dir", lambda: None)
+    monkeypatch.setattr(host, "_probe_key", lambda binary: {"binary": binary})
+    monkeypatch.setattr(host, "probe_qemu", lambda binary: calls.append("qemu") or qemu)
+    monkeypatch.setattr(host, "probe_kvm", lambda binary: calls.append("kvm") or host.KvmStatus(False, "x"))
+    assert host._cached_probe("/q") == (qemu, host.KvmStatus(False, "x"))
+    assert host._cached_probe("/q")[0] == qemu
+    assert calls == ["qemu", "kvm", "qemu", "kvm"]  # probed each time: there is nowhere to keep it
+
+
+def test_no_dev_kvm_is_said_plainly(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: False if p == "/dev/kvm" else real_exists(p))
+    status = host.probe_kvm("/usr/bin/qemu-system-x86_64")
+    assert not status.usable and "no /dev/kvm" in status.reason
