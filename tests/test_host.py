@@ -41,8 +41,17 @@ def test_without_a_usable_cache_the_host_is_probed_and_nothing_written(
     qemu = host.QemuInfo(binary="/q", version=(7, 2, 0), devices=frozenset(), io_uring=False, img="/i")
     monkeypatch.setattr(host, "usable_cache_dir", lambda: None)
     monkeypatch.setattr(host, "_probe_key", lambda binary: {"binary": binary})
-    monkeypatch.setattr(host, "probe_qemu", lambda binary: calls.append("qemu") or qemu)
-    monkeypatch.setattr(host, "probe_kvm", lambda binary: calls.append("kvm") or host.KvmStatus(False, "x"))
+
+    def probe_qemu(binary: str) -> host.QemuInfo:
+        calls.append("qemu")
+        return qemu
+
+    def probe_kvm(binary: str) -> host.KvmStatus:
+        calls.append("kvm")
+        return host.KvmStatus(False, "x")
+
+    monkeypatch.setattr(host, "probe_qemu", probe_qemu)
+    monkeypatch.setattr(host, "probe_kvm", probe_kvm)
     assert host._cached_probe("/q") == (qemu, host.KvmStatus(False, "x"))
     assert host._cached_probe("/q")[0] == qemu
     assert calls == ["qemu", "kvm", "qemu", "kvm"]  # probed each time: there is nowhere to keep it
