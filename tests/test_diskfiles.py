@@ -106,6 +106,19 @@ def test_a_file_of_another_user_needs_an_opt_in_when_running_as_root(tmp_path: P
                                 'accept_other_owner = true\n'))
 
 
+@pytest.mark.parametrize("mode", [0o666, 0o646, 0o662])
+def test_a_file_others_may_write_needs_an_opt_in(tmp_path: Path, mode: int) -> None:
+    image = tmp_path / "open.img"
+    image.write_bytes(b"")
+    os.chmod(image, mode)
+    if mode == 0o662:
+        os.chown(image, -1, NOBODY)  # a group with another user in it
+    message = refused(disk_images(tmp_path, f'[[vm.web.disk]]\nfile = "{image}"\n'))
+    assert f"{image} may be written by other users (mode {mode:04o})" in message
+    Image.preflight(disk_images(tmp_path, f'[[vm.web.disk]]\nfile = "{image}"\n'
+                                'accept_other_owner = true\n'))
+
+
 @as_root
 def test_a_folder_others_may_write_is_refused(tmp_path: Path, sticky: Path) -> None:
     open_folder = tmp_path / "open"

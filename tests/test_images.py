@@ -117,7 +117,7 @@ from vmlaunch.resources.image import Image
 from vmlaunch.rundir import RunDir
 
 run_dir = RunDir.of(Path(sys.argv[1]), "t")
-run_dir.path.mkdir(mode=0o700, parents=True)
+run_dir.create()
 journal = Journal.load(run_dir)
 image = Image(path=Path(sys.argv[2]), size=64 << 20, format=DiskFormat.RAW, vm="a")
 executor._apply(image, Context(lab="t", qemu_img=sys.argv[3]), journal, contextlib.ExitStack())

@@ -121,6 +121,20 @@ def test_above_the_run_root_only_sticky_dirs_may_be_shared(root: Path) -> None:
         secure_dir(open_dir / "mine", top=open_dir / "mine", create=True)
 
 
+def test_a_link_chain_is_checked_link_by_link(root: Path) -> None:
+    """A link of the user's that names a link of another user's is refused like that one."""
+    shared, real = root / "shared", root / "real"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    real.mkdir()
+    os.symlink(real, shared / "theirs")
+    os.lchown(shared / "theirs", NOBODY, -1)
+    (root / "mine").symlink_to(shared / "theirs")
+    with pytest.raises(UnsafeDirectory, match="a symlink is owned by nobody"):
+        secure_dir(root / "mine" / "run", top=root / "mine" / "run", create=True)
+    assert not (real / "run").exists()
+
+
 def test_links_on_the_way(root: Path) -> None:
     """A link the user made above the run root is followed and its target checked; a link owned by
     another user is refused (the kernel's protected_symlinks rule), and so is a link as a run dir."""
@@ -177,12 +191,44 @@ def test_a_marked_run_dir_with_strangers_is_kept(root: Path, caplog: pytest.LogC
     (run_dir.path / "a.serial.log").write_text("boot")
     (run_dir.path / "keep.me").write_text("x")
     (run_dir.path / "sub").mkdir()
-    assert run_dir.remove() == "it holds what vmlaunch did not put there: keep.me, sub"
-    (run_dir.path / "keep.me").unlink()
+    (run_dir.path / "notes.pid").write_text("a VM this lab does not have")
+    assert run_dir.remove(["a"]) == "it holds what vmlaunch did not put there: keep.me, notes.pid, sub"
+    for name in ("keep.me", "notes.pid"):
+        (run_dir.path / name).unlink()
     (run_dir.path / "sub").rmdir()
-    assert run_dir.remove() is None and not run_dir.path.exists()
+    assert run_dir.remove(["a"]) is None and not run_dir.path.exists()
     run_dir.path.mkdir()
     assert "no .vmlaunch-run-dir mark" in (run_dir.remove() or "")
+
+
+def test_an_unmarked_directory_is_never_adopted_nor_emptied(root: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(root))
+    theirs = root / "sh"
+    theirs.mkdir(mode=0o700)
+    with pytest.raises(RuntimeFailure, match="was not made by vmlaunch"):
+        RunDir.of(root, "sh").create()  # empty, still not vmlaunch's
+    (theirs / "state.json").write_text('{"mine": true}')
+    assert main(["down", str(spec_file(tmp_path)), "--force"]) == 0
+    assert (theirs / "state.json").read_text() == '{"mine": true}'
+
+
+def test_a_link_planted_for_a_vm_file_is_removed_before_qemu_opens_it(root: Path, tmp_path: Path) -> None:
+    """QEMU opens its serial log itself, following links: none may be there when it starts."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    run_dir = RunDir.of(root, "lab")
+    run_dir.create()
+    files = run_dir.vm("a")
+    for path in files.every:
+        path.symlink_to(victim)
+    executor._clear_stale(files)
+    assert not any(path.is_symlink() for path in files.every) and victim.read_text() == "precious"
+    files.serial_log.symlink_to(victim)
+    with pytest.raises(RuntimeFailure, match="it is a symlink"):
+        from vmlaunch.control import read_log
+
+        read_log(run_dir, "a")
 
 
 # --- one lab name, one spec ---------------------------------------------------------------------------
@@ -284,6 +330,7 @@ def test_terminal_escapes_are_taken_out_of_messages() -> None:
     hostile = ("boot\x1b]0;owned\x07 ok\x1b[2J\x1b[1;1Hdone\r\x9b31mred\x1bPq#0\x1b\\ \x1bc"
                "\x00\x08\x7f\x90dcs\x9c end\n\tnext")
     assert printable(hostile) == "boot okdonered  end\n\tnext"
+    assert printable("txt.\u202eexe\u2066x\u2069") == "txt.exex"  # no reordering what is read
 
 
 def test_the_tail_in_an_error_is_printable(tmp_path: Path) -> None:
@@ -414,3 +461,6 @@ def test_a_cache_others_may_write_is_not_used(root: Path, monkeypatch: pytest.Mo
     os.chmod(shared, 0o700)
     dirs._usable.cache_clear()  # checked once per process
     assert dirs.usable_cache_dir() == shared
+    (shared / "valid").mkdir()
+    os.chown(shared / "valid", NOBODY, -1)  # where the stamps of specs known valid go
+    assert dirs.usable_cache_dir("valid") is None

@@ -17,7 +17,7 @@ from vmlaunch import qemu
 from vmlaunch.errors import RuntimeFailure, UsageError
 from vmlaunch.journal import Journal
 from vmlaunch.qmp import Qmp, QmpError, QuickQmp
-from vmlaunch.rundir import RunDir
+from vmlaunch.rundir import RunDir, open_in_run_dir
 from vmlaunch.wait import TimedOut, wait_until
 
 DETACH_KEY = b"\x1d"  # Ctrl-]
@@ -113,17 +113,17 @@ def balloon(run_dir: RunDir, name: str, size: int | None = None, timeout: float 
 
 
 def read_log(run_dir: RunDir, name: str) -> str:
-    try:
-        return run_dir.vm(name).serial_log.read_text(errors="replace")
-    except FileNotFoundError:
-        raise RuntimeFailure(f"VM {name} has no serial log", "is the lab up?") from None
+    path = run_dir.vm(name).serial_log
+    if not path.exists():
+        raise RuntimeFailure(f"VM {name} has no serial log", "is the lab up?")
+    return qemu.read_text(path)  # never through a link
 
 
 def follow_log(run_dir: RunDir, name: str) -> Iterator[str]:
     """The serial log as it grows, until the VM stops (or the reader stops asking)."""
     path = run_dir.vm(name).serial_log
     pid = running_pid(run_dir, name)
-    with open(path, errors="replace") as log:
+    with os.fdopen(open_in_run_dir(path, os.O_RDONLY), errors="replace") as log:
         while True:
             # new output, or "" once the VM is gone and nothing more will come
             chunk = wait_until(lambda: log.read() or (None if qemu.alive(pid) else ""), math.inf,

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from vmlaunch.errors import HostError
 
+MAX_LINKS = 40  # as the kernel's path walk
+
 
 class UnsafeDirectory(HostError):
     """A directory another user could change under vmlaunch."""
@@ -30,16 +32,18 @@ def cache_dir() -> Path:
     return Path(base) / "vmlaunch"
 
 
-def usable_cache_dir() -> Path | None:
-    """The cache dir when it passes the ownership rule (made if missing), else None: another user's
-    cache could name the QEMU binary vmlaunch runs, so it is neither read nor written."""
-    return _usable(cache_dir())
+def usable_cache_dir(sub: str = "") -> Path | None:
+    """The cache dir (or its folder `sub`) when it passes the ownership rule (made if missing), else
+    None: another user's cache could name the QEMU binary vmlaunch runs, or mark a spec as checked,
+    so it is neither read nor written."""
+    return _usable(cache_dir(), sub)
 
 
-@functools.lru_cache(maxsize=4)
-def _usable(path: Path) -> Path | None:  # once per path and process: one warning, not one per use
+@functools.lru_cache(maxsize=8)
+def _usable(top: Path, sub: str) -> Path | None:  # once per path and process: one warning, not many
+    path = top / sub if sub else top
     try:
-        secure_dir(path, top=path, create=True, setting="VMLAUNCH_CACHE_DIR")
+        secure_dir(path, top=top, create=True, setting="VMLAUNCH_CACHE_DIR")
         return path
     except (UnsafeDirectory, OSError) as exc:
         import logging
@@ -93,7 +97,8 @@ def _check_one(path: str, st: os.stat_result, own: bool, setting: str) -> None:
                       f"(mode {stat.S_IMODE(st.st_mode):04o})", setting)
 
 
-def secure_dir(path: Path, *, top: Path, create: bool, setting: str = "VMLAUNCH_RUN_DIR") -> bool:
+def secure_dir(path: Path, *, top: Path, create: bool, setting: str = "VMLAUNCH_RUN_DIR",
+               _depth: int = 0) -> bool:
     """Check `path` and every directory above it against the rule; with `create`, make what is
     missing (mode 0700). `top` is where vmlaunch's own directories begin: it and everything under it
     must be the user's own and writable by them alone. Returns whether `path` exists."""
@@ -117,8 +122,11 @@ def secure_dir(path: Path, *, top: Path, create: bool, setting: str = "VMLAUNCH_
             if own:
                 raise _refuse(str(current), "it is a symlink; vmlaunch's own directories must not be",
                               setting)
-            # A link the user or root made above vmlaunch's own: what it names must pass the rule.
-            target = Path(os.path.realpath(current))
+            # A link the user or root made above vmlaunch's own: what it names must pass the rule,
+            # one link at a time (a link it names is checked like this one).
+            if _depth >= MAX_LINKS:
+                raise _refuse(str(path), "too many levels of symbolic links", setting)
+            target = Path(os.path.normpath(current.parent / os.readlink(current)))
             return secure_dir(target / path.relative_to(current), top=target / top.relative_to(current),
-                              create=create, setting=setting)
+                              create=create, setting=setting, _depth=_depth + 1)
     return True

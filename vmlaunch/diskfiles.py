@@ -116,6 +116,10 @@ def check(path: Path, policy: Policy, *, creating: bool) -> Found:
     if not policy.trusted(found.stat.st_uid) and not policy.accept_other_owner:
         raise Unsafe(f"{_named(path, found)} belongs to {_user(found.stat.st_uid)}, not to "
                      f"{_user(policy.uid)}", "accept_other_owner")
+    if _others_may_write(found.stat, policy) and not policy.accept_other_owner:
+        raise Unsafe(f"{_named(path, found)} may be written by other users (mode "
+                     f"{stat.S_IMODE(mode):04o})", "accept_other_owner",
+                     fix=f"chmod go-w {path}")
     return found
 
 

@@ -12,7 +12,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from vmlaunch import qemu, signals
@@ -135,7 +135,7 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
                 finally:
                     for vm in to_start:
                         journal.vms.pop(vm.name, None)
-                    _settle(journal)
+                    _settle(journal, [vm.name for vm in plan.vms])
             raise
         stack.pop_all()  # success: keep everything for `down`
         return {**already, **pids}
@@ -148,7 +148,7 @@ def _narrow(path: Path) -> None:
             os.chmod(path, 0o600)
 
 
-def _settle(journal: Journal) -> list[str]:
+def _settle(journal: Journal, vms: Iterable[str]) -> list[str]:
     """Save the journal, or remove the run dir when nothing is left in it; return what failed.
 
     Removing needs no free space: a full run dir still loses an empty journal. A run dir that is not
@@ -156,6 +156,9 @@ def _settle(journal: Journal) -> list[str]:
     """
     run_dir = journal.run_dir
     if journal.empty:
+        if run_dir.path.exists() and not run_dir.marked():
+            log.warning("kept %s: it has no vmlaunch mark, so vmlaunch did not make it", run_dir)
+            return []
         try:
             if stat.S_ISREG(os.lstat(run_dir.state).st_mode):
                 os.unlink(run_dir.state)  # first: whatever else fails, nothing is left to undo
@@ -164,7 +167,7 @@ def _settle(journal: Journal) -> list[str]:
         except OSError as exc:
             return [f"the journal {run_dir.state} could not be removed ({exc.strerror or exc}); "
                     "everything it lists is undone: run down again to remove the run dir"]
-        why = run_dir.remove()
+        why = run_dir.remove(vms)
         if why is not None:
             log.warning("kept %s: %s", run_dir, why)
         return []
@@ -176,11 +179,19 @@ def _settle(journal: Journal) -> list[str]:
     return []
 
 
-def _clear_stale(files: VmFiles) -> None:
-    """Sockets and pidfiles a crashed QEMU left behind would make QEMU fail to bind."""
-    for path in files.stale:
-        with contextlib.suppress(FileNotFoundError):
+def _remove_files(files: VmFiles) -> None:
+    for path in files.every:
+        with contextlib.suppress(OSError):
             path.unlink()
+
+
+def _clear_stale(files: VmFiles) -> None:
+    """Sockets and pidfiles a crashed QEMU left behind would make QEMU fail to bind; and QEMU opens
+    its serial log itself, following links, so a link planted where any VM file goes is removed."""
+    for path in files.every:
+        with contextlib.suppress(FileNotFoundError):
+            if path in files.stale or stat.S_ISLNK(os.lstat(path).st_mode):
+                path.unlink()
 
 
 def _wait_ready(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str | None,
@@ -255,8 +266,9 @@ def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, fo
                     log.warning("%s", problem)
             except (VmlaunchError, OSError) as exc:  # a read-only run root: still stop every VM
                 log.warning("%s", exc)
+        known = set(journal.vms)  # whose files the run dir may hold
         if journal.empty and not journal.unreadable:
-            _settle(journal)
+            _settle(journal, known)
             return False
         names = [name for name in journal.vms if not only or name in only]
         targets = {name: (qemu.find_pid(run_dir.vm(name), journal.vms[name].pid), run_dir.vm(name))
@@ -264,6 +276,8 @@ def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, fo
         for name, how in qemu.stop_all(targets, timeout).items():
             log.info("%s: %s", name, how)
             del journal.vms[name]
+            if journal.vms:  # the lab stays up: this VM's files go now, as the run dir would
+                _remove_files(run_dir.vm(name))
         failures: list[str] = []
         remaining_vms = set(journal.vms)
         ctx = Context(lab=run_dir.lab)
@@ -279,7 +293,7 @@ def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, fo
                 failures.append(f"{entry.record.describe()}: {exc.strerror or exc}")
         for line in journal.unreadable:  # only with force: anything else raised in load
             log.warning("not recognised, so not undone (check by hand): %s", line)
-        failures += _settle(journal)
+        failures += _settle(journal, known)
         if failures:
             raise RuntimeFailure("down could not undo everything:\n" + "\n".join(failures),
                                  f"the journal is kept in {run_dir}; run down again after fixing it"

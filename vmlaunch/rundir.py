@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 
 import attrs
 
 from vmlaunch.errors import RuntimeFailure
+from vmlaunch.fsutil import is_temp_of
 
 MARK = ".vmlaunch-run-dir"
 STATE = "state.json"
@@ -79,6 +81,10 @@ class VmFiles:
         return (self.qmp, self.console)
 
     @property
+    def every(self) -> tuple[Path, ...]:
+        return tuple(self._file(suffix) for suffix in VM_SUFFIXES)
+
+    @property
     def stale(self) -> tuple[Path, ...]:
         """What a crashed QEMU leaves that would make the next one fail to bind or be found."""
         return (self.qmp, self.console, self.pidfile)
@@ -122,20 +128,27 @@ class RunDir:
         """Make the run dir (0700, marked as vmlaunch's), or check the one there is vmlaunch's."""
         existed = self.path.exists()
         self.secure(create=True)
-        os.chmod(self.path, 0o700)
-        # Unmarked but with a journal: an older vmlaunch's run dir, which the journal then judges.
-        if existed and not self.mark.exists() and not self.state.exists() and any(os.scandir(self.path)):
+        if existed and not self.marked():
             raise RuntimeFailure(f"{self.path} exists and was not made by vmlaunch (it has no "
                                  f"{MARK} mark), so lab {self.lab} cannot use it",
                                  "move it away, or give the lab another name")
-        if not existed or not self.mark.exists():
+        os.chmod(self.path, 0o700)
+        if not existed:
             fd = open_in_run_dir(self.mark, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             with os.fdopen(fd, "w") as out:
                 out.write(f"vmlaunch run dir of lab {self.lab}\n")
 
-    def remove(self) -> str | None:
-        """Remove the run dir if it is vmlaunch's (marked) and holds only what vmlaunch puts there;
-        else leave it and return why. Files are removed one by one, never through a link."""
+    def marked(self) -> bool:
+        try:
+            return stat.S_ISREG(os.lstat(self.mark).st_mode)
+        except FileNotFoundError:
+            return False
+
+    def remove(self, vms: Iterable[str] = ()) -> str | None:
+        """Remove the run dir if it is vmlaunch's (marked) and holds only what vmlaunch puts there
+        (the journal, the files of the VMs named); else leave it and return why. Files are removed
+        one by one, never through a link."""
+        known = {MARK, STATE} | {f"{vm}{suffix}" for vm in vms for suffix in VM_SUFFIXES}
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW)
         except FileNotFoundError:
@@ -146,8 +159,8 @@ class RunDir:
             names = os.listdir(fd)
             if MARK not in names:
                 return f"it has no {MARK} mark, so vmlaunch did not make it"
-            strangers = [n for n in names if not _ours(n) or
-                         stat.S_ISDIR(os.lstat(n, dir_fd=fd).st_mode)]
+            strangers = [n for n in names if not (n in known or is_temp_of(n, STATE))
+                         or stat.S_ISDIR(os.lstat(n, dir_fd=fd).st_mode)]
             if strangers:
                 return f"it holds what vmlaunch did not put there: {', '.join(sorted(strangers)[:5])}"
             for name in names:
@@ -174,11 +187,3 @@ class RunDir:
     def __str__(self) -> str:
         return str(self.path)
 
-
-def _ours(name: str) -> bool:
-    """A name vmlaunch puts in a run dir: the mark, the journal (and its temp files), a VM's files."""
-    from vmlaunch.fsutil import is_temp_of
-
-    if name in (MARK, STATE) or is_temp_of(name, STATE):
-        return True
-    return any(name.endswith(suffix) and len(name) > len(suffix) for suffix in VM_SUFFIXES)

@@ -313,8 +313,8 @@ def _check_structure(doc: Doc, data: bytes, problems: _Problems, walked: list[Ke
     """
     schema_bytes = SCHEMA_FILE.read_bytes()
     digest = hashlib.sha256(b"\0".join([__version__.encode(), _CHECKS_REVISION, schema_bytes, data]))
-    cache = usable_cache_dir()  # a stamp another user could plant would skip the schema check
-    stamp = cache / "valid" / digest.hexdigest() if cache is not None else None
+    cache = usable_cache_dir("valid")  # a stamp another user could plant would skip the schema check
+    stamp = cache / digest.hexdigest() if cache is not None else None
     if not walked and stamp is not None and stamp.exists():
         return []
     import json
