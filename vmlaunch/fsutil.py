@@ -28,7 +28,7 @@ def write_atomic(path: Path, data: bytes | str, mode: int = 0o600, *, durable: b
             os.unlink(tmp)
         raise
     if durable:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
 
 def is_temp_of(name: str, target: str) -> bool:
@@ -37,10 +37,34 @@ def is_temp_of(name: str, target: str) -> bool:
     return middle.isdigit()
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
+    """Make renames and creations in `folder` survive a power cut (best effort)."""
     with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def try_lock(fd: int) -> bool:
+    """An exclusive flock on `fd` if nobody holds one, without waiting."""
+    import errno
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd`: a lock file its holder removed and another
+    process made anew is not the one locked."""
+    try:
+        return os.lstat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import functools
 import json
 import logging
@@ -28,7 +27,7 @@ from typing import Any, TypeVar
 import attrs
 
 from vmlaunch.errors import RuntimeFailure
-from vmlaunch.fsutil import write_atomic
+from vmlaunch.fsutil import same_file, try_lock, write_atomic
 from vmlaunch.resources.base import Record
 from vmlaunch.rundir import RunDir, open_in_run_dir
 from vmlaunch.wait import TimedOut, wait_until
@@ -283,7 +282,7 @@ def locked(run_dir: RunDir, timeout: float) -> Iterator[None]:
             if exc.errno != errno.EROFS:
                 raise
             fd = open_in_run_dir(lock_path, os.O_RDONLY)  # a read-only run root: `down` still runs
-        if _try_lock(fd) and _same_file(fd, lock_path):
+        if try_lock(fd) and same_file(fd, lock_path):
             return fd
         os.close(fd)
         return None
@@ -304,19 +303,3 @@ def locked(run_dir: RunDir, timeout: float) -> Iterator[None]:
                 lock_path.unlink()
         os.close(fd)
 
-
-def _try_lock(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError as exc:
-        if exc.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        return os.stat(path).st_ino == os.fstat(fd).st_ino
-    except FileNotFoundError:
-        return False

@@ -26,8 +26,6 @@ the locks of other labs are only ever tried, never waited for.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import re
@@ -40,7 +38,7 @@ import attrs
 
 from vmlaunch.dirs import run_root, secure_dir
 from vmlaunch.errors import RuntimeFailure
-from vmlaunch.fsutil import write_atomic
+from vmlaunch.fsutil import same_file, try_lock, write_atomic
 from vmlaunch.naming import interface_name_problem
 from vmlaunch.rundir import RunDir
 from vmlaunch.wait import TimedOut, wait_until
@@ -105,7 +103,7 @@ class BridgeRegistry:
                                     f"{exc.strerror or exc}") from exc
             try:
                 _check_owner(fd, lock)
-                if _try_lock(fd) and _same_file(fd, lock):
+                if try_lock(fd) and same_file(fd, lock):
                     return fd
             except BaseException:
                 os.close(fd)
@@ -187,7 +185,7 @@ def lab_in_use(root: Path, lab: str) -> bool:
     except OSError:
         return False  # no lock file: nothing of that lab runs
     try:
-        if not _try_lock(fd):
+        if not try_lock(fd):
             return True  # an up or down of it runs (it may not have journaled yet)
         return run_dir.state.exists()  # it may have finished just now
     finally:
@@ -217,19 +215,3 @@ def _check_owner(fd: int, path: Path) -> None:
         raise RegistryError(f"{path} is not a file of this user's alone; refusing to use it",
                             f"remove it if you trust nothing in {path.parent}")
 
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        return os.lstat(path).st_ino == os.fstat(fd).st_ino
-    except FileNotFoundError:
-        return False
-
-
-def _try_lock(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError as exc:
-        if exc.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise

@@ -29,6 +29,7 @@ import attrs
 
 from vmlaunch.diskfiles import DiskOrigin, Found, Policy, Unsafe, check, opened_by, refusal, refuse
 from vmlaunch.errors import RuntimeFailure
+from vmlaunch.fsutil import fsync_dir
 from vmlaunch.model import DiskFormat
 from vmlaunch.resources.base import Context, Resource
 
@@ -271,7 +272,7 @@ class Image:
             raise
         finally:
             os.close(fd)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         record = ImageRecord(self.path, created=True, mtime_ns=st.st_mtime_ns, size=st.st_size,
                              inode=st.st_ino)
         return record, (st.st_dev, st.st_ino)
@@ -352,11 +353,3 @@ def _rename_failed(dst: Path, exc: OSError) -> NoReturn:
                              "run up again to use it") from None
     raise RuntimeFailure(f"cannot create image {dst}: {exc.strerror}") from None
 
-
-def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
