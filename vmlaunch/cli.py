@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from vmlaunch import __version__
@@ -258,7 +259,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     from vmlaunch.host import detect_host
     from vmlaunch.spec import load_lab
 
+    from vmlaunch.specfiles import check_files
+
     lab = load_lab(args.spec)
+    check_files(lab, args.vms, shown=Path(args.spec))
     host = detect_host()
     plan = compile_lab(lab, host, args.vms)
     for note in plan.notes:
@@ -291,8 +295,10 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     from vmlaunch.model import BridgeNetwork
     from vmlaunch.spec import load_lab
+    from vmlaunch.specfiles import check_files
 
     lab = load_lab(args.spec)
+    check_files(lab, shown=Path(args.spec))
     nets = ", ".join(
         f"{net.name} (bridge {net.bridge})" if isinstance(net, BridgeNetwork)
         else f"{net.name} ({net.type.value})"
@@ -312,8 +318,10 @@ def cmd_cmdline(args: argparse.Namespace) -> int:
     from vmlaunch.compiler import compile_lab
     from vmlaunch.host import detect_host
     from vmlaunch.spec import load_lab
+    from vmlaunch.specfiles import check_files
 
     lab = load_lab(args.spec)
+    check_files(lab, args.vms, shown=Path(args.spec))
     plan = compile_lab(lab, detect_host(), args.vms)
     for note in plan.notes:
         log.info("note: %s", note)

@@ -1,0 +1,118 @@
+"""The files a spec names are checked at validate, cmdline and up --dry-run: exit 2 with the line."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import write_spec
+from vmlaunch.cli import main
+from vmlaunch.errors import SpecError
+from vmlaunch.spec import load_lab
+from vmlaunch.specfiles import check_files
+
+HEAD = '[lab]\nname = "files"\n'
+
+
+def lab_with(tmp_path: Path, vm: str) -> Path:
+    (tmp_path / "vmlinuz").write_bytes(b"a kernel")
+    return write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\n' + vm)
+
+
+def problems(spec: Path) -> list[str]:
+    with pytest.raises(SpecError) as caught:
+        check_files(load_lab(spec), shown=spec)
+    return [str(problem) for problem in caught.value.problems]
+
+
+def test_good_files_pass(tmp_path: Path) -> None:
+    (tmp_path / "root.img").write_bytes(b"\0" * 512)
+    spec = lab_with(tmp_path, 'kernel = "vmlinuz"\ninitrd = "vmlinuz"\n'
+                    '[[vm.a.disk]]\nfile = "root.img"\n'
+                    '[[vm.a.disk]]\nfile = "new.qcow2"\nsize = "1G"\n')  # created by up
+    check_files(load_lab(spec))
+
+
+def test_each_bad_file_is_a_problem_on_its_line(tmp_path: Path) -> None:
+    (tmp_path / "empty.img").touch()
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    spec = lab_with(tmp_path, 'kernel = "nope"\n'                       # line 5
+                    'initrd = "folder"\n'                                # 6
+                    '[[vm.a.disk]]\nfile = "empty.img"\n'                # 8
+                    '[[vm.a.disk]]\nfile = "missing.img"\n'              # 10
+                    '[[vm.a.disk]]\nfile = "fifo"\nsize = "1G"\n'        # 12
+                    '[[vm.a.disk]]\nfile = "/dev/null"\nreadonly = true\n')  # 15
+    assert problems(spec) == [
+        f"{spec}:5: vm.a.kernel: {tmp_path}/nope does not exist "
+        "(relative paths are relative to the spec file)",
+        f"{spec}:6: vm.a.initrd: {tmp_path}/folder is a folder, not a file",
+        f"{spec}:8: vm.a.disk[0].file: {tmp_path}/empty.img is empty",
+        f"{spec}:10: vm.a.disk[1].file: {tmp_path}/missing.img does not exist "
+        "(give the disk a size to have `up` create it)",
+        f"{spec}:12: vm.a.disk[2].file: {tmp_path}/fifo is a FIFO, not a file",
+        f"{spec}:15: vm.a.disk[3].file: /dev/null is a character device, not a file",
+    ]
+
+
+def test_an_empty_disk_with_a_size_is_fine(tmp_path: Path) -> None:
+    """`up` gives it its size (a note says so); only a disk it cannot size must have content."""
+    (tmp_path / "empty.img").touch()
+    spec = lab_with(tmp_path, 'kernel = "vmlinuz"\n[[vm.a.disk]]\nfile = "empty.img"\nsize = "1M"\n')
+    check_files(load_lab(spec))
+
+
+def test_a_block_device_needs_the_opt_in(tmp_path: Path) -> None:
+    device = next((entry.path for entry in os.scandir("/dev")
+                   if stat.S_ISBLK(os.stat(entry.path).st_mode)), None)
+    if device is None:
+        pytest.skip("this machine has no block device in /dev")
+    spec = lab_with(tmp_path, f'[[vm.a.disk]]\nfile = "{device}"\nreadonly = true\n')
+    assert problems(spec) == [f"{spec}:6: vm.a.disk[0].file: {device} is a block device "
+                              "(add block_device = true to the disk if that is meant)"]
+    spec = lab_with(tmp_path, f'[[vm.a.disk]]\nfile = "{device}"\nreadonly = true\nblock_device = true\n')
+    check_files(load_lab(spec))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may read and write any file")
+def test_unreadable_and_unwritable_files(tmp_path: Path) -> None:  # pragma: no cover - not as root
+    (tmp_path / "ro.img").write_bytes(b"x")
+    (tmp_path / "ro.img").chmod(0o444)
+    (tmp_path / "none").write_bytes(b"x")
+    (tmp_path / "none").chmod(0)
+    spec = lab_with(tmp_path, 'kernel = "none"\n[[vm.a.disk]]\nfile = "ro.img"\n')
+    assert problems(spec) == [
+        f"{spec}:5: vm.a.kernel: {tmp_path}/none is not readable by you",
+        f"{spec}:7: vm.a.disk[0].file: {tmp_path}/ro.img is not writable by you (the VM writes to "
+        "this disk) (add readonly = true to the disk if the VM only reads it)",
+    ]
+
+
+def test_only_the_vms_named_are_checked(tmp_path: Path) -> None:
+    spec = lab_with(tmp_path, 'kernel = "vmlinuz"\n[vm.b]\nmemory = 64\nkernel = "gone"\n')
+    check_files(load_lab(spec), ["a"])
+    assert problems(spec) == [f"{spec}:8: vm.b.kernel: {tmp_path}/gone does not exist "
+                              "(relative paths are relative to the spec file)"]
+
+
+@pytest.mark.parametrize("command", [["validate"], ["cmdline"], ["up", "--dry-run"], ["cmdline", "--json"]])
+def test_commands_that_start_nothing_report_them(tmp_path: Path, command: list[str],
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    spec = lab_with(tmp_path, 'kernel = "nope"\n')
+    assert main([command[0], str(spec), *command[1:]]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # no command line follows the message
+    assert err.splitlines() == [f"{spec}:5: vm.a.kernel: {tmp_path}/nope does not exist (relative "
+                                "paths are relative to the spec file)", "vmlaunch: 1 problem in the spec"]
+
+
+def test_status_and_down_do_not_need_the_files(tmp_path: Path, run_dir: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A lab whose kernel was deleted since `up` can still be looked at and taken down."""
+    spec = lab_with(tmp_path, 'kernel = "nope"\n')
+    assert main(["status", str(spec)]) == 0
+    assert main(["down", str(spec)]) == 0
+    assert "not up" in capsys.readouterr().out
