@@ -57,7 +57,7 @@ def test_cmdline_json_and_shell(capsys: pytest.CaptureFixture[str], qemu_binary:
     (["validate", "/nonexistent/lab.toml"], 2, "cannot read the spec"),
     (["cmdline", str(EXAMPLES / "lab.toml"), "gamma"], 64, "no VM named 'gamma'"),
     (["frobnicate"], 64, "invalid choice: 'frobnicate'"),
-    ([], 64, "the following arguments are required: COMMAND"),
+    (["help", "frobnicate"], 64, "no command 'frobnicate'"),
 ])
 def test_errors_have_exit_codes_and_no_traceback(args: list[str], code: int, message: str) -> None:
     done = vmlaunch(*args)
@@ -86,6 +86,16 @@ def test_help_and_version() -> None:
     for command in ("validate", "cmdline", "up", "down", "status", "logs", "console", "balloon", "qmp"):
         done = vmlaunch(command, "--help")
         assert done.returncode == 0 and "SPEC" in done.stdout
+        assert vmlaunch("help", command).stdout == done.stdout
+
+
+@pytest.mark.parametrize("args", [[], ["help"], ["-q"], ["-v", "help"]])
+def test_vmlaunch_alone_prints_the_help(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: vmlaunch")
+    for command in ("validate", "up", "down", "status", "logs", "help"):
+        assert f"    {command} " in out
 
 
 def test_start_up_stays_light(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from vmlaunch import __version__
 from vmlaunch.errors import (
@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="vmlaunch",
         description="Declarative QEMU/KVM labs: a TOML spec of VMs and networks, compiled into "
         "QEMU command lines that follow KVM best practice.",
-        epilog="Exit status: 0 ok, 2 the spec is wrong, 3 the host cannot do it, 4 a run-time "
-        "failure, 64 bad usage, 130 interrupted.",
+        epilog="`vmlaunch help COMMAND` (or `vmlaunch COMMAND --help`) shows a command's options. "
+        "Exit status: 0 ok, 2 the spec is wrong, 3 the host cannot do it, 4 a run-time failure, "
+        "64 bad usage, 130 interrupted, 141 the reader of the output went away.",
     )
     parser.add_argument("--version", action="version", version=f"vmlaunch {__version__}")
     verbosity = parser.add_mutually_exclusive_group()
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     verbosity.add_argument("-q", "--quiet", action="store_true",
                            help="print only warnings and errors (no progress or notes)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    commands.required = True
+    # Not required: `vmlaunch` alone prints this help (see _main), as `vmlaunch help` does.
 
     validate = commands.add_parser(
         "validate", help="check a spec and print a one-line summary",
@@ -167,7 +168,24 @@ def build_parser() -> argparse.ArgumentParser:
     qmp.add_argument("command", metavar="COMMAND")
     qmp.add_argument("arguments", metavar="JSON-ARGS", nargs="?", help='e.g. \'{"value": 134217728}\'')
     qmp.set_defaults(run=cmd_qmp)
+
+    help_ = commands.add_parser("help", help="print this help, or a command's",
+                                description="Print the help of vmlaunch, or of COMMAND "
+                                "(the same as `vmlaunch COMMAND --help`).")
+    help_.add_argument("topic", metavar="COMMAND", nargs="?", help="e.g. up")
+    help_.set_defaults(run=lambda args: cmd_help(parser, commands, args.topic))
     return parser
+
+
+def cmd_help(parser: argparse.ArgumentParser, commands: argparse._SubParsersAction[Any],
+             topic: str | None) -> int:
+    if topic is None:
+        parser.print_help()
+        return 0
+    if topic not in commands.choices:
+        raise UsageError(f"no command {topic!r}", f"commands: {', '.join(commands.choices)}")
+    commands.choices[topic].print_help()
+    return 0
 
 
 def _lab_vm(spec: str, *vms: str) -> tuple[RunDir, LabSpec]:
@@ -258,7 +276,6 @@ def cmd_up(args: argparse.Namespace) -> int:
     from vmlaunch.compiler import compile_lab
     from vmlaunch.host import detect_host
     from vmlaunch.spec import load_lab
-
     from vmlaunch.specfiles import check_files
 
     lab = load_lab(args.spec)
@@ -425,8 +442,12 @@ def _log_to_stderr(verbose: bool, quiet: bool) -> logging.Handler:
 def _main(argv: Sequence[str] | None) -> int:
     handler = None
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(argv)
         handler = _log_to_stderr(args.verbose, args.quiet)
+        if args.command is None:  # `vmlaunch` alone: what it can do, rather than an error
+            parser.print_help()
+            return 0
         return int(args.run(args))
     except SpecError as exc:
         print(exc, file=sys.stderr)
