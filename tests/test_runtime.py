@@ -159,6 +159,11 @@ def test_the_cli_commands_in_process(tmp_path: Path, run_dir: Path, test_guest: 
         assert main(["qmp", str(spec), "a", "query-balloon"]) == 0
         assert json.loads(capsys.readouterr().out) == {"actual": 96 << 20}
         assert main(["qmp", str(spec), "a", "balloon", "nope"]) == 64
+        assert main(["qmp", str(spec), "a", "human-monitor-command", '{"command-line": "info status"}']) == 0
+        assert capsys.readouterr().out == "VM status: running\n"  # the monitor's text, not JSON
+        assert main(["balloon", str(spec), "a", "8M", "--timeout", "5"]) == 4  # below the guest's floor
+        err = capsys.readouterr().err
+        assert "short of 8 MiB" in err and "floor" in err and "driver" not in err, err
         assert main(["balloon", str(spec), "a", "lots"]) == 64
         assert main(["-v", "down", str(spec), "b", "--timeout", "5"]) == 0
         assert "b: powered off" in capsys.readouterr().err

@@ -162,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     qmp = commands.add_parser("qmp", help="send a raw QMP command, print the JSON reply",
                               description="Send one QMP command to the VM and print its reply as JSON, "
-                              "e.g. `vmlaunch qmp lab.toml alpha query-status`.")
+                              "e.g. `vmlaunch qmp lab.toml alpha query-status`. A reply that is text "
+                              "is printed as text: `vmlaunch qmp lab.toml alpha human-monitor-command "
+                              "'{\"command-line\": \"info chardev\"}'`.")
     qmp.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
     qmp.add_argument("vm", metavar="VM")
     qmp.add_argument("command", metavar="COMMAND")
@@ -267,7 +269,12 @@ def cmd_qmp(args: argparse.Namespace) -> int:
         raise UsageError(f"JSON-ARGS is not JSON: {exc}") from None
     if not isinstance(arguments, dict):
         raise UsageError("JSON-ARGS must be a JSON object, e.g. '{\"value\": 134217728}'")
-    print(json.dumps(qmp_command(run_dir, args.vm, args.command, arguments), indent=2))
+    reply = qmp_command(run_dir, args.vm, args.command, arguments)
+    if isinstance(reply, str):  # human-monitor-command answers with the monitor's text: print it
+        text = reply.replace("\r\n", "\n")  # the monitor speaks to a terminal
+        sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
+        return 0
+    print(json.dumps(reply, indent=2))
     return 0
 
 

@@ -96,6 +96,7 @@ def balloon(run_dir: RunDir, name: str, size: int | None = None, timeout: float 
                                  "[vm.NAME.balloon] enabled = false?") from None
         if size is None or size == actual:
             return actual
+        before = actual
         qmp.cmd("balloon", value=size)
 
         def settled() -> int | None:
@@ -107,9 +108,28 @@ def balloon(run_dir: RunDir, name: str, size: int | None = None, timeout: float 
             return wait_until(settled, timeout, interval=0.2)
         except TimedOut:
             pass
-    raise RuntimeFailure(f"{name}: the guest did not follow the balloon to {size >> 20} MiB within "
-                         f"{timeout:g} s (it is at {actual >> 20} MiB)",
-                         "is the guest's virtio_balloon driver loaded?")
+    raise _not_followed(name, size, timeout, before, actual)
+
+
+def _not_followed(name: str, size: int, timeout: float, before: int, actual: int) -> RuntimeFailure:
+    """Why the guest's memory stopped short of `size`: it never moved (no driver answers), or it moved
+    and stopped (the guest keeps a floor: what its kernel and running programs cannot give up)."""
+    mib = 1 << 20
+    if actual == before:
+        return RuntimeFailure(
+            f"{name}: the guest did not move its memory towards {size // mib} MiB within {timeout:g} s "
+            f"(it stays at {actual // mib} MiB)", "no balloon driver answered: is the guest still "
+            "booting, or is its virtio_balloon driver not loaded?")
+    if size < before:
+        return RuntimeFailure(
+            f"{name}: the guest gave up {(before - actual) // mib} MiB and stopped at "
+            f"{actual // mib} MiB, short of {size // mib} MiB, within {timeout:g} s",
+            f"{actual // mib} MiB is about the guest's floor now: what its kernel and programs hold "
+            "and cannot give back; a larger size works, or free memory in the guest first (a longer "
+            "--timeout helps only a guest that is still giving memory back)")
+    return RuntimeFailure(
+        f"{name}: the guest took back {(actual - before) // mib} MiB and is at {actual // mib} MiB, "
+        f"short of {size // mib} MiB, within {timeout:g} s", "a longer --timeout may let it finish")
 
 
 def read_log(run_dir: RunDir, name: str) -> str:
