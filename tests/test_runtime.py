@@ -136,6 +136,36 @@ def test_wait_for_times_out_with_the_console_tail(tmp_path: Path, run_dir: Path,
     assert not plan.run_dir.path.exists()
 
 
+def test_progress_while_waiting_for_the_console(tmp_path: Path, run_dir: Path, test_guest: Path,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Every 5 s: the VM, the seconds waited and the console's last line, cleaned and short."""
+    caplog.set_level(logging.INFO, logger="vmlaunch")
+    plan = plan_of(tmp_path, test_guest, vms=("b",))
+    with pytest.raises(RuntimeFailure, match="timed out after 6 s"):
+        executor.up(plan, spec=tmp_path / "lab.toml", wait_for="never printed", timeout=6)
+    lines = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("b: waiting for 'never printed', 5 s: "), lines
+    console = lines[0].split(", 5 s: ", 1)[1]
+    assert 0 < len(console) <= 60 and "\x1b" not in console and "\r" not in console
+
+
+BLANK = '[lab]\nname = "blank"\n[vm.solo]\nmemory = "64M"\naccel = "tcg"\n' \
+        '[[vm.solo.disk]]\nfile = "blank.img"\nsize = "1M"\n'
+
+
+def test_down_says_which_vm_it_still_waits_for(tmp_path: Path, run_dir: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """A VM with nothing to boot ignores the power button: from 2 s on, down says so."""
+    caplog.set_level(logging.INFO, logger="vmlaunch")
+    plan = plan_of(tmp_path, tmp_path, BLANK)
+    executor.up(plan, spec=tmp_path / "lab.toml", timeout=30)
+    assert executor.down(plan.run_dir, timeout=3)
+    messages = [r.getMessage() for r in caplog.records]
+    assert "solo: still shutting down, 2 s: the guest has 3 s to power off after the ACPI power " \
+           "button" in messages, messages
+    assert "solo: quit" in messages
+
+
 def test_the_cli_commands_in_process(tmp_path: Path, run_dir: Path, test_guest: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
     """The CLI's runtime commands through `main`, in this process (test_e2e runs them as a user would)."""

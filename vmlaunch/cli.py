@@ -291,10 +291,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     plan = compile_lab(lab, host, args.vms)
     for note in plan.notes:
         log.info("note: %s", note)
+    for vm in plan.vms:
+        for note in vm.notes:
+            log.info("note: %s", note)
     if args.dry_run:
         for line in executor.describe(plan):
             print(line)
         return 0
+    for line in plan.accel_lines():
+        log.info("%s", line)
     pids = executor.up(plan, spec=str(lab.file), qemu_img=host.qemu.img, wait_for=args.wait_for,
                        timeout=args.timeout, force=args.force)
     for vm in plan.vms:
@@ -349,8 +354,9 @@ def cmd_cmdline(args: argparse.Namespace) -> int:
     plan = compile_lab(lab, detect_host(), args.vms)
     for note in plan.notes:
         log.info("note: %s", note)
+    for line in plan.accel_lines():
+        log.info("%s", line)
     for vm in plan.vms:
-        log.info("%s: %s: %s", vm.name, vm.accel.accel.value, vm.accel.reason)
         for note in vm.notes:
             log.info("note: %s", note)
     if args.json:

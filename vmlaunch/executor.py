@@ -22,7 +22,7 @@ from vmlaunch.plan import Plan, VmPlan
 from vmlaunch.qmp import QuickQmp
 from vmlaunch.resources.base import Context, Resource, preflight
 from vmlaunch.rundir import RunDir, VmFiles
-from vmlaunch.textsafe import printable
+from vmlaunch.textsafe import last_line, printable
 from vmlaunch.wait import TimedOut, remaining, wait_until
 
 log = logging.getLogger(__name__)
@@ -39,9 +39,10 @@ def describe(plan: Plan) -> Iterator[str]:
         state = " [done]" if journal.has(resource.kind, resource.key) else f" [{found}]" if found else ""
         yield f"  {resource.describe()}{state}"
     running_now = running_vms(journal)
+    yield from (f"accelerator: {line}" for line in plan.accel_lines())
     for vm in plan.vms:
         running = vm.name in running_now
-        yield f"{vm.name}: {vm.accel.accel.value} ({vm.accel.reason}){' [running]' if running else ''}"
+        yield f"{vm.name}: {vm.accel.accel.value}{' [running]' if running else ''}"
         yield f"  {shlex.join(vm.argv)} -daemonize -S  (then QMP cont)"
 
 
@@ -228,8 +229,8 @@ def _wait_console(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str, ti
 
     def progress(waited: float) -> None:
         for name, vm in waiting.items():
-            lines = printable(qemu.read_text(vm.files.serial_log)).strip().splitlines()
-            log.info("%s: waiting for %r: %s", name, wait_for, (lines or ["(no output yet)"])[-1][:70])
+            line = last_line(qemu.read_text(vm.files.serial_log)) or "(nothing on the console yet)"
+            log.info("%s: waiting for %r, %.0f s: %s", name, wait_for, waited, line)
 
     try:
         wait_until(all_ready, timeout, progress=progress)

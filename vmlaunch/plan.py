@@ -40,3 +40,12 @@ class Plan:
             if vm.name == name:
                 return vm
         raise KeyError(name)
+
+    def accel_lines(self) -> list[str]:
+        """The accelerator chosen and why, once per choice rather than per VM: `alpha, beta: tcg
+        (KVM not usable: ...)` (the reason is about the host, the same for every VM)."""
+        chosen: dict[AccelChoice, list[str]] = {}
+        for vm in self.vms:
+            chosen.setdefault(vm.accel, []).append(vm.name)
+        return [f"{', '.join(names)}: {choice.accel.value} ({choice.reason})"
+                for choice, names in chosen.items()]

@@ -7,6 +7,7 @@ vmlaunch runs in a subprocess that the in-process coverage figure does not see.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shlex
 import signal
@@ -22,6 +23,8 @@ from vmlaunch.rundir import VmFiles, open_in_run_dir
 from vmlaunch.signals import held
 from vmlaunch.textsafe import printable
 from vmlaunch.wait import TimedOut, wait_until, wait_until_async
+
+log = logging.getLogger(__name__)
 
 
 class QemuFailed(RuntimeFailure):
@@ -173,26 +176,55 @@ def kill_all(pids: Sequence[int]) -> None:
         wait_gone(pid, 5)
 
 
+PROGRESS_AFTER = 2.0  # seconds before `down` says which VMs it still waits for, then every 5 s
+PROGRESS_EVERY = 5.0
+
+
 def stop_all(vms: Mapping[str, tuple[int | None, VmFiles]], timeout: float) -> dict[str, str]:
     """Stop VMs together, each the gentlest way that works: the ACPI power button (every guest gets
-    `timeout` seconds, at the same time), then QMP quit, then SIGKILL. Returns name -> what worked."""
+    `timeout` seconds, at the same time), then QMP quit, then SIGKILL. Returns name -> what worked.
+
+    From 2 s on, a progress line says which VMs are still shutting down and at which step."""
     import asyncio
 
+    steps: dict[str, str] = {}  # VM -> the step it is at, while it is not stopped yet
+
     async def stop_every() -> list[str]:
-        return list(await asyncio.gather(*(_stop(pid, files, timeout) for pid, files in vms.values())))
+        reporter = asyncio.ensure_future(_report(steps, timeout))
+        try:
+            return list(await asyncio.gather(*(_stop(name, pid, files, timeout, steps)
+                                               for name, (pid, files) in vms.items())))
+        finally:
+            reporter.cancel()
 
     return dict(zip(vms, asyncio.run(stop_every())))
 
 
-async def _stop(pid: int | None, files: VmFiles, timeout: float) -> str:
+async def _report(steps: dict[str, str], timeout: float) -> None:
+    import asyncio
+    import time
+
+    start = time.monotonic()
+    await asyncio.sleep(PROGRESS_AFTER)
+    while True:
+        waited = time.monotonic() - start
+        for name, step in sorted(steps.items()):
+            log.info("%s: still shutting down, %.0f s: %s", name, waited, step)
+        await asyncio.sleep(PROGRESS_EVERY)
+
+
+async def _stop(name: str, pid: int | None, files: VmFiles, timeout: float, steps: dict[str, str]) -> str:
     if pid is None or not is_our_qemu(pid, files):
         return "not running"
     qmp = AsyncQmp(files.qmp, timeout=2)
     try:
+        steps[name] = "connecting to QMP"
         await qmp.connect()
         await qmp.cmd("system_powerdown")
+        steps[name] = f"the guest has {timeout:g} s to power off after the ACPI power button"
         if await wait_until_async(lambda: not alive(pid), timeout):
             return "powered off"
+        steps[name] = "QEMU was told to quit (the guest did not power off)"
         with contextlib.suppress(QmpError):
             await qmp.cmd("quit")
         if await wait_until_async(lambda: not alive(pid), 5):
@@ -200,6 +232,7 @@ async def _stop(pid: int | None, files: VmFiles, timeout: float) -> str:
     except QmpError:
         pass
     finally:
+        steps.pop(name, None)
         await qmp.close()
     kill_all([pid])
     return "killed"

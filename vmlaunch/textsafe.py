@@ -25,3 +25,25 @@ def printable(text: str) -> str:
     """`text` without terminal escape sequences and control characters (newlines and tabs stay; a
     carriage return goes: it would let a line overwrite the message it is part of)."""
     return _CONTROLS.sub("", _ESCAPES.sub("", text))
+
+
+def last_line(text: str, width: int = 60) -> str:
+    """The last console line with something on it, as a progress line shows it: without escapes or
+    controls, a line the guest redrew with carriage returns (a progress bar) as it shows last, and cut
+    at a word to at most `width` characters ("" when there is none)."""
+    for line in reversed(text.splitlines()):
+        for part in reversed(line.split("\r")):
+            shown = " ".join(printable(part).split())
+            if shown:
+                return _cut(shown, width)
+    return ""
+
+
+def _cut(line: str, width: int) -> str:
+    if len(line) <= width:
+        return line
+    cut = line[: width - 3]
+    space = cut.rfind(" ")
+    if space > width // 2:  # a word boundary not too far back; else cut the long word itself
+        cut = cut[:space]
+    return cut.rstrip(" ,;:") + "..."
