@@ -43,8 +43,9 @@ def _evolve(host: Host, changes: dict[str, Any]) -> Host:
 
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests never read or write the user's cache; the host probe is shared by the whole session."""
+    """Tests never read or write the user's cache or logs; the host probe is shared by the session."""
     monkeypatch.setenv("VMLAUNCH_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
+    monkeypatch.setenv("VMLAUNCH_LOG_DIR", str(tmp_path_factory.getbasetemp() / "logs"))
 
 
 def write_spec(tmp_path: Path, text: str, name: str = "lab.toml") -> Path:

@@ -106,12 +106,41 @@ def test_a_crashed_vm_shows_and_follow_log_ends(lab: Plan, tmp_path: Path) -> No
     assert executor.down(lab.run_dir, timeout=1)
 
 
+def test_logs_of_qemu_and_of_the_last_run(lab: Plan, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """QEMU's own messages for its whole life (-D), and both logs still there after down."""
+    from vmlaunch.cli import main
+
+    pids = executor.up(lab, spec=tmp_path / "lab.toml", wait_for=READY, timeout=120)
+    os.kill(pids["a"], signal.SIGTERM)  # QEMU says so on its stderr, long after it daemonized
+    assert qemu.wait_gone(pids["a"], 5)
+    assert "terminating on signal 15" in control.read_log(lab.run_dir, "a", qemu_messages=True)
+    assert executor.down(lab.run_dir, timeout=5)
+    assert "terminating on signal 15" in control.read_log(lab.run_dir, "a", qemu_messages=True)
+    spec = str(tmp_path / "lab.toml")
+    assert main(["logs", spec, "b"]) == 0
+    out, err = capsys.readouterr()
+    assert READY in out and "b is not up: this is its last run's log" in err
+    assert main(["logs", spec, "a", "--qemu", "--follow"]) == 0  # not up: nothing to follow
+    assert "terminating on signal 15" in capsys.readouterr().out
+    kept = Path(os.environ["VMLAUNCH_LOG_DIR"]) / "rt"
+    assert sorted(p.name for p in kept.iterdir()) == ["a.qemu.log", "a.serial.log", "b.qemu.log",
+                                                      "b.serial.log"]
+    assert all(stat_mode(p) == 0o600 for p in kept.iterdir())
+
+
+def stat_mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
 def test_a_failing_up_rolls_everything_back(tmp_path: Path, run_dir: Path, test_guest: Path) -> None:
     plan = plan_of(tmp_path, test_guest, SPEC.replace('initrd = "GUEST/initrd.gz"\n[[vm.b',
                                                       'initrd = "/nonexistent/initrd"\n[[vm.b'))
     with pytest.raises(qemu.QemuFailed, match="b: QEMU exited with status 1"):
         executor.up(plan, spec=tmp_path / "lab.toml", timeout=30)
     assert not plan.run_dir.path.exists() and not (tmp_path / "a.img").exists()
+    # why it failed is kept: `vmlaunch logs --qemu` shows it after the run dir is gone
+    assert "/nonexistent/initrd" in control.read_log(plan.run_dir, "b", qemu_messages=True)
 
 
 def test_down_force_removes_what_it_recognises(lab: Plan, tmp_path: Path,

@@ -135,11 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(run=cmd_status)
 
     logs = commands.add_parser("logs", help="print a VM's serial console output",
-                               description="Print what the VM's serial console has printed.")
+                               description="Print what the VM's serial console has printed; after "
+                               "`down`, what it printed in its last run (kept in "
+                               "/var/log/vmlaunch/LAB as root, else ~/.local/state/vmlaunch/logs/LAB).")
     logs.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
     logs.add_argument("vm", metavar="VM")
     logs.add_argument("-f", "--follow", action="store_true",
                       help="keep printing as it grows, until the VM stops or Ctrl-C")
+    logs.add_argument("--qemu", action="store_true",
+                      help="QEMU's own messages (its standard error) instead of the console")
     logs.set_defaults(run=cmd_logs)
 
     console = commands.add_parser("console", help="attach to a VM's serial console",
@@ -221,11 +225,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from vmlaunch.control import follow_log, read_log
+    from vmlaunch import lastrun
+    from vmlaunch.control import follow_log, is_up, read_log
 
     run_dir, _ = _lab_vm(args.spec, args.vm)
-    if not args.follow:
-        sys.stdout.write(read_log(run_dir, args.vm))
+    text = read_log(run_dir, args.vm, qemu_messages=args.qemu)
+    if not is_up(run_dir, args.vm):
+        kept = lastrun.path_of(run_dir.lab, args.vm, "qemu" if args.qemu else "serial")
+        log.info("%s is not up: this is its last run's log (%s)", args.vm, kept)
+    if not args.follow or args.qemu or not is_up(run_dir, args.vm):
+        sys.stdout.write(text)
         return 0
     for chunk in follow_log(run_dir, args.vm):
         sys.stdout.write(chunk)

@@ -128,6 +128,8 @@ class _Compiler:
                              wait=False, logfile=str(files.serial_log)),  # a fresh log per boot
             "-serial", "chardev:console",
             "-pidfile", str(files.pidfile),
+            # QEMU's own messages for its whole life (without -D, -daemonize sends them to /dev/null)
+            "-D", str(files.qemu_log),
         ]
         if vm.kernel is not None:
             argv += ["-kernel", str(vm.kernel)]

@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from vmlaunch import qemu
+from vmlaunch import lastrun, qemu
 from vmlaunch.errors import RuntimeFailure, UsageError
 from vmlaunch.journal import Journal
 from vmlaunch.qmp import Qmp, QmpError, QuickQmp
@@ -132,11 +132,23 @@ def _not_followed(name: str, size: int, timeout: float, before: int, actual: int
         f"short of {size // mib} MiB, within {timeout:g} s", "a longer --timeout may let it finish")
 
 
-def read_log(run_dir: RunDir, name: str) -> str:
-    path = run_dir.vm(name).serial_log
-    if not path.exists():
-        raise RuntimeFailure(f"VM {name} has no serial log", "is the lab up?")
-    return qemu.read_text(path)  # never through a link
+def is_up(run_dir: RunDir, name: str) -> bool:
+    """Whether the lab's journal has the VM: running, or crashed with its files still in the run dir."""
+    return name in Journal.load(run_dir).vms
+
+
+def read_log(run_dir: RunDir, name: str, *, qemu_messages: bool = False) -> str:
+    """The VM's serial console output (or what QEMU said): of the run that is up, else of the last run,
+    which `down` kept (`lastrun.py`)."""
+    if is_up(run_dir, name):
+        files = run_dir.vm(name)
+        return qemu.messages(files) if qemu_messages else qemu.read_text(files.serial_log)  # no links
+    kept = lastrun.read(run_dir.lab, name, "qemu" if qemu_messages else "serial")
+    if kept is None:
+        what = "QEMU messages" if qemu_messages else "serial log"
+        raise RuntimeFailure(f"VM {name} has no {what}: it is not up, and no earlier run was kept",
+                             f"bring it up with `vmlaunch up SPEC {name}`")
+    return kept
 
 
 def follow_log(run_dir: RunDir, name: str) -> Iterator[str]:

@@ -52,6 +52,17 @@ def _usable(top: Path, sub: str) -> Path | None:  # once per path and process: o
         return None
 
 
+def log_root() -> Path:
+    """Where `down` keeps each VM's logs of its last run: VMLAUNCH_LOG_DIR, /var/log/vmlaunch as
+    root, else $XDG_STATE_HOME/vmlaunch/logs (~/.local/state/vmlaunch/logs)."""
+    if os.environ.get("VMLAUNCH_LOG_DIR"):
+        return Path(os.environ["VMLAUNCH_LOG_DIR"])
+    if os.geteuid() == 0:
+        return Path("/var/log/vmlaunch")
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "vmlaunch" / "logs"
+
+
 def run_root() -> Path:
     """Where labs keep their run dirs: VMLAUNCH_RUN_DIR, /run/vmlaunch as root, else XDG_RUNTIME_DIR
     (without one, as under sudo, su or cron: /tmp/vmlaunch-UID, which `secure_dir` checks is ours)."""

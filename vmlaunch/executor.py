@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-from vmlaunch import qemu, signals
+from vmlaunch import lastrun, qemu, signals
 from vmlaunch.errors import RuntimeFailure, VmlaunchError
 from vmlaunch.journal import Entry, Journal, VmEntry, locked
 from vmlaunch.plan import Plan, VmPlan
@@ -132,7 +132,8 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
         except BaseException:
             with signals.held():  # a second Ctrl-C must not cut the rollback short
                 try:
-                    stack.close()
+                    stack.close()  # QEMUs killed first: their logs are complete
+                    lastrun.keep(plan.run_dir, [vm.name for vm in to_start])
                 finally:
                     for vm in to_start:
                         journal.vms.pop(vm.name, None)
@@ -224,7 +225,7 @@ def _wait_console(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str, ti
                 del waiting[name]
             elif not qemu.alive(pids[name]):
                 raise RuntimeFailure(f"{name}: QEMU exited before its console printed {wait_for!r}"
-                                     f"{_tail(vm.files.serial_log)}{_tail(vm.files.stderr_log)}")
+                                     f"{_tail(vm.files.serial_log)}{_tail(vm.files.qemu_log)}")
         return not waiting
 
     def progress(waited: float) -> None:
@@ -274,7 +275,9 @@ def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, fo
         names = [name for name in journal.vms if not only or name in only]
         targets = {name: (qemu.find_pid(run_dir.vm(name), journal.vms[name].pid), run_dir.vm(name))
                    for name in names}
-        for name, how in qemu.stop_all(targets, timeout).items():
+        stopped = qemu.stop_all(targets, timeout)
+        lastrun.keep(run_dir, stopped)  # before the run dir, and the logs in it, go
+        for name, how in stopped.items():
             log.info("%s: %s", name, how)
             del journal.vms[name]
             if journal.vms:  # the lab stays up: this VM's files go now, as the run dir would

@@ -59,7 +59,7 @@ def start(vms: Sequence[VmPlan]) -> dict[str, int]:
             if code == 0 and (pid := read_pid(vm.files)) is not None:
                 pids[vm.name] = pid
             else:
-                text = printable(read_text(vm.files.stderr_log)).strip()
+                text = printable(messages(vm.files)).strip()
                 failures.append(f"{vm.name}: QEMU exited with status {code}: "
                                 f"{text or '(no message)'}\n"
                                 f"  command: {shlex.join(vm.argv)} -daemonize -S")
@@ -102,6 +102,11 @@ def read_text(path: Path) -> str:
         return ""
     with os.fdopen(fd, "rb") as f:
         return f.read().decode(errors="replace")
+
+
+def messages(files: VmFiles) -> str:
+    """What QEMU said: while starting (its stderr), then for the rest of its life (its -D log)."""
+    return read_text(files.stderr_log) + read_text(files.qemu_log)
 
 
 def read_pid(files: VmFiles) -> int | None:

@@ -4,7 +4,9 @@
         .vmlaunch-run-dir      vmlaunch's mark: only a run dir that has it is ever removed
         state.json             the journal of what `up` did (`journal.py`)
         V.qmp  V.console       QMP and serial console sockets of VM V
-        V.pid  V.stderr.log    QEMU's pidfile and its own messages
+        V.pid                  QEMU's pidfile
+        V.stderr.log           QEMU's messages while it starts (before it opens V.qemu.log)
+        V.qemu.log             QEMU's messages from then on (-D), kept by `down` (`lastrun.py`)
         V.serial.log           what the guest printed on its serial console
         V.console.lock         held while a `vmlaunch console` is attached
     run_root/.LAB.lock         serialises `up` and `down` of the lab (beside the run dir: `down`
@@ -25,7 +27,7 @@ from vmlaunch.fsutil import is_temp_of
 
 MARK = ".vmlaunch-run-dir"
 STATE = "state.json"
-VM_SUFFIXES = (".qmp", ".console", ".console.lock", ".serial.log", ".pid", ".stderr.log")
+VM_SUFFIXES = (".qmp", ".console", ".console.lock", ".serial.log", ".pid", ".stderr.log", ".qemu.log")
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -77,6 +79,10 @@ class VmFiles:
         return self._file(".stderr.log")
 
     @property
+    def qemu_log(self) -> Path:
+        return self._file(".qemu.log")
+
+    @property
     def sockets(self) -> tuple[Path, ...]:
         return (self.qmp, self.console)
 
@@ -92,7 +98,7 @@ class VmFiles:
     @property
     def private(self) -> tuple[Path, ...]:
         """What QEMU creates under its own umask (027) and vmlaunch narrows to the owner."""
-        return (self.qmp, self.console, self.serial_log)
+        return (self.qmp, self.console, self.serial_log, self.qemu_log)
 
 
 @attrs.frozen
