@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from vmlaunch.rundir import RunDir
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vmlaunch"
@@ -40,3 +42,17 @@ def test_layout() -> None:
         "alpha.qmp", "alpha.console", "alpha.pid", "alpha.serial.log", "alpha.stderr.log",
         "alpha.console.lock"]
     assert run_dir.lab == "demo" and str(run_dir) == "/run/vmlaunch/demo"
+
+
+def test_ls_lists_only_labs_that_are_up(run_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Folders vmlaunch did not make, labs with nothing up and unreadable journals are not labs up."""
+    from vmlaunch.control import labs_up
+
+    (run_dir / "stranger").mkdir()
+    for name, journal in (("empty", '{"version": 2, "spec": null, "resources": [], "vms": {}}'),
+                          ("broken", "{")):
+        RunDir.of(run_dir, name).create()
+        (run_dir / name / "state.json").write_text(journal)
+    assert labs_up(run_dir) == []
+    assert "broken" in caplog.text
+    assert labs_up(run_dir / "missing") == []

@@ -208,9 +208,21 @@ def test_the_cli_commands_in_process(tmp_path: Path, run_dir: Path, test_guest: 
         assert main(["-q", "up", str(spec), "--wait-for", READY, "--timeout", "120"]) == 0
         assert "a: running (pid" in capsys.readouterr().out
         assert main(["status", str(spec)]) == 0
-        assert "running" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        plan = plan_of(tmp_path, test_guest)
+        mac = load_lab(spec).vm("a").nics[0].mac
+        assert "running" in out and f"  nic0 {mac} lan (socket 239." in out  # each NIC, under its VM
         assert main(["status", str(spec), "--json"]) == 0
-        assert json.loads(capsys.readouterr().out)["b"]["state"] == "running"
+        rows = json.loads(capsys.readouterr().out)
+        assert rows["b"]["state"] == "running"
+        assert rows["a"]["nics"][0]["mac"] == mac and rows["a"]["nics"][0]["type"] == "socket"
+        assert main(["ls"]) == 0
+        listed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rt ")]
+        assert len(listed) == 1 and "a, b" in listed[0] and listed[0].endswith(str(spec))
+        assert main(["ls", "--json"]) == 0
+        labs = json.loads(capsys.readouterr().out)
+        assert labs["rt"]["vms"] == {"a": "running", "b": "running"}
+        assert labs["rt"]["run_dir"] == str(plan.run_dir)
         assert main(["logs", str(spec), "a"]) == 0
         assert READY in capsys.readouterr().out
         assert main(["balloon", str(spec), "a", "96M", "--timeout", "30"]) == 0
@@ -230,6 +242,8 @@ def test_the_cli_commands_in_process(tmp_path: Path, run_dir: Path, test_guest: 
         assert main(["down", str(spec), "--timeout", "5"]) == 0
     assert main(["down", str(spec)]) == 0
     assert "lab rt is not up" in capsys.readouterr().out
+    assert main(["ls", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {}
 
 
 def test_console_attach_and_detach(lab: Plan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

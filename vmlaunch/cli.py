@@ -129,10 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
     down.set_defaults(run=cmd_down)
 
     status = commands.add_parser("status", help="show each VM: running, stopped or crashed",
-                                 description="Per VM: state, pid, accelerator, balloon size, uptime.")
+                                 description="Per VM: state, pid, accelerator, balloon size, uptime; "
+                                 "and each NIC: its MAC, network (bridge and tap, user network with "
+                                 "its forwarded ports, or socket group).")
     status.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
     status.add_argument("--json", action="store_true", help="print JSON keyed by VM name")
     status.set_defaults(run=cmd_status)
+
+    ls = commands.add_parser("ls", help="list the labs that are up on this host",
+                             description="The labs that are up on this host (in this user's run dir): "
+                             "name, VMs (running or crashed), since when, and the spec file.")
+    ls.add_argument("--json", action="store_true", help="print JSON keyed by lab name")
+    ls.set_defaults(run=cmd_ls)
 
     logs = commands.add_parser("logs", help="print a VM's serial console output",
                                description="Print what the VM's serial console has printed; after "
@@ -211,7 +219,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from vmlaunch.control import status
 
     run_dir, lab = _lab_vm(args.spec)
-    rows = status(run_dir, [vm.name for vm in lab.vms])
+    rows = status(run_dir, [vm.name for vm in lab.vms], lab)
     if args.json:
         print(json.dumps({row.name: row.to_json() for row in rows}, indent=2))
         return 0
@@ -221,6 +229,34 @@ def cmd_status(args: argparse.Namespace) -> int:
         uptime = f"{row.uptime:.0f}s" if row.uptime is not None else "-"
         print(f"{row.name:<16} {row.state:<8} {row.pid or '-':>8} {row.accel or '-':<5} {balloon:>8} "
               f"{uptime:>8}")
+        for nic in row.nics:
+            print(f"  nic{nic.index} {nic.describe()}")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from vmlaunch.control import labs_up
+    from vmlaunch.dirs import run_root
+
+    labs = labs_up(run_root())
+    if args.json:
+        print(json.dumps({lab.name: lab.to_json() for lab in labs}, indent=2))
+        return 0
+    if not labs:
+        log.info("no lab is up (run dir %s)", run_root())
+        return 0
+    print(f"{'LAB':<16} {'VMS':<24} {'SINCE':<19} SPEC")
+    for lab in labs:
+        vms = ", ".join(name if state == "running" else f"{name} ({state})"
+                        for name, state in lab.vms.items())
+        if len(vms) > 24:
+            running = sum(state == "running" for state in lab.vms.values())
+            vms = f"{running} of {len(lab.vms)} running"
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(lab.since))
+        print(f"{lab.name:<16} {vms:<24} {since:<19} {lab.spec or '-'}")
     return 0
 
 

@@ -9,18 +9,43 @@ import socket
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from vmlaunch import lastrun, qemu
-from vmlaunch.errors import RuntimeFailure, UsageError
+from vmlaunch.errors import RuntimeFailure, UsageError, VmlaunchError
 from vmlaunch.journal import Journal
 from vmlaunch.qmp import Qmp, QmpError, QuickQmp
 from vmlaunch.rundir import RunDir, open_in_run_dir
 from vmlaunch.wait import TimedOut, wait_until
 
+if TYPE_CHECKING:
+    from vmlaunch.model import LabSpec, VmSpec
+
 DETACH_KEY = b"\x1d"  # Ctrl-]
+
+
+@attrs.frozen
+class NicStatus:
+    """One NIC of a VM as the spec gives it: where it is plugged and how the host reaches it."""
+
+    index: int
+    network: str
+    type: str  # bridge | user | socket
+    mac: str
+    model: str
+    bridge: str | None = None  # bridge networks: the bridge and the VM's tap on it
+    tap: str | None = None
+    forwards: tuple[str, ...] = ()  # user networks: the host ports forwarded into the guest
+    mcast: str | None = None  # socket networks: the multicast group:port
+
+    def describe(self) -> str:
+        where = {"bridge": f"bridge {self.bridge}, tap {self.tap}",
+                 "socket": f"socket {self.mcast}"}.get(self.type, "user")
+        forwards = f"; forwards {', '.join(self.forwards)}" if self.forwards else ""
+        return f"{self.mac} {self.network} ({where}{forwards})"
 
 
 @attrs.frozen
@@ -31,23 +56,44 @@ class VmStatus:
     accel: str | None = None
     balloon_bytes: int | None = None
     uptime: float | None = None
+    nics: tuple[NicStatus, ...] = ()  # when the lab's spec was given
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
 
 
-def status(run_dir: RunDir, names: Sequence[str]) -> list[VmStatus]:
-    """Each VM of the lab: running, stopped (not up) or crashed (up, but its QEMU is gone)."""
+def nics_of(lab: LabSpec, vm: VmSpec) -> tuple[NicStatus, ...]:
+    from vmlaunch.model import BridgeNetwork, SocketNetwork, UserNetwork
+    from vmlaunch.naming import tap_name
+
+    nics = []
+    for index, nic in enumerate(vm.nics):
+        net = lab.network(nic.network)
+        extra: dict[str, Any] = {}
+        if isinstance(net, BridgeNetwork):
+            extra = {"bridge": net.bridge, "tap": tap_name(lab.name, vm.name, index)}
+        elif isinstance(net, UserNetwork):
+            extra = {"forwards": tuple(net.forward)}
+        elif isinstance(net, SocketNetwork):
+            extra = {"mcast": f"{net.group}:{net.port}"}
+        nics.append(NicStatus(index, net.name, net.type.value, nic.mac, nic.model.value, **extra))
+    return tuple(nics)
+
+
+def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) -> list[VmStatus]:
+    """Each VM of the lab: running, stopped (not up) or crashed (up, but its QEMU is gone); with the
+    lab's spec, also each VM's NICs."""
     journal = Journal.load(run_dir)
     result = []
     for name in names:
+        nics = nics_of(lab, lab.vm(name)) if lab is not None else ()
         vm = journal.vms.get(name)
         if vm is None:
-            result.append(VmStatus(name, "stopped"))
+            result.append(VmStatus(name, "stopped", nics=nics))
             continue
         pid = qemu.find_pid(run_dir.vm(name), vm.pid)
         if pid is None:
-            result.append(VmStatus(name, "crashed", vm.pid, vm.accel))
+            result.append(VmStatus(name, "crashed", vm.pid, vm.accel, nics=nics))
             continue
         balloon = None
         try:
@@ -55,8 +101,50 @@ def status(run_dir: RunDir, names: Sequence[str]) -> list[VmStatus]:
                 balloon = int(qmp.cmd("query-balloon")["actual"])
         except QmpError:
             pass  # no balloon device, or QMP busy: the rest of the status still holds
-        result.append(VmStatus(name, "running", pid, vm.accel, balloon, time.time() - vm.started))
+        result.append(VmStatus(name, "running", pid, vm.accel, balloon, time.time() - vm.started, nics))
     return result
+
+
+@attrs.frozen
+class LabUp:
+    """A lab that is up on this host (`vmlaunch ls`), as its journal tells."""
+
+    name: str
+    spec: str | None
+    vms: dict[str, str]  # VM -> running | crashed
+    since: float  # when its first VM was started (seconds since the epoch)
+    run_dir: str
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def labs_up(root: Path) -> list[LabUp]:
+    """Every lab with a run dir under `root` (vmlaunch's: marked) and a VM in its journal, by name.
+    A run dir whose journal cannot be read is a warning, not the end of the list."""
+    import logging
+
+    try:
+        entries = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return []
+    labs = []
+    for entry in entries:
+        run_dir = RunDir.of(root, entry)
+        if entry.startswith(".") or not run_dir.marked():
+            continue
+        try:
+            journal = Journal.load(run_dir)
+        except (VmlaunchError, OSError) as exc:
+            logging.getLogger(__name__).warning("%s: %s", run_dir, exc)
+            continue
+        if not journal.vms:
+            continue
+        vms = {name: "running" if qemu.find_pid(run_dir.vm(name), vm.pid) else "crashed"
+               for name, vm in journal.vms.items()}
+        since = min(vm.started for vm in journal.vms.values())
+        labs.append(LabUp(entry, journal.spec, vms, since, str(run_dir)))
+    return labs
 
 
 def running_pid(run_dir: RunDir, name: str) -> int:
