@@ -49,6 +49,7 @@ def test_ls_lists_only_labs_that_are_up(run_dir: Path, caplog: pytest.LogCapture
     from vmlaunch.control import labs_up
 
     (run_dir / "stranger").mkdir()
+    (run_dir / "bridges.json").write_text("{}")  # the run root holds files too
     for name, journal in (("empty", '{"version": 2, "spec": null, "resources": [], "vms": {}}'),
                           ("broken", "{")):
         RunDir.of(run_dir, name).create()

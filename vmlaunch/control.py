@@ -6,6 +6,7 @@ import math
 import os
 import select
 import socket
+import stat
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -131,7 +132,12 @@ def labs_up(root: Path) -> list[LabUp]:
     labs = []
     for entry in entries:
         run_dir = RunDir.of(root, entry)
-        if entry.startswith(".") or not run_dir.marked():
+        try:  # a run dir is a folder (the run root also holds the bridge registry's files)
+            if entry.startswith(".") or not stat.S_ISDIR(os.lstat(run_dir.path).st_mode):
+                continue
+        except OSError:  # gone meanwhile
+            continue
+        if not run_dir.marked():
             continue
         try:
             journal = Journal.load(run_dir)
