@@ -317,6 +317,10 @@ def test_nesting(tmp_path: Path) -> None:
      "lab.toml:4: vm.a.memory: '17T' is more memory than a VM can have (at most 16T)"),
     (HEAD + VM + '[[vm.a.disk]]\nfile = "d"\nsize = "1025T"\n',
      "lab.toml:8: vm.a.disk[0].size: '1025T' is larger than a disk image can be (at most 1024T)"),
+    (HEAD + VM + '[[vm.a.disk]]\nfile = "d"\nsize = "0M"\n',
+     "lab.toml:8: vm.a.disk[0].size: '0M' is no size (e.g. 64M or 20G)"),
+    (HEAD + VM + '[[vm.a.disk]]\nfile = "d"\nsize = "1000B"\n',
+     "lab.toml:8: vm.a.disk[0].size: '1000B' is not a whole number of 512-byte sectors (e.g. 64M or 20G)"),
     # B is bytes
     (HEAD + '[vm.a]\nmemory = "256B"\nkernel = "k"\n',
      "lab.toml:4: vm.a.memory: '256B' is not a whole number of MiB"),

@@ -713,7 +713,12 @@ class _Builder:
                 self.problems.add((*path, "size"), str(exc))
                 ok = False
             else:
-                if size > MAX_DISK_SIZE:
+                if size == 0 or size % 512:
+                    what = "no size" if size == 0 else "not a whole number of 512-byte sectors"
+                    self.problems.add((*path, "size"), f"{_shown(raw['size'])} is {what}",
+                                      "e.g. 64M or 20G")
+                    ok = False
+                elif size > MAX_DISK_SIZE:
                     self.problems.add((*path, "size"), f"{_shown(raw['size'])} is larger than a disk "
                                       "image can be", f"at most {format_size(MAX_DISK_SIZE)}")
                     ok = False
