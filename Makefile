@@ -2,14 +2,24 @@
 #   make demo   set everything up (QEMU, the package, the test guest), then bring the demo lab up,
 #               look at it and take it down
 #   make test   set everything up and run the tests
+# Both end with `make install`'s work (tools/install.sh): `vmlaunch` on PATH and its bash and zsh
+# completion; `make uninstall` removes exactly that.
 VENV := .venv
 VMLAUNCH := $(VENV)/bin/vmlaunch
 PYTEST := $(VENV)/bin/python -m pytest
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench clean install uninstall
 
 setup:
 	@tools/setup.sh
+
+# A symlink to .venv/bin/vmlaunch on PATH (/usr/local/bin as root, else ~/.local/bin) and the
+# completion files; never replaces a vmlaunch that is not such a symlink. Needs `make setup` first.
+install:
+	@tools/install.sh
+
+uninstall:
+	@tools/install.sh --uninstall
 
 demo: setup
 	@tools/demo.sh

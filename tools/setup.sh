@@ -36,3 +36,4 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 fi
 
 .venv/bin/python tools/build_guest.py
+tools/install.sh || echo "setup: vmlaunch is not on PATH (see above); .venv/bin/vmlaunch works all the same" >&2

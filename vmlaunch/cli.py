@@ -188,6 +188,19 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(the same as `vmlaunch COMMAND --help`).")
     help_.add_argument("topic", metavar="COMMAND", nargs="?", help="e.g. up")
     help_.set_defaults(run=lambda args: cmd_help(parser, commands, args.topic))
+
+    completion = commands.add_parser(
+        "completion", help="print the shell completion script for bash or zsh",
+        description="Print the completion script for SHELL, generated from vmlaunch's own options: "
+        "`eval \"$(vmlaunch completion bash)\"` in ~/.bashrc, `source <(vmlaunch completion zsh)` "
+        "in ~/.zshrc (`make install` also puts both where the shells look).",
+    )
+    completion.add_argument("shell", metavar="SHELL", nargs="?", choices=("bash", "zsh"),
+                            help="bash or zsh")
+    completion.add_argument("--vms", metavar="SPEC",
+                            help="print the VM names of SPEC, one a line (nothing when it does not "
+                            "validate); the scripts use it")
+    completion.set_defaults(run=cmd_completion)
     return parser
 
 
@@ -411,6 +424,19 @@ def cmd_cmdline(args: argparse.Namespace) -> int:
         if len(plan.vms) > 1:
             print(f"# {vm.name}")
         print(shlex.join(vm.argv))
+    return 0
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    from vmlaunch.completion import script, vm_names
+
+    if args.vms is not None and args.shell is None:
+        sys.stdout.writelines(f"{name}\n" for name in vm_names(args.vms))
+        return 0
+    if args.vms is not None or args.shell is None:
+        raise UsageError("give either SHELL (bash or zsh) or --vms SPEC",
+                         "e.g. `eval \"$(vmlaunch completion bash)\"` in ~/.bashrc")
+    sys.stdout.write(script(args.shell, build_parser()))
     return 0
 
 

@@ -1,0 +1,328 @@
+"""Shell completion as the shells run it, and tools/install.sh into temporary folders.
+
+The bash script is sourced in a real bash and its function driven the way bash drives it
+(COMP_WORDS, COMP_CWORD); VM names come from the real `vmlaunch completion --vms`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, write_spec
+from vmlaunch.cli import build_parser
+from vmlaunch.completion import GENERATED_BY, script
+
+VENV_BIN = Path(sys.executable).parent
+INSTALL = ROOT / "tools" / "install.sh"
+TWO_VMS = '[lab]\nname="t"\n[vm.alpha]\nmemory=64\nkernel="k"\n[vm.beta]\nmemory=64\nkernel="k"\n'
+# Sources the script ($1), sets the words being completed ($2...; the last is the one under the
+# cursor), calls the function bash would call and prints what it offers, one a line.
+DRIVER = """
+source "$1"; shift
+COMP_WORDS=("$@"); COMP_CWORD=$(( $# - 1 ))
+COMP_LINE="$*"; COMP_POINT=${#COMP_LINE}
+_vmlaunch
+status=$?
+printf '%s\\n' "${COMPREPLY[@]}"
+exit $status
+"""
+
+
+def vmlaunch(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vmlaunch", *args], capture_output=True, text=True,
+                          check=False, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def bash_script(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    file = tmp_path_factory.mktemp("bash") / "vmlaunch"
+    file.write_text(script("bash", build_parser()))
+    return file
+
+
+def complete(script_file: Path, *words: str, cwd: Path | None = None,
+             env: dict[str, str] | None = None) -> list[str]:
+    """What bash offers for the last of `words` (`vmlaunch` first)."""
+    result = subprocess.run(
+        ["bash", "--norc", "--noprofile", "-c", DRIVER, "driver", str(script_file), *words],
+        capture_output=True, text=True, check=False, timeout=60, cwd=cwd,
+        env={**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", **(env or {})})
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    return [line for line in result.stdout.splitlines() if line]
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    raise AssertionError("no subcommands")
+
+
+# --- bash -----------------------------------------------------------------------------------------
+
+
+def test_bash_completes_commands(bash_script: Path) -> None:
+    offered = complete(bash_script, "vmlaunch", "")
+    assert {"validate", "cmdline", "up", "down", "status", "logs", "completion"} <= set(offered)
+    assert offered == list(subcommands(build_parser()))  # every command, in the parser's order
+    assert complete(bash_script, "vmlaunch", "comp") == ["completion"]
+    assert complete(bash_script, "vmlaunch", "--verb") == ["--verbose"]
+
+
+def test_bash_completes_the_options_of_a_command(bash_script: Path) -> None:
+    offered = complete(bash_script, "vmlaunch", "up", "--")
+    assert {"--dry-run", "--wait-for", "--timeout", "--force", "--help"} <= set(offered)
+    up = subcommands(build_parser())["up"]
+    assert offered == [name for action in up._actions for name in action.option_strings
+                       if name.startswith("--")]
+    assert complete(bash_script, "vmlaunch", "up", "--d") == ["--dry-run"]
+    assert "--dry-run" not in complete(bash_script, "vmlaunch", "down", "--")
+
+
+def test_bash_completes_spec_files_and_folders(bash_script: Path, tmp_path: Path) -> None:
+    for name in ("a.toml", "b.toml", "notes.txt", "sub/c.toml", "sub/d.json"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("")
+    assert sorted(complete(bash_script, "vmlaunch", "validate", "", cwd=tmp_path)) == [
+        "a.toml", "b.toml", "sub"]
+    assert complete(bash_script, "vmlaunch", "up", "sub/", cwd=tmp_path) == ["sub/c.toml"]
+    # the value of an option whose metavar is SPEC too
+    assert complete(bash_script, "vmlaunch", "completion", "--vms", "a", cwd=tmp_path) == ["a.toml"]
+
+
+def test_bash_completes_the_vms_of_the_spec_on_the_line(bash_script: Path, tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, TWO_VMS)  # its kernel "k" need not exist for this
+    assert complete(bash_script, "vmlaunch", "up", str(spec), "") == ["alpha", "beta"]
+    assert complete(bash_script, "vmlaunch", "cmdline", str(spec), "alpha", "b") == ["beta"]
+    assert complete(bash_script, "vmlaunch", "console", str(spec), "a") == ["alpha"]
+    # options before the command and option values before the spec are not taken for it
+    assert complete(bash_script, "vmlaunch", "-q", "up", "--timeout", "5", str(spec), "") == [
+        "alpha", "beta"]
+    # relative to where the shell is, and under ~
+    assert complete(bash_script, "vmlaunch", "up", "lab.toml", "", cwd=tmp_path) == ["alpha", "beta"]
+    assert complete(bash_script, "vmlaunch", "up", "~/lab.toml", "", env={"HOME": str(tmp_path)}) == [
+        "alpha", "beta"]
+    # nothing past a command's last argument, nothing for a spec that is not one
+    assert complete(bash_script, "vmlaunch", "console", str(spec), "alpha", "") == []
+    assert complete(bash_script, "vmlaunch", "up", str(tmp_path / "missing.toml"), "") == []
+
+
+def test_bash_completes_the_shell_of_completion(bash_script: Path) -> None:
+    assert complete(bash_script, "vmlaunch", "completion", "") == ["bash", "zsh"]
+    assert complete(bash_script, "vmlaunch", "completion", "z") == ["zsh"]
+
+
+def test_a_new_command_is_completed_without_editing_anything(tmp_path: Path) -> None:
+    parser = build_parser()
+    commands = next(action for action in parser._actions
+                    if isinstance(action, argparse._SubParsersAction))
+    new = commands.add_parser("frobnicate", help="a command added later")
+    new.add_argument("spec", metavar="SPEC")
+    new.add_argument("vm", metavar="VM")
+    new.add_argument("--level", choices=["low", "high"])
+    new.add_argument("--zap", action="store_true")
+    file = tmp_path / "vmlaunch.bash"
+    file.write_text(script("bash", parser))
+    spec = write_spec(tmp_path, TWO_VMS)
+    assert complete(file, "vmlaunch", "frob") == ["frobnicate"]
+    assert complete(file, "vmlaunch", "frobnicate", "--") == ["--help", "--level", "--zap"]
+    assert complete(file, "vmlaunch", "frobnicate", "--level", "h") == ["high"]
+    assert complete(file, "vmlaunch", "frobnicate", "--level", "low", str(spec), "b") == ["beta"]
+
+
+def test_the_bash_script_is_what_the_command_prints(bash_script: Path) -> None:
+    result = vmlaunch("completion", "bash")
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout == bash_script.read_text()
+    assert GENERATED_BY in result.stdout.splitlines()[0]
+    subprocess.run(["bash", "-n", str(bash_script)], check=True, timeout=60)
+
+
+# --- zsh ------------------------------------------------------------------------------------------
+
+
+def test_the_zsh_script_parses(tmp_path: Path) -> None:
+    text = script("zsh", build_parser())
+    assert text.startswith("#compdef vmlaunch\n")
+    assert GENERATED_BY in text.splitlines()[1]
+    zsh = shutil.which("zsh")
+    if zsh is None:
+        pytest.skip("zsh is not installed here: its script is only checked with `zsh -n` where it is")
+    file = tmp_path / "_vmlaunch"
+    file.write_text(text)
+    result = subprocess.run([zsh, "-n", str(file)], capture_output=True, text=True, check=False,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+# --- the completion command -----------------------------------------------------------------------
+
+
+def test_vms_prints_one_name_a_line(tmp_path: Path) -> None:
+    result = vmlaunch("completion", "--vms", str(write_spec(tmp_path, TWO_VMS)))
+    assert (result.returncode, result.stdout, result.stderr) == (0, "alpha\nbeta\n", "")
+
+
+@pytest.mark.parametrize("text", [
+    "[lab\nname=",  # not TOML
+    '[lab]\nname="t"\n[vm.alpha]\nmemory="lots"\nkernel="k"\n',  # does not validate
+])
+def test_vms_of_a_broken_spec_is_nothing(tmp_path: Path, text: str) -> None:
+    result = vmlaunch("completion", "--vms", str(write_spec(tmp_path, text)))
+    assert (result.returncode, result.stdout) == (0, "")
+
+
+@pytest.mark.parametrize("where", ["missing.toml", ".", "/dev/null"])
+def test_vms_of_no_spec_is_nothing(tmp_path: Path, where: str) -> None:
+    result = vmlaunch("completion", "--vms", str(tmp_path / where) if where != "/dev/null" else where)
+    assert (result.returncode, result.stdout) == (0, "")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["completion", "fish"], "invalid choice: 'fish'"),
+    (["completion"], "give either SHELL (bash or zsh) or --vms SPEC"),
+    (["completion", "bash", "--vms", "lab.toml"], "give either SHELL (bash or zsh) or --vms SPEC"),
+])
+def test_completion_usage_errors(args: list[str], message: str) -> None:
+    result = vmlaunch(*args)
+    assert (result.returncode, result.stdout) == (64, "")
+    assert message in result.stderr
+
+
+def test_cli_start_up_does_not_import_completion() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys, vmlaunch.cli; vmlaunch.cli.build_parser(); "
+         "print('vmlaunch.completion' in sys.modules)"],
+        capture_output=True, text=True, check=True, timeout=60)
+    assert result.stdout == "False\n"
+
+
+# --- tools/install.sh -----------------------------------------------------------------------------
+
+
+class Installer:
+    """tools/install.sh pointed at temporary folders (never /usr/local or the real home)."""
+
+    def __init__(self, root: Path) -> None:
+        self.bin = root / "bin"
+        self.bash = root / "share" / "bash-completion" / "completions"
+        self.zsh = root / "share" / "zsh" / "site-functions"
+        self.env = {**os.environ, "HOME": str(root / "home"), "VMLAUNCH_BIN_DIR": str(self.bin),
+                    "VMLAUNCH_BASH_COMPLETION_DIR": str(self.bash),
+                    "VMLAUNCH_ZSH_COMPLETION_DIR": str(self.zsh), "PATH": "/usr/bin:/bin"}
+        self.link = self.bin / "vmlaunch"
+        self.bash_file = self.bash / "vmlaunch"
+        self.zsh_file = self.zsh / "_vmlaunch"
+
+    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run([str(INSTALL), *args], capture_output=True, text=True, check=False,
+                                env=self.env, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result
+
+
+@pytest.fixture
+def installer(tmp_path: Path) -> Installer:
+    return Installer(tmp_path)
+
+
+TARGET = ROOT / ".venv" / "bin" / "vmlaunch"
+
+
+def test_install_puts_vmlaunch_on_path_and_completion_in_place(installer: Installer) -> None:
+    out = installer.run().stdout
+    assert os.readlink(installer.link) == str(TARGET)  # absolute
+    assert installer.bash_file.read_text() == vmlaunch("completion", "bash").stdout
+    assert installer.zsh_file.read_text() == vmlaunch("completion", "zsh").stdout
+    assert f"{installer.link} -> " in out
+    assert f"{installer.bin} is not on your PATH" in out
+    # a new shell with that folder on its PATH finds it, and completes with the installed file
+    shell = subprocess.run(
+        ["bash", "--norc", "--noprofile", "-c", f"source {installer.bash_file}; vmlaunch --version; "
+         "complete -p vmlaunch"],
+        capture_output=True, text=True, check=True, timeout=60,
+        env={**installer.env, "PATH": f"{installer.bin}:/usr/bin:/bin"})
+    assert shell.stdout.startswith("vmlaunch ")
+    assert "complete -F _vmlaunch vmlaunch" in shell.stdout
+
+
+def test_install_again_changes_nothing_and_says_nothing(installer: Installer) -> None:
+    installer.run()
+    before = {path: path.lstat().st_mtime_ns
+              for path in (installer.link, installer.bash_file, installer.zsh_file)}
+    again = installer.run()
+    assert (again.stdout, again.stderr) == ("", "")
+    assert {path: path.lstat().st_mtime_ns for path in before} == before
+
+
+def test_install_repoints_a_link_into_another_checkout(installer: Installer, tmp_path: Path) -> None:
+    installer.bin.mkdir(parents=True)
+    old = tmp_path / "old-checkout" / ".venv" / "bin" / "vmlaunch"
+    installer.link.symlink_to(old)
+    out = installer.run().stdout
+    assert os.readlink(installer.link) == str(TARGET)
+    assert f"{installer.link} pointed to {old}" in out
+
+
+@pytest.mark.parametrize("foreign", ["file", "link"])
+def test_install_leaves_a_vmlaunch_of_someone_else_alone(installer: Installer, foreign: str) -> None:
+    installer.bin.mkdir(parents=True)
+    if foreign == "file":
+        installer.link.write_text("#!/bin/sh\necho mine\n")
+    else:
+        installer.link.symlink_to("/bin/true")
+    installer.bash.mkdir(parents=True)
+    installer.bash_file.write_text("complete -F _mine vmlaunch\n")
+    def unchanged() -> bool:
+        if foreign == "file":
+            return installer.link.read_text() == "#!/bin/sh\necho mine\n"
+        return os.readlink(installer.link) == "/bin/true"
+
+    out = installer.run().stdout  # exit 0: the rest is installed all the same
+    assert unchanged()
+    if foreign == "file":
+        assert f"{installer.link} is not a symlink of vmlaunch's: left alone" in out
+    else:
+        assert f"{installer.link} links to /bin/true, not to a vmlaunch checkout: left alone" in out
+    assert installer.bash_file.read_text() == "complete -F _mine vmlaunch\n"
+    assert f"{installer.bash_file} was not written by vmlaunch: left alone" in out
+    assert installer.zsh_file.read_text() == vmlaunch("completion", "zsh").stdout
+    # and uninstall does not take them either
+    out = installer.run("--uninstall").stdout
+    assert unchanged()
+    assert installer.bash_file.read_text() == "complete -F _mine vmlaunch\n"
+    assert not installer.zsh_file.exists()
+    assert f"removed {installer.zsh_file}" in out
+
+
+def test_uninstall_removes_what_install_put_there(installer: Installer) -> None:
+    installer.run()
+    out = installer.run("--uninstall").stdout
+    assert not installer.link.is_symlink()
+    assert not installer.bash_file.exists()
+    assert not installer.zsh_file.exists()
+    assert out.count("removed ") == 3
+    again = installer.run("--uninstall")
+    assert (again.stdout, again.stderr) == ("", "")
+
+
+def test_uninstall_leaves_another_checkouts_link(installer: Installer, tmp_path: Path) -> None:
+    other = tmp_path / "other" / ".venv" / "bin" / "vmlaunch"
+    other.parent.mkdir(parents=True)
+    other.write_text("")
+    installer.bin.mkdir(parents=True)
+    installer.link.symlink_to(other)
+    out = installer.run("--uninstall").stdout
+    assert os.readlink(installer.link) == str(other)
+    assert "another checkout's" in out
+    other.unlink()  # that checkout is gone: its dangling link is ours to remove
+    installer.run("--uninstall")
+    assert not installer.link.is_symlink()
