@@ -1,20 +1,56 @@
 """vmlaunch: a declarative QEMU/KVM lab launcher.
 
-Kept tiny on purpose: the CLI imports this package first, so nothing heavy may be imported here.
+Kept tiny on purpose: the CLI imports this package first, so nothing heavy may be imported here. The
+public API is resolved on first use by `__getattr__` below.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
+    from vmlaunch.api import Lab, Vm
+    from vmlaunch.control import VmStatus
+    from vmlaunch.errors import HostError, RuntimeFailure, SpecError, UsageError, VmlaunchError
 
 __version__ = "0.1.0"
-__all__ = ["Lab", "__version__"]
+__all__ = [
+    "HostError",
+    "Lab",
+    "RuntimeFailure",
+    "SpecError",
+    "UsageError",
+    "Vm",
+    "VmStatus",
+    "VmlaunchError",
+    "__version__",
+]
+
+# public name -> the module that defines it
+_LAZY = {
+    "Lab": "vmlaunch.api",
+    "Vm": "vmlaunch.api",
+    "VmStatus": "vmlaunch.control",
+    "VmlaunchError": "vmlaunch.errors",
+    "SpecError": "vmlaunch.errors",
+    "HostError": "vmlaunch.errors",
+    "RuntimeFailure": "vmlaunch.errors",
+    "UsageError": "vmlaunch.errors",
+}
 
 
 def __getattr__(name: str) -> Any:
-    """`vmlaunch.Lab` without importing the runtime at CLI start-up."""
-    if name == "Lab":
-        from vmlaunch.api import Lab
+    """`vmlaunch.Lab` and the rest of `__all__` without importing the runtime at CLI start-up."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vmlaunch' has no attribute {name!r}")
+    from importlib import import_module
 
-        return Lab
-    raise AttributeError(f"module 'vmlaunch' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value  # found once; later lookups do not come back here
+    return value
+
+
+def __dir__() -> list[str]:
+    """The public API and the module's own dunders, found or not yet."""
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})
