@@ -33,8 +33,11 @@ def spec(tmp_path: Path, guest: Path) -> Path:
 
 def test_lab_context_manager(tmp_path: Path, run_dir: Path, test_guest: Path) -> None:
     with vmlaunch.Lab(spec(tmp_path, test_guest)) as lab:
+        assert (lab.name, lab.vms) == ("api", ("solo",))
         vm = lab.vm("solo")
         assert "VMLAUNCH-GUEST-READY" in vm.wait_for_console("VMLAUNCH-GUEST-READY", timeout=60)
+        assert "VMLAUNCH-GUEST-READY" in next(vm.follow_console())  # the output so far comes first
+        assert vm.pid == vm.status().pid
         assert vm.qmp("query-status")["status"] == "running"
         assert vm.balloon() == 192 << 20
         assert vm.status().state == "running"
@@ -49,15 +52,18 @@ def test_fixture_tears_down_even_when_the_test_fails(tmp_path: Path, run_dir: Pa
     import subprocess
     import sys
 
+    spec(tmp_path, test_guest)
     inner = tmp_path / "test_inner.py"
-    inner.write_text(f"""
+    inner.write_text("""
 def test_uses_a_lab(vmlaunch_lab):
-    lab = vmlaunch_lab({str(spec(tmp_path, test_guest))!r})
+    lab = vmlaunch_lab("lab.toml")  # beside this file, wherever pytest runs
     assert lab.vm("solo").pid > 0
     raise AssertionError("the test fails; the lab must go down anyway")
 """)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(inner)],
-                          capture_output=True, text=True, check=False, cwd=tmp_path)
+                          capture_output=True, text=True, check=False, cwd=elsewhere)
     assert done.returncode == 1, done.stdout
     assert "the lab must go down anyway" in done.stdout
     assert not (run_dir / "api").exists()  # no run dir: the VM was stopped and the lab taken down

@@ -1,14 +1,20 @@
-"""The Python API for test rigs; the CLI's up/down/status/balloon/qmp, as objects.
+"""The Python API for test rigs; the CLI's up/down/status/logs/balloon/qmp, as objects.
 
     with vmlaunch.Lab("lab.toml") as lab:
         lab.vm("alpha").wait_for_console("ready", timeout=30)
         lab.vm("alpha").balloon(128 << 20)
+
+A relative spec path is taken from the directory of the file that calls `Lab` (a test file, a
+script), not from the working directory, so a test finds the spec beside it wherever pytest runs.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
-from collections.abc import Sequence
+import os
+import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -16,7 +22,7 @@ from typing import Any
 from vmlaunch import control, executor
 from vmlaunch.compiler import compile_lab
 from vmlaunch.control import VmStatus
-from vmlaunch.errors import RuntimeFailure, VmlaunchError
+from vmlaunch.errors import Location, Problem, RuntimeFailure, SpecError, VmlaunchError
 from vmlaunch.host import detect_host
 from vmlaunch.plan import Plan
 from vmlaunch.rundir import RunDir
@@ -25,13 +31,23 @@ from vmlaunch.wait import TimedOut, wait_until
 
 log = logging.getLogger("vmlaunch")
 
+__all__ = ["Lab", "Vm", "VmStatus"]
+
 
 class Lab:
     """A lab from its spec. As a context manager: up on enter, down on exit, whatever happened."""
 
-    def __init__(self, spec: str | Path, vms: Sequence[str] = (), *, wait_for: str | None = None,
-                 timeout: float = 60.0) -> None:
-        self.spec = Path(spec)
+    def __init__(self, spec: str | os.PathLike[str], vms: Sequence[str] = (), *,
+                 wait_for: str | None = None, timeout: float = 60.0) -> None:
+        """Read and check the spec, probe the host and compile the lab; nothing starts yet.
+
+        A relative `spec` is taken from the directory of the calling file (the working directory
+        from the REPL or `python -c`). `vms` limits the lab to those VMs (all when empty);
+        `wait_for` and `timeout` are the defaults of `up`. Raises SpecError (the spec is missing or
+        wrong), HostError (the host cannot run it) or UsageError (no VM of such a name).
+        """
+        base, base_is = _caller_base()
+        self.spec = _locate_spec(spec, base, base_is)
         self.model = load_lab(self.spec)
         self.host = detect_host()
         self.plan: Plan = compile_lab(self.model, self.host, vms)
@@ -39,30 +55,58 @@ class Lab:
         self.wait_for = wait_for
         self.timeout = timeout
 
+    def __repr__(self) -> str:
+        return f"Lab({str(self.spec)!r}, vms={list(self.vms)!r})"
+
+    @property
+    def name(self) -> str:
+        """The lab's name (`lab.name` in the spec)."""
+        return self.model.name
+
+    @property
+    def vms(self) -> tuple[str, ...]:
+        """The names of the VMs this Lab brings up and down, in spec order."""
+        return tuple(vm.name for vm in self.plan.vms)
+
     @property
     def run_dir(self) -> RunDir:
+        """The lab's run dir (sockets, logs, journal); see "Files" in the README."""
         return self.plan.run_dir
 
     def up(self, wait_for: str | None = None, timeout: float | None = None) -> None:
+        """Bring the VMs up, as `vmlaunch up`: return when each runs and answers QMP (and, with
+        `wait_for`, has printed it on its console). VMs already running are left alone.
+
+        Raises RuntimeFailure or HostError; whatever this call did is undone first.
+        """
         executor.up(self.plan, spec=str(self.model.file), qemu_img=self.host.qemu.img,
                     wait_for=wait_for or self.wait_for, timeout=timeout or self.timeout)
 
     def down(self, timeout: float = 10.0) -> None:
+        """Stop the VMs and undo what `up` did, as `vmlaunch down`; nothing happens when the lab is
+        not up. Disk images are kept. Raises RuntimeFailure naming every step that failed (after
+        trying them all)."""
         executor.down(self.run_dir, self.only, timeout=timeout, spec=self.model.file)
 
     def vm(self, name: str) -> Vm:
+        """The VM called `name`; UsageError when the spec has none."""
         self.model.select([name])
         return Vm(self, name)
 
     def status(self) -> dict[str, VmStatus]:
+        """Each VM's status by name: running, stopped or crashed, with pid, accelerator, balloon
+        size and uptime when running (as `vmlaunch status`)."""
         return {row.name: row for row in control.status(self.run_dir, [v.name for v in self.plan.vms])}
 
     def __enter__(self) -> Lab:
+        """`up()`, then the lab."""
         self.up()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        """`down()`, whatever happened in the block. When the block raised, a failing `down` is
+        logged, not raised, so the block's own error is the one seen."""
         try:
             self.down()
         except VmlaunchError as error:
@@ -72,21 +116,36 @@ class Lab:
 
 
 class Vm:
-    """One VM of a lab that is up."""
+    """One VM of a lab; `Lab.vm(name)` makes one. Its methods need the VM to be up."""
 
     def __init__(self, lab: Lab, name: str) -> None:
         self.lab = lab
         self.name = name
 
+    def __repr__(self) -> str:
+        return f"<Vm {self.name} of lab {self.lab.name}>"
+
     @property
     def pid(self) -> int:
+        """The QEMU process's pid; RuntimeFailure when the VM is not running."""
         return control.running_pid(self.lab.run_dir, self.name)
 
     def console_output(self) -> str:
+        """Everything the serial console has printed so far (as `vmlaunch logs`); RuntimeFailure
+        when there is no log (the lab is not up)."""
         return control.read_log(self.lab.run_dir, self.name)
 
+    def follow_console(self) -> Iterator[str]:
+        """The serial console output as it comes (as `vmlaunch logs --follow`): an iterator of the
+        output so far, then each new piece, until the VM stops. RuntimeFailure, on the first
+        `next()`, when the VM is not running."""
+        return control.follow_log(self.lab.run_dir, self.name)
+
     def wait_for_console(self, text: str, timeout: float = 30.0) -> str:
-        """Wait until the serial console has printed `text`; return the output so far."""
+        """Wait until the serial console has printed `text`; return the output so far.
+
+        RuntimeFailure when `timeout` seconds pass first, or when the VM stops.
+        """
         def printed() -> str | None:
             output = self.console_output()
             if text in output:
@@ -102,11 +161,71 @@ class Vm:
                                  f"{timeout:g} s", f"see {log_file}") from None
 
     def balloon(self, size: int | None = None, timeout: float = 10.0) -> int:
-        """Set the balloon target in bytes and wait for the guest, or read it; returns the size."""
+        """Set the balloon target in bytes and wait for the guest, or read it; returns the size.
+
+        RuntimeFailure when the VM has no balloon device or the guest does not get there within
+        `timeout` seconds (the message says how far it got); UsageError for a size below 4 KiB.
+        """
         return control.balloon(self.lab.run_dir, self.name, size, timeout)
 
     def qmp(self, command: str, **args: Any) -> Any:
+        """Send one QMP command with `args` as its arguments; return QEMU's reply (`return`).
+
+        `vm.qmp("query-status")["status"]`. Raises QmpError (a RuntimeFailure) when QEMU answers
+        with an error.
+        """
         return control.qmp_command(self.lab.run_dir, self.name, command, args)
 
     def status(self) -> VmStatus:
+        """This VM's row of `Lab.status()`."""
         return self.lab.status()[self.name]
+
+
+def _caller_base() -> tuple[Path, str]:
+    """Where a relative spec path is taken from, and how to say so: the directory of the file of the
+    first caller outside vmlaunch, or the working directory when that code has no file (the REPL,
+    `python -c`, a notebook cell)."""
+    frame = sys._getframe(1)
+    while _in_vmlaunch(frame.f_globals.get("__name__")) and frame.f_back is not None:
+        frame = frame.f_back
+    file = frame.f_code.co_filename
+    if _in_vmlaunch(frame.f_globals.get("__name__")) or not os.path.isfile(file):
+        return Path.cwd(), "the working directory, as the caller has no file"
+    file = os.path.abspath(file)
+    return Path(file).parent, f"the directory of the calling file, {file}"
+
+
+def _in_vmlaunch(module: object) -> bool:
+    return isinstance(module, str) and (module == "vmlaunch" or module.startswith("vmlaunch."))
+
+
+def _locate_spec(spec: str | os.PathLike[str], base: Path, base_is: str) -> Path:
+    """`spec` as an absolute path, a relative one taken from `base`.
+
+    A missing spec is a SpecError naming the full path looked at; any other problem with the file
+    is `read_spec`'s to report.
+    """
+    given = Path(spec)
+    if given.is_absolute():
+        return given
+    path = base / given
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        problem = Problem(Location(path, 1), f"cannot read the spec: {os.strerror(errno.ENOENT)}",
+                          _missing_hint(given, base, base_is))
+        raise SpecError([problem]) from None
+    except (OSError, ValueError):
+        pass  # not a missing file: read_spec says what it is
+    return path
+
+
+def _missing_hint(given: Path, base: Path, base_is: str) -> str:
+    taken_from = f"a relative spec path is taken from {base_is}"
+    try:
+        beside_cwd = Path.cwd() / given
+    except OSError:  # the working directory was removed
+        return taken_from
+    if beside_cwd != base / given and beside_cwd.is_file():
+        return f"{taken_from}; the working directory has {beside_cwd}: pass that absolute path"
+    return taken_from

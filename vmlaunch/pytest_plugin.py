@@ -4,7 +4,8 @@
         lab = vmlaunch_lab("lab.toml", wait_for="login:")
         lab.vm("alpha").qmp("query-status")
 
-Every lab the fixture brought up is brought down when the test ends, pass or fail.
+A relative spec path is taken from the directory of the test file, wherever pytest runs. Every lab
+the fixture brought up is brought down when the test ends, pass or fail.
 
 Coverage: pytest imports this plugin (an entry point) before coverage starts, so `make test` reports
 it as unrun although tests/test_api.py uses the fixture.
@@ -12,8 +13,8 @@ it as unrun although tests/test_api.py uses the fixture.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -25,14 +26,18 @@ LabFactory = Callable[..., "Lab"]
 
 
 @pytest.fixture
-def vmlaunch_lab() -> Iterator[LabFactory]:
-    from vmlaunch.api import Lab
+def vmlaunch_lab(request: pytest.FixtureRequest) -> Iterator[LabFactory]:
+    """`vmlaunch_lab(spec, vms=(), *, wait_for=None, timeout=60.0)` brings a lab up (`Lab.up`) and
+    returns it; a relative `spec` is taken from the test file's directory."""
+    from vmlaunch.api import Lab, _locate_spec
 
     labs: list[Lab] = []
+    test_file = request.path
 
-    def start(spec: str | Path, vms: Sequence[str] = (), *, wait_for: str | None = None,
+    def start(spec: str | os.PathLike[str], vms: Sequence[str] = (), *, wait_for: str | None = None,
               timeout: float = 60.0) -> Lab:
-        lab = Lab(spec, vms, wait_for=wait_for, timeout=timeout)
+        path = _locate_spec(spec, test_file.parent, f"the directory of the test file, {test_file}")
+        lab = Lab(path, vms, wait_for=wait_for, timeout=timeout)
         labs.append(lab)
         lab.up()
         return lab
