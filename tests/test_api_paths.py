@@ -38,6 +38,7 @@ def write_lab(folder: Path, name: str, file: str = "lab.toml") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / file
     path.write_text(SPEC.format(name=name))
+    (folder / "vmlinuz").write_bytes(b"a kernel")  # the files a spec names must exist
     return path
 
 
@@ -200,3 +201,25 @@ def test_the_fixture_takes_a_relative_spec_from_the_test_files_directory(
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "suite")
     result.assert_outcomes(passed=2)
     assert ups == [folder / "lab.toml"]
+
+
+# --- what a Lab object checks before anything starts ---
+
+
+def test_a_missing_kernel_is_a_spec_error_at_lab(tmp_path: Path) -> None:
+    spec = write_lab(tmp_path, "nokernel")
+    (tmp_path / "vmlinuz").unlink()
+    with pytest.raises(SpecError, match=r"lab.toml:6: vm.solo.kernel: .*/vmlinuz does not exist"):
+        vmlaunch.Lab(spec)
+
+
+def test_a_lab_of_some_vms_hands_out_only_those(tmp_path: Path, run_dir: Path) -> None:
+    spec = write_lab(tmp_path, "some")
+    spec.write_text(spec.read_text() + '[vm.other]\nmemory = "64M"\nkernel = "vmlinuz"\n')
+    lab = vmlaunch.Lab(spec, ["solo"])
+    assert lab.vms == ("solo",) and lab.vm("solo").name == "solo"
+    with pytest.raises(vmlaunch.UsageError, match="VM other is not one of this Lab's VMs"):
+        lab.vm("other")
+    with pytest.raises(vmlaunch.UsageError, match="no VM named 'nope'"):
+        lab.vm("nope")
+    assert lab.down() is False  # not up: nothing to do, and it says so

@@ -44,11 +44,15 @@ class Lab:
         A relative `spec` is taken from the directory of the calling file (the working directory
         from the REPL or `python -c`). `vms` limits the lab to those VMs (all when empty);
         `wait_for` and `timeout` are the defaults of `up`. Raises SpecError (the spec is missing or
-        wrong), HostError (the host cannot run it) or UsageError (no VM of such a name).
+        wrong, or a file it names is: kernel, initrd, a disk without a size), HostError (the host
+        cannot run it) or UsageError (no VM of such a name).
         """
+        from vmlaunch.specfiles import check_files
+
         base, base_is = _caller_base()
         self.spec = _locate_spec(spec, base, base_is)
         self.model = load_lab(self.spec)
+        check_files(self.model, vms)
         self.host = detect_host()
         self.plan: Plan = compile_lab(self.model, self.host, vms)
         self.only = tuple(vms)  # empty: the whole lab
@@ -80,23 +84,30 @@ class Lab:
         Raises RuntimeFailure or HostError; whatever this call did is undone first.
         """
         executor.up(self.plan, spec=str(self.model.file), qemu_img=self.host.qemu.img,
-                    wait_for=wait_for or self.wait_for, timeout=timeout or self.timeout)
+                    wait_for=wait_for if wait_for is not None else self.wait_for,
+                    timeout=timeout if timeout is not None else self.timeout)
 
-    def down(self, timeout: float = 10.0) -> None:
-        """Stop the VMs and undo what `up` did, as `vmlaunch down`; nothing happens when the lab is
-        not up. Disk images are kept. Raises RuntimeFailure naming every step that failed (after
-        trying them all)."""
-        executor.down(self.run_dir, self.only, timeout=timeout, spec=self.model.file)
+    def down(self, timeout: float = 10.0) -> bool:
+        """Stop the VMs and undo what `up` did, as `vmlaunch down`; returns False (and does nothing)
+        when the lab is not up. Disk images are kept. Raises RuntimeFailure naming every step that
+        failed (after trying them all)."""
+        return executor.down(self.run_dir, self.only, timeout=timeout, spec=self.model.file)
 
     def vm(self, name: str) -> Vm:
-        """The VM called `name`; UsageError when the spec has none."""
+        """The VM called `name`; UsageError when the spec has none, or this Lab was made for other
+        VMs of it (`Lab(spec, vms=[...])`)."""
         self.model.select([name])
+        if name not in self.vms:
+            from vmlaunch.errors import UsageError
+
+            raise UsageError(f"VM {name} is not one of this Lab's VMs ({', '.join(self.vms)})",
+                             "make a Lab without vms=[...] to manage every VM of the lab")
         return Vm(self, name)
 
     def status(self) -> dict[str, VmStatus]:
         """Each VM's status by name: running, stopped or crashed, with pid, accelerator, balloon
-        size and uptime when running (as `vmlaunch status`)."""
-        return {row.name: row for row in control.status(self.run_dir, [v.name for v in self.plan.vms])}
+        size and uptime when running, and its NICs (as `vmlaunch status`)."""
+        return {row.name: row for row in control.status(self.run_dir, list(self.vms), self.model)}
 
     def __enter__(self) -> Lab:
         """`up()`, then the lab."""
@@ -132,7 +143,7 @@ class Vm:
 
     def console_output(self) -> str:
         """Everything the serial console has printed so far (as `vmlaunch logs`); RuntimeFailure
-        when there is no log (the lab is not up)."""
+        when there is no log (never up). After `down`, the output of its last run."""
         return control.read_log(self.lab.run_dir, self.name)
 
     def follow_console(self) -> Iterator[str]:
@@ -166,7 +177,8 @@ class Vm:
         RuntimeFailure when the VM has no balloon device or the guest does not get there within
         `timeout` seconds (the message says how far it got); UsageError for a size below 4 KiB.
         """
-        return control.balloon(self.lab.run_dir, self.name, size, timeout)
+        memory = self.lab.model.vm(self.name).memory_mib << 20  # a larger target is refused at once
+        return control.balloon(self.lab.run_dir, self.name, size, timeout, memory)
 
     def qmp(self, command: str, **args: Any) -> Any:
         """Send one QMP command with `args` as its arguments; return QEMU's reply (`return`).
