@@ -159,12 +159,26 @@ def test_up_write_down_keeps_the_image(tmp_path: Path, netns: Netns, test_guest:
 
 
 def test_failed_start_leaves_nothing(tmp_path: Path, netns: Netns, test_guest: Path) -> None:
-    spec = lab(tmp_path, test_guest, one_vm(kernel="GUEST/no-such-kernel"))
+    (tmp_path / "not-a-kernel").write_bytes(b"\x7fELF" + bytes(4092))  # a file, but no kernel
+    spec = lab(tmp_path, test_guest, one_vm(kernel=str(tmp_path / "not-a-kernel")))
     done = netns.vmlaunch("up", str(spec))
     assert done.returncode == 4
-    assert "could not open kernel file" in done.stderr  # QEMU's own words
+    assert "Error while loading elf kernel" in done.stderr  # QEMU's own words
     assert "command: " in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "solo.img").exists()  # the image this up created is gone again
+    assert_clean(netns, "solo")
+    logs = netns.vmlaunch("logs", "--qemu", str(spec), "solo")  # why, still there after the rollback
+    assert logs.returncode == 0 and "Error while loading elf kernel" in logs.stdout
+
+
+def test_a_missing_kernel_is_a_spec_error_before_anything_starts(tmp_path: Path, netns: Netns,
+                                                                test_guest: Path) -> None:
+    spec = lab(tmp_path, test_guest, one_vm(kernel="GUEST/no-such-kernel"))
+    done = netns.vmlaunch("up", str(spec))
+    assert done.returncode == 2, done.stderr
+    assert f"{spec}:10: vm.solo.kernel: {test_guest}/no-such-kernel does not exist" in done.stderr
+    assert "command: " not in done.stderr
+    assert not (tmp_path / "solo.img").exists()
     assert_clean(netns, "solo")
 
 

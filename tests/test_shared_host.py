@@ -225,6 +225,9 @@ def test_a_link_planted_for_a_vm_file_is_removed_before_qemu_opens_it(root: Path
     executor._clear_stale(files)
     assert not any(path.is_symlink() for path in files.every) and victim.read_text() == "precious"
     files.serial_log.symlink_to(victim)
+    journal = Journal.load(run_dir)  # the VM is up: its log is read from the run dir
+    journal.vms["a"] = VmEntry(pid=None, started=0.0, accel="tcg")
+    journal.save()
     with pytest.raises(RuntimeFailure, match="it is a symlink"):
         from vmlaunch.control import read_log
 
