@@ -138,8 +138,8 @@ def test_defaults_qcow2_from_extension_and_pci_normalised(tmp_path: Path) -> Non
      "lab.toml:8: vm.a.disk[0].cache: cache = \"unsafe\" ignores flushes: a host crash corrupts "
      "the image (add accept_data_loss = true if that is fine)"),
     # boot
-    (HEAD + '[vm.a]\nmemory = 64\n', "lab.toml:3: vm.a: nothing to boot (add kernel = \"...\" or "
-     "a [[disk]])"),
+    (HEAD + '[vm.a]\nmemory = 64\n', "lab.toml:3: vm.a: nothing to boot (add image = \"...\", "
+     "kernel = \"...\" or a [[disk]])"),
     (HEAD + '[vm.a]\nmemory = 64\nappend = "x"\n[[vm.a.disk]]\nfile = "d"\n',
      "lab.toml:5: vm.a.append: append needs kernel (add kernel = \"...\")"),
     # user networks

@@ -103,6 +103,10 @@ class _Compiler:
 
     def vm(self, vm: VmSpec) -> VmPlan:
         path: KeyPath = ("vm", vm.name)
+        for key, used in (("image", vm.image), ("cloud_init", vm.cloud_init), ("share", vm.shares),
+                          ("firmware", vm.firmware.value == "uefi")):
+            if used:  # being built: the spec is checked already, the compiler does not run them yet
+                raise self.fail((*path, key), f"{key} is not supported by this version of vmlaunch yet")
         accel = self.accel(vm)
         files = self.run_dir.vm(vm.name)
         for sock in files.sockets:

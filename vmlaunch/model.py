@@ -82,6 +82,11 @@ class PciDriver(enum.Enum):
     PCI_STUB = "pci-stub"
 
 
+class Firmware(enum.Enum):
+    BIOS = "bios"  # SeaBIOS: QEMU's default, nothing to copy per VM
+    UEFI = "uefi"  # OVMF: the code read-only and shared, a per-VM copy of the variable store
+
+
 class NetworkType(enum.Enum):
     BRIDGE = "bridge"
     USER = "user"
@@ -96,6 +101,7 @@ class BridgeNetwork:
     bridge: str
     mtu: int | None = None
     uplink: str | None = None
+    subnet: str | None = None  # "10.10.0.0/24": NICs on it without an `ip` get one from it
 
     type = NetworkType.BRIDGE
 
@@ -117,6 +123,7 @@ class SocketNetwork:
     name: str
     group: str  # "239.x.y.z"
     port: int
+    subnet: str | None = None
 
     type = NetworkType.SOCKET
 
@@ -145,6 +152,55 @@ class Nic:
     mac: str  # always set: explicit, or derived from (lab, vm, index)
     model: NicModel = NicModel.VIRTIO
     queues: int = 1
+    # A static address, "10.10.0.11/24" (given, or derived from the network's subnet); set in the
+    # guest by cloud-init, matched by MAC. None: the guest configures the NIC itself.
+    ip: str | None = None
+    gateway: str | None = None
+    dns: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class Image:
+    """A base image (`[image.NAME]`): fetched once into the cache (or a local file), never written;
+    each VM that boots it gets a qcow2 overlay of its own."""
+
+    name: str
+    url: str | None = None  # http://, https:// or file://; None: `file`
+    file: Path | None = None  # absolute
+    sha256: str | None = None  # lower-case hex; a URL needs one of the two
+    sha512: str | None = None
+    format: DiskFormat | None = None  # None: by suffix (.qcow2, .raw), else found from the file itself
+
+    @property
+    def checksum(self) -> tuple[str, str] | None:
+        """("sha512", hex) or ("sha256", hex): the strongest given."""
+        if self.sha512:
+            return ("sha512", self.sha512)
+        return ("sha256", self.sha256) if self.sha256 else None
+
+
+DEFAULT_CLOUD_USER = "vmlaunch"
+
+
+@attrs.frozen
+class CloudInit:
+    """What the VM's NoCloud seed asks of cloud-init, on top of what vmlaunch always puts in it (the
+    hostname, the lab's SSH key, the VM's host keys, static addresses, share mounts)."""
+
+    user: str = DEFAULT_CLOUD_USER  # gets the lab's SSH key and passwordless sudo
+    packages: tuple[str, ...] = ()
+    runcmd: tuple[str, ...] = ()
+    user_data: Path | None = None  # a cloud-config file merged over the generated one
+
+
+@attrs.frozen
+class Share:
+    """A host directory mounted in the guest over 9p (virtio)."""
+
+    source: Path  # absolute
+    target: str  # absolute path in the guest
+    tag: str  # the 9p mount tag, derived from the VM and the share's index
+    readonly: bool = False
 
 
 @attrs.frozen
@@ -181,6 +237,12 @@ class VmSpec:
     nics: tuple[Nic, ...] = ()
     pci: tuple[PciDevice, ...] = ()
     balloon: Balloon = Balloon()
+    image: str | None = None  # the [image.NAME] its first disk is an overlay of
+    disk_size: int | None = None  # bytes: the overlay's virtual size (None: the image's)
+    firmware: Firmware = Firmware.BIOS
+    cloud_init: CloudInit | None = None  # always set when the VM has an image
+    shares: tuple[Share, ...] = ()
+    ssh: bool = False  # a management NIC with a 127.0.0.1 port forwarded to 22, and `vmlaunch ssh`
 
 
 @attrs.frozen
@@ -193,6 +255,13 @@ class LabSpec:
     networks: tuple[Network, ...] = ()
     vms: tuple[VmSpec, ...] = ()
     mac_prefix: str = DEFAULT_MAC_PREFIX
+    images: tuple[Image, ...] = ()
+
+    def image(self, name: str) -> Image:
+        for image in self.images:
+            if image.name == name:
+                return image
+        raise KeyError(name)
 
     def network(self, name: str) -> Network:
         for net in self.networks:

@@ -103,10 +103,16 @@ def mark_lab(alias: str | None) -> str | None:
     return None if fields is None else fields["lab"]
 
 
-def derive_mac(prefix: str, lab: str, vm: str, index: int) -> str:
+def derive_mac(prefix: str, lab: str, vm: str, index: int | str) -> str:
     """A MAC that is stable across runs and differs between labs, VMs and NICs."""
     digest = hashlib.sha256(f"{lab}\0{vm}\0{index}".encode()).digest()
     return prefix.lower() + "".join(f":{byte:02x}" for byte in digest[:3])
+
+
+def management_mac(prefix: str, lab: str, vm: str) -> str:
+    """The MAC of a VM's management NIC (its SSH port on QEMU's user network): a spec NIC's index is
+    never "mgmt", so it cannot be one of theirs unless the 24-bit hashes meet (the builder checks)."""
+    return derive_mac(prefix, lab, vm, "mgmt")
 
 
 def is_multicast_mac(mac: str) -> bool:

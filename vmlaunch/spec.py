@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from vmlaunch import __version__
 from vmlaunch.dirs import usable_cache_dir
 from vmlaunch.errors import KeyPath, Location, Problem, SpecError, format_key_path
@@ -31,15 +33,19 @@ from vmlaunch.model import (
     Balloon,
     BridgeNetwork,
     CacheMode,
+    CloudInit,
     Disk,
     DiskBus,
     DiskFormat,
+    Firmware,
+    Image,
     LabSpec,
     Network,
     Nic,
     NicModel,
     PciDevice,
     PciDriver,
+    Share,
     SocketNetwork,
     UserNetwork,
     VmSpec,
@@ -52,6 +58,7 @@ from vmlaunch.naming import (
     derive_mcast,
     interface_name_problem,
     is_multicast_mac,
+    management_mac,
     normalise_pci_address,
 )
 from vmlaunch.sourcemap import SourceMap
@@ -501,6 +508,14 @@ def _format_from_name(file: str) -> DiskFormat:
     return DiskFormat.QCOW2 if file.lower().endswith(".qcow2") else DiskFormat.RAW
 
 
+def _format_by_suffix(name: str) -> DiskFormat | None:
+    """An image's format from its name when that says it; None: found from the file's first bytes
+    (cloud images named .img are often qcow2)."""
+    lowered = name.lower().split("?", 1)[0]
+    return (DiskFormat.QCOW2 if lowered.endswith(".qcow2") else DiskFormat.RAW
+            if lowered.endswith(".raw") else None)
+
+
 class _Builder:
     """Builds the typed lab from a schema-checked document, adding semantic problems."""
 
@@ -546,14 +561,65 @@ class _Builder:
             self.problems.add(("lab", "mac_prefix"), f"{prefix!r} is a multicast prefix",
                               "the first octet must be even, e.g. 52:54:00")
         self.lab_name, self.mac_prefix = name, prefix
+        images = tuple(self.images())
+        self.image_names = {image.name for image in images}
+        self.broken_images = {key for key in self.table(("image",)) if key not in self.image_names}
+        self.subnets: dict[str, Any] = {}  # network -> its IPv4Network, for NIC addresses
+        self.wanted: list[Any] = []  # addresses.Wanted of every NIC, for `assign` once all are known
         networks = tuple(self.networks())
         known = {net.name for net in networks}
         self.forwarding: dict[str, KeyPath] = {
             net.name: () for net in networks if isinstance(net, UserNetwork) and net.forward}
+        self.forwarding_or_user = {net.name for net in networks if isinstance(net, UserNetwork)}
         broken = {key for key in self.table(("network",)) if key not in known}
-        vms = tuple(self.vms(known, broken))
+        vms = self.with_addresses(tuple(self.vms(known, broken)))
         return LabSpec(name=name, file=self.file, source=self.source, networks=networks, vms=vms,
-                   mac_prefix=prefix.lower())
+                       mac_prefix=prefix.lower(), images=images)
+
+    def images(self) -> Iterator[Image]:
+        for image_name, raw in self.table(("image",)).items():
+            path: KeyPath = ("image", image_name)
+            if not self.is_valid(path):
+                continue
+            if ("url" in raw) == ("file" in raw):
+                self.problems.add(path, "an image needs url = \"...\" or file = \"...\"" if "url" not in raw
+                                  else "an image has url or file, not both")
+                continue
+            if "url" in raw and "sha256" not in raw and "sha512" not in raw:
+                self.problems.add((*path, "url"), "a downloaded image needs a checksum",
+                                  "add sha512 = \"...\" or sha256 = \"...\" (the distro publishes "
+                                  "them beside the image, e.g. SHA512SUMS)")
+                continue
+            url = raw.get("url")
+            if url is not None and url.startswith("file://"):
+                from urllib.parse import unquote, urlsplit
+
+                parts = urlsplit(url)
+                if parts.netloc not in ("", "localhost") or not parts.path:
+                    self.problems.add((*path, "url"), f"{_shown(url)}: a file:// URL names a path on "
+                                      "this host, like file:///srv/images/debian.qcow2")
+                    continue
+                if "\0" in unquote(parts.path):
+                    self.problems.add((*path, "url"), f"{_shown(url)} holds a NUL")
+                    continue
+            given = raw.get("file")
+            fmt = DiskFormat(raw["format"]) if "format" in raw else _format_by_suffix(url or given or "")
+            yield Image(name=image_name, url=url, file=self.path_of(given), format=fmt,
+                        sha256=raw["sha256"].lower() if "sha256" in raw else None,
+                        sha512=raw["sha512"].lower() if "sha512" in raw else None)
+
+    def with_addresses(self, vms: tuple[VmSpec, ...]) -> tuple[VmSpec, ...]:
+        """Each NIC's static address: given (checked against its network) or derived from the subnet."""
+        from vmlaunch.addresses import assign
+
+        addresses, problems = assign(self.wanted)
+        for where, message, hint in problems:
+            self.problems.add(where, message, hint)
+        if not addresses:
+            return vms
+        return tuple(attrs.evolve(vm, nics=tuple(
+            attrs.evolve(nic, ip=addresses.get(("vm", vm.name, "nic", index), nic.ip))
+            for index, nic in enumerate(vm.nics))) for vm in vms)
 
     def networks(self) -> Iterator[Network]:
         bridges: dict[str, KeyPath] = {}
@@ -574,7 +640,8 @@ class _Builder:
                     self.problems.add((*path, "mcast"), f"{_shown(mcast)} is not a valid group:port",
                                       "a multicast group 224.0.0.0-239.255.255.255, a port 1-65535")
                     continue
-                yield SocketNetwork(name=net_name, group=found["group"], port=int(found["port"]))
+                yield SocketNetwork(name=net_name, group=found["group"], port=int(found["port"]),
+                                    subnet=self.subnet(path, raw))
                 continue
             bridge_path = (*path, "bridge") if "bridge" in raw else path
             bridge = raw.get("bridge") or default_bridge_name(self.lab_name, net_name)
@@ -590,7 +657,20 @@ class _Builder:
             uplink = raw.get("uplink")
             if uplink is not None and interface_name_problem(uplink):
                 self.problems.add((*path, "uplink"), f"uplink {interface_name_problem(uplink)}")
-            yield BridgeNetwork(name=net_name, bridge=bridge, mtu=raw.get("mtu"), uplink=uplink)
+            yield BridgeNetwork(name=net_name, bridge=bridge, mtu=raw.get("mtu"), uplink=uplink,
+                                subnet=self.subnet(path, raw))
+
+    def subnet(self, path: KeyPath, raw: Doc) -> str | None:
+        from vmlaunch.addresses import parse_subnet
+
+        if "subnet" not in raw:
+            return None
+        network, problem = parse_subnet(raw["subnet"])
+        if network is None:
+            self.problems.add((*path, "subnet"), problem or "not an IPv4 network")
+            return None
+        self.subnets[str(path[-1])] = network
+        return str(network)
 
     def forward_problem(self, path: KeyPath, rule: str) -> bool:
         """Adds a problem and returns True when a hostfwd rule is impossible (port 99999, 300.1.1.1)."""
@@ -629,8 +709,8 @@ class _Builder:
         for key in ("initrd", "append"):
             if key in raw and kernel is None:
                 self.problems.add((*path, key), f"{key} needs kernel", "add kernel = \"...\"")
-        if kernel is None and not raw.get("disk"):
-            self.problems.add(path, "nothing to boot", "add kernel = \"...\" or a [[disk]]")
+        if kernel is None and not raw.get("disk") and "image" not in raw:
+            self.problems.add(path, "nothing to boot", "add image = \"...\", kernel = \"...\" or a [[disk]]")
         if not self.sata_fits(path, raw, disks):
             return None
         given: dict[str, Any] = {key: raw[key] for key in ("cpus", "cpu_model", "machine", "append")
@@ -639,8 +719,70 @@ class _Builder:
             given["accel"] = Accel(raw["accel"])
         if "initrd" in raw:
             given["initrd"] = self.path_of(raw["initrd"])
+        given.update(self.guest(path, raw))
         return VmSpec(name=name, memory_mib=memory or 1, kernel=kernel, disks=disks, nics=nics, pci=pci,
                       balloon=Balloon(**raw.get("balloon", {})), **given)
+
+    def guest(self, path: KeyPath, raw: Doc) -> dict[str, Any]:
+        """The keys of a real guest: its image, firmware, cloud-init seed, shares and SSH."""
+        given: dict[str, Any] = {}
+        image = raw.get("image")
+        if image is not None:
+            if image not in self.image_names and image not in self.broken_images:
+                known = ", ".join(sorted(self.image_names)) or "none defined"
+                self.problems.add((*path, "image"), f"no image named {image!r}", f"images: {known}")
+            given["image"] = image
+        if "disk_size" in raw:
+            if image is None:
+                self.problems.add((*path, "disk_size"), "disk_size sizes the overlay of an image",
+                                  "add image = \"...\", or give a [[disk]] its size")
+            size = self.disk_bytes((*path, "disk_size"), raw["disk_size"])
+            if size is not None:
+                given["disk_size"] = size
+        if "firmware" in raw:
+            given["firmware"] = Firmware(raw["firmware"])
+        shares = tuple(self.shares(path, self.tables(raw, "share")))
+        if shares:
+            given["shares"] = shares
+        ssh = raw.get("ssh", image is not None or "cloud_init" in raw)
+        given["ssh"] = ssh
+        if ssh:
+            mgmt = management_mac(self.mac_prefix, self.lab_name, str(path[-1]))
+            if mgmt in self.macs:
+                self.problems.add(self.macs[mgmt], f"MAC {mgmt} is also the SSH NIC's of vm.{path[-1]}",
+                                  "set mac = \"...\"")
+        if image is not None or "cloud_init" in raw or ssh:
+            seed = raw.get("cloud_init", {})
+            extra: dict[str, Any] = {key: tuple(seed[key]) for key in ("packages", "runcmd") if key in seed}
+            if "user" in seed:
+                extra["user"] = seed["user"]
+                if seed["user"] == "root":
+                    self.problems.add((*path, "cloud_init", "user"), "the SSH user is made with "
+                                      "passwordless sudo; root is not such a user", "name another user")
+            if "user_data" in seed:
+                extra["user_data"] = self.path_of(seed["user_data"])
+            given["cloud_init"] = CloudInit(**extra)
+        return given
+
+    def shares(self, vm_path: KeyPath, items: Iterable[Doc]) -> Iterator[Share]:
+        targets: dict[str, KeyPath] = {}
+        for index, raw in enumerate(items):
+            path = (*vm_path, "share", index)
+            if not self.is_valid(path):
+                continue
+            target = os.path.normpath(raw["target"])
+            if target == "/":
+                self.problems.add((*path, "target"), "a share cannot be mounted over /")
+                continue
+            if target in targets:
+                self.problems.add((*path, "target"), f"{target} is also the target of "
+                                  f"{format_key_path(targets[target])}")
+                continue
+            targets[target] = path
+            source = self.path_of(raw["source"])
+            assert source is not None
+            yield Share(source=source, target=target, tag=f"share{index}",
+                        readonly=bool(raw.get("readonly", False)))
 
     def is_qemu_query(self, path: KeyPath, value: object) -> bool:
         """machine = "help" (or "?", or help after a comma) would make QEMU list its machines and exit
@@ -707,21 +849,8 @@ class _Builder:
         ok = True
         size = None
         if "size" in raw:
-            try:
-                size = parse_size(raw["size"])
-            except ValueError as exc:
-                self.problems.add((*path, "size"), str(exc))
-                ok = False
-            else:
-                if size == 0 or size % 512:
-                    what = "no size" if size == 0 else "not a whole number of 512-byte sectors"
-                    self.problems.add((*path, "size"), f"{_shown(raw['size'])} is {what}",
-                                      "e.g. 64M or 20G")
-                    ok = False
-                elif size > MAX_DISK_SIZE:
-                    self.problems.add((*path, "size"), f"{_shown(raw['size'])} is larger than a disk "
-                                      "image can be", f"at most {format_size(MAX_DISK_SIZE)}")
-                    ok = False
+            size = self.disk_bytes((*path, "size"), raw["size"])
+            ok = size is not None
         cache = CacheMode(raw["cache"]) if "cache" in raw else default_of(Disk, "cache")
         if cache is CacheMode.UNSAFE and not raw.get("accept_data_loss", False):
             self.problems.add((*path, "cache"), "cache = \"unsafe\" ignores flushes: a host crash "
@@ -761,6 +890,23 @@ class _Builder:
             **given,
         )
 
+    def disk_bytes(self, path: KeyPath, value: str | int) -> int | None:
+        """A disk's size in bytes (whole 512-byte sectors, up to MAX_DISK_SIZE), or a problem."""
+        try:
+            size = parse_size(value)
+        except ValueError as exc:
+            self.problems.add(path, str(exc))
+            return None
+        if size == 0 or size % 512:
+            what = "no size" if size == 0 else "not a whole number of 512-byte sectors"
+            self.problems.add(path, f"{_shown(value)} is {what}", "e.g. 64M or 20G")
+            return None
+        if size > MAX_DISK_SIZE:
+            self.problems.add(path, f"{_shown(value)} is larger than a disk image can be",
+                              f"at most {format_size(MAX_DISK_SIZE)}")
+            return None
+        return size
+
     def nics(
         self, vm_path: KeyPath, vm: str, items: Iterable[Doc], networks: set[str], broken: set[str]
     ) -> Iterator[Nic]:
@@ -784,12 +930,40 @@ class _Builder:
                                       "user network")
                 self.forwarding[network] = path
             mac = self.mac(path, raw.get("mac"), vm, index)
+            given: dict[str, Any] = {k: raw[k] for k in ("queues", "gateway") if k in raw}
+            if "dns" in raw:
+                given["dns"] = tuple(raw["dns"])
+            if not self.address_fits(path, raw, network):
+                continue
             nic = Nic(network=network, mac=mac or "", model=NicModel(raw["model"]) if "model" in raw
-                      else default_of(Nic, "model"), **{k: raw[k] for k in ("queues",) if k in raw})
+                      else default_of(Nic, "model"), **given)
             if nic.queues > 1 and nic.model is not NicModel.VIRTIO:
                 self.problems.add((*path, "queues"), "multi-queue needs model = \"virtio\"")
             if mac is not None:
                 yield nic
+
+    def address_fits(self, path: KeyPath, raw: Doc, network: str) -> bool:
+        """ip, gateway and dns are for networks whose addresses the guest sets itself (bridge, socket);
+        QEMU's user network hands out its own by DHCP. Queues the NIC for `with_addresses`."""
+        from vmlaunch.addresses import Wanted
+
+        keys = [key for key in ("ip", "gateway", "dns") if key in raw]
+        if keys and network in self.forwarding_or_user:
+            self.problems.add((*path, keys[0]), f"network {network!r} is QEMU's user network, which "
+                              "gives its NICs addresses by DHCP (10.0.2.15)", f"remove {keys[0]}")
+            return False
+        addresses: list[tuple[KeyPath, str]] = [((*path, "dns", i), value)
+                                                for i, value in enumerate(raw.get("dns", ()))]
+        if "gateway" in raw:
+            addresses.insert(0, ((*path, "gateway"), raw["gateway"]))
+        for where, value in addresses:
+            if not _is_ipv4(value):
+                self.problems.add(where, f"{_shown(value)} is not an IPv4 address")
+                return False
+        if network not in self.forwarding_or_user:
+            self.wanted.append(Wanted(path=path, network=network, subnet=self.subnets.get(network),
+                                      ip=raw.get("ip"), seed=f"{self.lab_name}/{path[1]}/{path[-1]}"))
+        return True
 
     def mac(self, path: KeyPath, explicit: str | None, vm: str, index: int) -> str | None:
         if explicit is not None:
