@@ -1,7 +1,8 @@
 """Shell completion as the shells run it, and tools/install.sh into temporary folders.
 
 The bash script is sourced in a real bash and its function driven the way bash drives it
-(COMP_WORDS, COMP_CWORD); VM names come from the real `vmlaunch completion --vms`.
+(COMP_WORDS, COMP_CWORD); VM names come from the real `vmlaunch completion --vms`. Where zsh is
+installed, the zsh script is loaded in an interactive zsh on a pseudo-terminal and a Tab typed.
 """
 
 from __future__ import annotations
@@ -32,6 +33,32 @@ _vmlaunch
 status=$?
 printf '%s\\n' "${COMPREPLY[@]}"
 exit $status
+"""
+# zsh -f -c ZSH_DRIVER driver SCRIPT LINE: what zsh's own completion offers at the end of LINE, one a
+# line. An interactive zsh on a pseudo-terminal (zpty) loads compinit and SCRIPT, compadd is wrapped
+# to print what it adds, and after the Tab the completion system's last hook prints DONE and exits.
+ZSH_DRIVER = r"""
+zmodload zsh/zpty || exit 3
+zpty z zsh -f -i
+zpty -w z 'PROMPT= RPROMPT= PS2='
+zpty -w z 'autoload -U compinit && compinit -u -D'
+zpty -w z "source ${(q)1}"
+zpty -w z 'compadd() {
+  if [[ ${@[1,(i)(-|--)]} == *-(O|A|D)\ * ]]; then builtin compadd "$@"; return; fi
+  local -a hits; local hit; builtin compadd -A hits "$@"
+  for hit in $hits; do print -r -- "<<$hit>>"; done
+}'
+zpty -w z "bindkey '^I' complete-word"
+zpty -w z "comppostfuncs=(_driver_done); _driver_done() { print -r -- '<<DONE>>'; exit }"
+zpty -w z "print -r -- '<<READY>>'"
+zpty -r z line '*<<READY>>*'  # the command echoed
+zpty -r z line '*<<READY>>*'  # and run
+zpty -w -n z "$2"$'\t'
+while zpty -r z line; do
+  [[ $line == *'<<DONE>>'* ]] && break
+  [[ $line == *'<<'*'>>'* ]] && print -r -- "${${line#*<<}%%>>*}"
+done
+zpty -d z
 """
 
 
@@ -64,6 +91,26 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
         if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)
     raise AssertionError("no subcommands")
+
+
+def with_image_commands() -> argparse.ArgumentParser:
+    """vmlaunch's parser with a command that has sub-commands of its own, as `image` would."""
+    parser = build_parser()
+    commands = next(action for action in parser._actions
+                    if isinstance(action, argparse._SubParsersAction))
+    image = commands.add_parser("image", help="manage the images the labs boot from")
+    image.add_argument("--store", metavar="DIR", help="where the images are")
+    images = image.add_subparsers(dest="image_command", metavar="IMAGE-COMMAND", required=True)
+    pull = images.add_parser("pull", help="download the images of a spec")
+    pull.add_argument("spec", metavar="SPEC")
+    pull.add_argument("vms", metavar="VM", nargs="*")
+    pull.add_argument("--level", choices=["low", "high"])
+    pull.add_argument("--force", action="store_true")
+    listing = images.add_parser("list", help="list the images")
+    listing.add_argument("--json", action="store_true")
+    remove = images.add_parser("rm", help="remove an image")
+    remove.add_argument("id", metavar="ID")
+    return parser
 
 
 # --- bash -----------------------------------------------------------------------------------------
@@ -115,9 +162,59 @@ def test_bash_completes_the_vms_of_the_spec_on_the_line(bash_script: Path, tmp_p
     assert complete(bash_script, "vmlaunch", "up", str(tmp_path / "missing.toml"), "") == []
 
 
+def test_bash_does_not_offer_a_vm_already_on_the_line(bash_script: Path, tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, TWO_VMS)
+    assert complete(bash_script, "vmlaunch", "up", str(spec), "alpha", "") == ["beta"]
+    assert complete(bash_script, "vmlaunch", "reset", str(spec), "beta", "") == ["alpha"]
+    assert complete(bash_script, "vmlaunch", "down", str(spec), "alpha", "beta", "") == []
+    assert complete(bash_script, "vmlaunch", "cmdline", str(spec), "'alpha'", "") == ["beta"]  # quoted
+    assert complete(bash_script, "vmlaunch", "up", str(spec), "--dry-run", "beta", "--force", "") == [
+        "alpha"]
+    # the word under the cursor is not one given: `alpha` can still be completed to itself
+    assert complete(bash_script, "vmlaunch", "up", str(spec), "alpha") == ["alpha"]
+    # an option's value is not a VM given, even when it is a VM's name
+    assert complete(bash_script, "vmlaunch", "up", "--wait-for", "alpha", str(spec), "") == [
+        "alpha", "beta"]
+
+
+def test_bash_help_completes_the_command_names(bash_script: Path, tmp_path: Path) -> None:
+    assert complete(bash_script, "vmlaunch", "help", "") == list(subcommands(build_parser()))
+    assert complete(bash_script, "vmlaunch", "help", "co") == ["console", "completion"]
+    assert complete(bash_script, "vmlaunch", "-v", "help", "u") == ["up"]
+    assert complete(bash_script, "vmlaunch", "help", "up", "") == []  # one COMMAND only
+    # qmp's COMMAND is a QMP command, not one of vmlaunch's
+    spec = write_spec(tmp_path, TWO_VMS)
+    assert complete(bash_script, "vmlaunch", "qmp", str(spec), "alpha", "") == []
+
+
 def test_bash_completes_the_shell_of_completion(bash_script: Path) -> None:
     assert complete(bash_script, "vmlaunch", "completion", "") == ["bash", "zsh"]
     assert complete(bash_script, "vmlaunch", "completion", "z") == ["zsh"]
+    assert complete(bash_script, "vmlaunch", "completion", "--") == ["--help", "--vms"]
+
+
+def test_bash_offers_no_shell_after_completion_vms(bash_script: Path, tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, TWO_VMS)
+    # `completion --vms SPEC SHELL` is refused: nothing to offer after the spec
+    assert complete(bash_script, "vmlaunch", "completion", "--vms", str(spec), "") == []
+    assert complete(bash_script, "vmlaunch", "completion", "--vms", "=", str(spec), "") == []
+    assert complete(bash_script, "vmlaunch", "completion", "--vms", str(spec), "b") == []
+    # nor --vms after a shell
+    assert complete(bash_script, "vmlaunch", "completion", "bash", "--") == ["--help"]
+
+
+def test_bash_offers_nothing_for_the_command_ssh_runs(bash_script: Path, tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, TWO_VMS)
+    assert complete(bash_script, "vmlaunch", "ssh", str(spec), "") == ["alpha", "beta"]
+    assert complete(bash_script, "vmlaunch", "ssh", str(spec), "alpha", "") == []
+    assert complete(bash_script, "vmlaunch", "ssh", str(spec), "alpha", "--", "") == []
+    assert complete(bash_script, "vmlaunch", "ssh", str(spec), "alpha", "--", "ls", "") == []
+    # what follows the VM is the guest's command, options and all, as argparse.REMAINDER takes it
+    assert complete(bash_script, "vmlaunch", "ssh", str(spec), "alpha", "--", "-") == []
+    assert complete(bash_script, "vmlaunch", "ssh", str(spec), "alpha", "ls", "--") == []
+    assert complete(bash_script, "vmlaunch", "ssh", str(spec), "alpha", "-") == []
+    assert complete(bash_script, "vmlaunch", "ssh", "--", str(spec), "a") == ["alpha"]
+    assert complete(bash_script, "vmlaunch", "ssh", "--") == ["--help"]
 
 
 def test_a_new_command_is_completed_without_editing_anything(tmp_path: Path) -> None:
@@ -136,6 +233,36 @@ def test_a_new_command_is_completed_without_editing_anything(tmp_path: Path) -> 
     assert complete(file, "vmlaunch", "frobnicate", "--") == ["--help", "--level", "--zap"]
     assert complete(file, "vmlaunch", "frobnicate", "--level", "h") == ["high"]
     assert complete(file, "vmlaunch", "frobnicate", "--level", "low", str(spec), "b") == ["beta"]
+
+
+def test_bash_completes_sub_commands_of_a_command(tmp_path: Path) -> None:
+    file = tmp_path / "vmlaunch.bash"
+    file.write_text(script("bash", with_image_commands()))
+    spec = write_spec(tmp_path, TWO_VMS)
+    (tmp_path / "notes.txt").write_text("")
+    assert "image" in complete(file, "vmlaunch", "")
+    assert complete(file, "vmlaunch", "help", "im") == ["image"]
+    assert complete(file, "vmlaunch", "image", "") == ["pull", "list", "rm"]
+    assert complete(file, "vmlaunch", "image", "l") == ["list"]
+    assert complete(file, "vmlaunch", "image", "--") == ["--help", "--store"]
+    assert complete(file, "vmlaunch", "-q", "image", "--store", "/x", "p") == ["pull"]
+    # each sub-command with its own options and arguments
+    assert complete(file, "vmlaunch", "image", "pull", "--") == ["--help", "--level", "--force"]
+    assert complete(file, "vmlaunch", "image", "pull", "--level", "l") == ["low"]
+    assert complete(file, "vmlaunch", "image", "pull", "", cwd=tmp_path) == ["lab.toml"]
+    assert complete(file, "vmlaunch", "image", "--store", "/x", "pull", "--force", "lab.toml", "",
+                    cwd=tmp_path) == ["alpha", "beta"]
+    assert complete(file, "vmlaunch", "image", "pull", str(spec), "beta", "") == ["alpha"]
+    assert complete(file, "vmlaunch", "image", "list", "--") == ["--help", "--json"]
+    assert complete(file, "vmlaunch", "image", "list", "") == []
+    assert complete(file, "vmlaunch", "image", "rm", "") == []
+    assert complete(file, "vmlaunch", "image", "rm", "x", "") == []
+    # an option of `image` is not one of `image pull`, nor the other way round
+    assert complete(file, "vmlaunch", "image", "pull", "--st") == []
+    assert complete(file, "vmlaunch", "image", "--le") == []
+    # and the rest of the command line is as it was
+    assert complete(file, "vmlaunch", "up", str(spec), "") == ["alpha", "beta"]
+    subprocess.run(["bash", "-n", str(file)], check=True, timeout=60)
 
 
 def test_the_bash_script_is_what_the_command_prints(bash_script: Path) -> None:
@@ -163,6 +290,51 @@ def test_the_zsh_script_parses(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
 
 
+@pytest.fixture(scope="module")
+def zsh_script(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("zsh") is None:
+        pytest.skip("zsh is not installed here")
+    file = tmp_path_factory.mktemp("zsh") / "_vmlaunch"
+    file.write_text(script("zsh", with_image_commands()))
+    return file
+
+
+def zsh_complete(script_file: Path, line: str, cwd: Path) -> list[str]:
+    """What zsh offers at the end of `line` (`vmlaunch ...`), in the order it was added."""
+    result = subprocess.run(
+        ["zsh", "-f", "-c", ZSH_DRIVER, "driver", str(script_file), line],
+        capture_output=True, text=True, check=False, timeout=60, cwd=cwd,
+        env={**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"})
+    assert result.returncode == 0, result.stderr
+    return [word for word in result.stdout.splitlines() if word]
+
+
+@pytest.mark.parametrize(("line", "offered"), [
+    ("vmlaunch comp", ["completion"]),
+    ("vmlaunch up lab.toml ", ["alpha", "beta"]),
+    ("vmlaunch up lab.toml alpha ", ["beta"]),
+    ("vmlaunch down lab.toml beta alpha ", []),
+    ("vmlaunch cmdline lab.toml 'alpha' b", ["beta"]),
+    ("vmlaunch up --wait-for alpha lab.toml a", ["alpha"]),
+    ("vmlaunch help co", ["console", "completion"]),
+    ("vmlaunch completion z", ["zsh"]),
+    ("vmlaunch completion --vms lab.toml b", []),
+    ("vmlaunch completion bash --", ["--help"]),
+    ("vmlaunch ssh lab.toml a", ["alpha"]),
+    ("vmlaunch ssh lab.toml alpha -- ", []),
+    ("vmlaunch ssh lab.toml alpha -- -", []),
+    ("vmlaunch image ", ["pull", "list", "rm"]),
+    ("vmlaunch image pull --l", ["--level"]),
+    ("vmlaunch image pull --level=", ["low", "high"]),
+    ("vmlaunch image --store /x pull lab.toml beta ", ["alpha"]),
+    ("vmlaunch image list --", ["--help", "--json"]),
+    ("vmlaunch image rm ", []),
+])
+def test_zsh_completes(zsh_script: Path, tmp_path: Path, line: str, offered: list[str]) -> None:
+    write_spec(tmp_path, TWO_VMS)
+    assert sorted(zsh_complete(zsh_script, line, tmp_path)) == sorted(offered)
+
+
 # --- the completion command -----------------------------------------------------------------------
 
 
@@ -184,6 +356,16 @@ def test_vms_of_a_broken_spec_is_nothing(tmp_path: Path, text: str) -> None:
 def test_vms_of_no_spec_is_nothing(tmp_path: Path, where: str) -> None:
     result = vmlaunch("completion", "--vms", str(tmp_path / where) if where != "/dev/null" else where)
     assert (result.returncode, result.stdout) == (0, "")
+
+
+def test_vms_of_a_spec_whose_files_are_missing_are_listed(tmp_path: Path) -> None:
+    """Completion helps while the lab is being written: its kernel "k" is not there yet."""
+    spec = write_spec(tmp_path, TWO_VMS)
+    refused = vmlaunch("validate", str(spec))
+    assert refused.returncode == 2
+    assert "vm.alpha.kernel" in refused.stderr and "does not exist" in refused.stderr
+    result = vmlaunch("completion", "--vms", str(spec))
+    assert (result.returncode, result.stdout, result.stderr) == (0, "alpha\nbeta\n", "")
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -1,10 +1,14 @@
 """Shell completion for bash and zsh, generated from the command's own argument parser.
 
-The parser is read into a small description (commands, their options, their positional arguments)
-and each shell's script is written from it, so a new command or option is completed without touching
-this module. What a positional argument completes comes from its metavar: SPEC completes `*.toml`
-files (and folders), VM the VM names of the spec already on the line (which the scripts get from
-`vmlaunch completion --vms SPEC`), an argument with `choices` those choices; anything else nothing.
+The parser is read into a small description (commands, their options, their positional arguments,
+their own sub-commands) and each shell's script is written from it, so a new command or option is
+completed without touching this module. What a positional argument completes comes from its metavar:
+SPEC completes `*.toml` files (and folders), VM the VM names of the spec already on the line (which
+the scripts get from `vmlaunch completion --vms SPEC`) less those already given, an argument with
+`choices` those choices, the COMMAND of a command named `help` the names of the commands beside it;
+anything else nothing, and nothing at all once an argparse.REMAINDER argument is reached (after
+`ssh SPEC VM` and its `--`, the words are the guest's). A command with sub-parsers of its own (`image
+pull SPEC`, `image list`) takes one of their names as its first word, and goes on as that one.
 """
 
 from __future__ import annotations
@@ -33,6 +37,12 @@ class Kind(enum.Enum):
 
 # The metavars the CLI gives its arguments, and what they complete.
 _KIND_OF_METAVAR = {"SPEC": Kind.SPEC, "VM": Kind.VM}
+# A command named HELP completes its COMMAND argument with the names of the commands beside it.
+HELP, COMMAND = "help", "COMMAND"
+# Options that cannot go with their command's positional arguments although the parser does not say
+# so (the command checks it itself): (command, option). A mutually exclusive group that holds an
+# option and a positional argument says so, and is read as well.
+_EXCLUDES_ARGUMENTS = {("completion", "--vms")}  # `completion SHELL` or `completion --vms SPEC`
 
 
 @attrs.frozen
@@ -43,7 +53,8 @@ class Value:
     kind: Kind
     choices: tuple[str, ...] = ()
     optional: bool = False  # nargs="?"
-    repeated: bool = False  # nargs="*" or "+": takes every further argument
+    repeated: bool = False  # nargs="*", "+" or "...": takes every further argument
+    remainder: bool = False  # nargs="...": every further word is its, options and -- too
 
 
 @attrs.frozen
@@ -53,6 +64,7 @@ class Option:
     value: Value | None  # None: a flag
     excludes: tuple[str, ...]  # the options it cannot go with (its own names among them)
     ends_line: bool = False  # --help, --version: nothing else follows
+    excludes_arguments: bool = False  # no positional argument of its command goes with it
 
 
 @attrs.frozen
@@ -61,6 +73,7 @@ class Command:
     help: str
     options: tuple[Option, ...]
     arguments: tuple[Value, ...]
+    commands: tuple[Command, ...] = ()  # its sub-commands: its first positional word names one
 
 
 @attrs.frozen
@@ -70,15 +83,8 @@ class CommandLine:
 
 
 def describe(parser: argparse.ArgumentParser) -> CommandLine:
-    """The commands, options and arguments of `parser` (a parser with one level of subcommands)."""
-    commands: list[Command] = []
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            helps = {choice.dest: choice.help or "" for choice in action._choices_actions}
-            for name, sub in action.choices.items():
-                commands.append(Command(name, _one_line(helps.get(name, "")), _options(sub),
-                                        tuple(_arguments(sub))))
-    return CommandLine(_options(parser), tuple(commands))
+    """The commands, options and arguments of `parser`, sub-commands of commands too."""
+    return CommandLine(_options(parser, ""), _commands(parser))
 
 
 def script(shell: str, parser: argparse.ArgumentParser) -> str:
@@ -92,9 +98,11 @@ def script(shell: str, parser: argparse.ArgumentParser) -> str:
 
 
 def vm_names(spec: str) -> list[str]:
-    """The VM names of `spec`; none when it cannot be read or does not validate.
+    """The VM names of `spec`; none when it cannot be read or is not a lab spec.
 
-    A completion helper: whatever goes wrong, the shell just offers nothing.
+    A completion helper: whatever goes wrong, the shell just offers nothing. The files the spec
+    names (kernels, disks, images) are not looked for: a spec that `validate` refuses only because
+    one is missing still completes its VM names, as while the lab is being written.
     """
     from vmlaunch.errors import VmlaunchError
     from vmlaunch.spec import load_lab
@@ -108,29 +116,49 @@ def vm_names(spec: str) -> list[str]:
 # --- reading the parser ---------------------------------------------------------------------------
 
 
-def _options(parser: argparse.ArgumentParser) -> tuple[Option, ...]:
+def _commands(parser: argparse.ArgumentParser, path: str = "") -> tuple[Command, ...]:
+    """The sub-commands of `parser` (the command `path`, "" for the top), and theirs."""
+    commands: list[Command] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help or "" for choice in action._choices_actions}
+            names = tuple(action.choices)
+            for name, sub in action.choices.items():
+                sub_path = f"{path} {name}".strip()
+                arguments = tuple(_arguments(sub, names if name == HELP else ()))
+                commands.append(Command(name, _one_line(helps.get(name, "")),
+                                        _options(sub, sub_path), arguments, _commands(sub, sub_path)))
+    return tuple(commands)
+
+
+def _options(parser: argparse.ArgumentParser, path: str) -> tuple[Option, ...]:
     groups = [group._group_actions for group in parser._mutually_exclusive_groups]
     options = []
     for action in parser._actions:
         if not action.option_strings or action.help == argparse.SUPPRESS:
             continue
         excludes = [*action.option_strings]
+        excludes_arguments = any((path, name) in _EXCLUDES_ARGUMENTS for name in action.option_strings)
         for group in groups:
             if action in group:
                 excludes += [name for other in group for name in other.option_strings
                              if name not in excludes]
+                excludes_arguments |= any(not other.option_strings for other in group)
         value = None if action.nargs == 0 else _value(action)
         ends_line = isinstance(action, (argparse._HelpAction, argparse._VersionAction))
         options.append(Option(tuple(action.option_strings), _help(action, parser), value,
-                              tuple(excludes), ends_line))
+                              tuple(excludes), ends_line, excludes_arguments))
     return tuple(options)
 
 
-def _arguments(parser: argparse.ArgumentParser) -> Iterator[Value]:
+def _arguments(parser: argparse.ArgumentParser, commands: Sequence[str]) -> Iterator[Value]:
+    """The positional arguments of `parser`; `commands`: what COMMAND completes (for `help`)."""
     for action in parser._actions:
         if action.option_strings or isinstance(action, argparse._SubParsersAction):
             continue
         value = _value(action)
+        if commands and value.name == COMMAND and value.kind is Kind.TEXT:
+            value = attrs.evolve(value, kind=Kind.CHOICE, choices=tuple(commands))
         # nargs=2 is two arguments alike; "?", "*", "+" and "..." are one slot
         yield from [value] * (action.nargs if isinstance(action.nargs, int) else 1)
 
@@ -143,7 +171,8 @@ def _value(action: argparse.Action) -> Value:
         kind, choices = _KIND_OF_METAVAR.get(name, Kind.TEXT), ()
     return Value(name, kind, choices, optional=action.nargs == argparse.OPTIONAL,
                  repeated=action.nargs in (argparse.ZERO_OR_MORE, argparse.ONE_OR_MORE,
-                                           argparse.REMAINDER))
+                                           argparse.REMAINDER),
+                 remainder=action.nargs == argparse.REMAINDER)
 
 
 def _help(action: argparse.Action, parser: argparse.ArgumentParser) -> str:
@@ -163,6 +192,15 @@ def _one_line(text: str) -> str:
 _BASH = r"""# bash completion for vmlaunch, @GENERATED@ bash` from its argument parser.
 # Load it with `eval "$(vmlaunch completion bash)"` in ~/.bashrc, or let `make install` put it where
 # bash-completion looks. The tables below are generated; the functions after them are fixed.
+# A command is its words, space-separated ("" before one, "image pull" for a sub-command).
+
+# The sub-commands of command $1 ("": the commands) in the array reply.
+_vmlaunch_commands() {
+    case $1 in
+@COMMANDS@
+        *) reply=() ;;
+    esac
+}
 
 # The options command $1 takes ("": the options before the command) in the array reply.
 _vmlaunch_options() {
@@ -181,16 +219,21 @@ _vmlaunch_option_value() {
     esac
 }
 
-# The positional arguments of command $1, in the array reply; a trailing * takes every further one.
+# Whether option $2 of command $1 cannot go with the command's positional arguments (status 0).
+_vmlaunch_option_excludes_arguments() {
+    case $1/$2 in
+@EXCLUDES_ARGUMENTS@
+        *) return 1 ;;
+    esac
+}
+
+# The positional arguments of command $1, in the array reply; a trailing * takes every further one,
+# and rest every further word (options and -- too).
 _vmlaunch_arguments() {
     case $1 in
 @ARGUMENTS@
         *) reply=() ;;
     esac
-}
-
-_vmlaunch_commands() {
-    reply=(@COMMANDS@)
 }
 
 # What argument $2 (from 0) of command $1 is, in REPLY; nothing past the last one.
@@ -231,7 +274,8 @@ _vmlaunch_add() {
     return 0
 }
 
-# Add the completions of $2, a word of kind $1; for a VM, $3 is the spec named on the line.
+# Add the completions of $2, a word of kind $1; for a VM, $3 is the spec named on the line and
+# $4... the VMs already given (not offered again).
 _vmlaunch_complete() {
     local -a reply
     case $1 in
@@ -242,12 +286,22 @@ _vmlaunch_complete() {
             ;;
         vm)
             [[ -n $3 ]] || return 0
-            local prog
+            local prog name word
+            local -a taken=()
             _vmlaunch_unquote "${COMP_WORDS[0]}"
             prog=$REPLY
+            for word in "${@:4}"; do
+                _vmlaunch_unquote "$word"
+                taken+=("$REPLY")
+            done
             _vmlaunch_unquote "$3"
             mapfile -t reply < <("$prog" completion --vms "$REPLY" 2>/dev/null)
-            _vmlaunch_add "$2" "${reply[@]}"
+            for name in "${reply[@]}"; do
+                for word in "${taken[@]}"; do
+                    [[ $name == "$word" ]] && continue 2
+                done
+                [[ $name == "$2"* ]] && COMPREPLY+=("$name")
+            done
             ;;
         'choice '*)
             read -ra reply <<< "${1#choice }"
@@ -258,41 +312,54 @@ _vmlaunch_complete() {
 }
 
 _vmlaunch() {
-    local cur=${COMP_WORDS[COMP_CWORD]} word command= value= ended= spec= i
-    local -a reply args=()
+    local cur=${COMP_WORDS[COMP_CWORD]} word command= value= ended= closed= spec= slot i
+    local -a reply args=() taken=()
     COMPREPLY=()
     for ((i = 1; i < COMP_CWORD; i++)); do
         word=${COMP_WORDS[i]}
-        if [[ -z $ended && $word == -- ]]; then
+        _vmlaunch_argument "$command" "${#args[@]}"
+        if [[ $REPLY == rest ]]; then
+            args+=("$word")  # the rest of the line is an argument's, whatever it looks like
+        elif [[ -z $ended && $word == -- ]]; then
             ended=1
         elif [[ -z $ended && $word == -?* ]]; then
+            _vmlaunch_option_excludes_arguments "$command" "${word%%=*}" && closed=1
             _vmlaunch_option_value "$command" "$word"
             if [[ -n $REPLY ]]; then  # the option's value is the next word (after a lone = when
                 [[ ${COMP_WORDS[i + 1]-} == = ]] && i=$((i + 1))  # COMP_WORDBREAKS split at it)
                 ((i + 1 == COMP_CWORD)) && value=$REPLY
                 i=$((i + 1))
             fi
-        elif [[ -z $command ]]; then
-            command=$word
+        elif ((${#args[@]} == 0)) && _vmlaunch_commands "$command" && ((${#reply[@]})); then
+            command=${command:+$command }$word  # a command, or a sub-command of the one before
         else
             args+=("$word")
         fi
     done
+    _vmlaunch_argument "$command" "${#args[@]}"
+    slot=$REPLY
     if [[ -n $value ]]; then
         _vmlaunch_complete "$value" "$cur"
+    elif [[ $slot == rest ]]; then
+        return 0  # an argument that takes the rest of the line: nothing to offer
     elif [[ -z $ended && $cur == -* ]]; then
         _vmlaunch_options "$command"
+        for word in "${reply[@]}"; do
+            ((${#args[@]})) && _vmlaunch_option_excludes_arguments "$command" "$word" && continue
+            [[ $word == "$cur"* ]] && COMPREPLY+=("$word")
+        done
+    elif ((${#args[@]} == 0)) && _vmlaunch_commands "$command" && ((${#reply[@]})); then
         _vmlaunch_add "$cur" "${reply[@]}"
-    elif [[ -z $command ]]; then
-        _vmlaunch_commands
-        _vmlaunch_add "$cur" "${reply[@]}"
-    else
+    elif [[ -z $closed ]]; then
         for ((i = 0; i < ${#args[@]}; i++)); do
             _vmlaunch_argument "$command" "$i"
-            [[ $REPLY == spec ]] && spec=${args[i]} && break
+            if [[ $REPLY == spec && -z $spec ]]; then
+                spec=${args[i]}
+            elif [[ $REPLY == vm ]]; then
+                taken+=("${args[i]}")
+            fi
         done
-        _vmlaunch_argument "$command" "${#args[@]}"
-        _vmlaunch_complete "$REPLY" "$cur" "$spec"
+        _vmlaunch_complete "$slot" "$cur" "$spec" "${taken[@]}"
     fi
     return 0
 }
@@ -302,28 +369,48 @@ complete -F _vmlaunch vmlaunch
 
 
 def bash_script(line: CommandLine) -> str:
+    commands = [_bash_arm("''", _bash_words(command.name for command in line.commands))]
     options = [_bash_arm("''", _bash_words(_option_names(line.options)))]
-    values = []
+    values = _bash_option_values("", line.options)
+    excludes = []
     arguments = []
-    for command in line.commands:
-        options.append(_bash_arm(shlex.quote(command.name), _bash_words(_option_names(command.options))))
+    for path, command in _walk(line.commands):
+        key = shlex.quote(path)
+        if command.commands:
+            commands.append(_bash_arm(key, _bash_words(sub.name for sub in command.commands)))
+        options.append(_bash_arm(key, _bash_words(_option_names(command.options))))
+        values += _bash_option_values(path, command.options)
         for option in command.options:
-            if option.value is not None:
-                patterns = "|".join(shlex.quote(f"{command.name}/{name}") for name in option.names)
-                values.append(f"        {patterns}) REPLY={shlex.quote(_bash_kind(option.value))} ;;")
-        if command.arguments:
+            if option.excludes_arguments:
+                patterns = "|".join(shlex.quote(f"{path}/{name}") for name in option.names)
+                excludes.append(f"        {patterns}) return 0 ;;")
+        if command.arguments and not command.commands:
             slots = [_bash_kind(argument) + ("*" if argument.repeated else "")
                      for argument in command.arguments]
-            arguments.append(_bash_arm(shlex.quote(command.name), _bash_words(slots)))
-    for option in line.options:
-        if option.value is not None:
-            patterns = "|".join(shlex.quote(f"/{name}") for name in option.names)
-            values.append(f"        {patterns}) REPLY={shlex.quote(_bash_kind(option.value))} ;;")
+            arguments.append(_bash_arm(key, _bash_words(slots)))
     return (_BASH.replace("@GENERATED@", GENERATED_BY)
+            .replace("@COMMANDS@", "\n".join(commands))
             .replace("@OPTIONS@", "\n".join(options))
             .replace("@OPTION_VALUES@", "\n".join(values))
-            .replace("@ARGUMENTS@", "\n".join(arguments))
-            .replace("@COMMANDS@", _bash_words(command.name for command in line.commands)))
+            .replace("@EXCLUDES_ARGUMENTS@", "\n".join(excludes))
+            .replace("@ARGUMENTS@", "\n".join(arguments)))
+
+
+def _walk(commands: Iterable[Command], path: str = "") -> Iterator[tuple[str, Command]]:
+    """Each command and sub-command, after its parent, with its words ("image pull")."""
+    for command in commands:
+        command_path = f"{path} {command.name}".strip()
+        yield command_path, command
+        yield from _walk(command.commands, command_path)
+
+
+def _bash_option_values(path: str, options: Iterable[Option]) -> list[str]:
+    arms = []
+    for option in options:
+        if option.value is not None:
+            patterns = "|".join(shlex.quote(f"{path}/{name}") for name in option.names)
+            arms.append(f"        {patterns}) REPLY={shlex.quote(_bash_kind(option.value))} ;;")
+    return arms
 
 
 def _bash_arm(pattern: str, words: str) -> str:
@@ -335,6 +422,8 @@ def _bash_words(words: Iterable[str]) -> str:
 
 
 def _bash_kind(value: Value) -> str:
+    if value.remainder:
+        return "rest"
     if value.kind is Kind.CHOICE:
         return " ".join(["choice", *value.choices])
     return str(value.kind.value)
@@ -362,43 +451,30 @@ _vmlaunch_spec_files() {
     _files -g '*.toml(-.)'
 }
 
-# The VM names of the spec that is argument $1 of the command being completed.
+# The VM names of the spec that is argument $1 of the command being completed, less the VMs already
+# on the line.
 _vmlaunch_vm_names() {
-    local prog spec
-    local -a vms
+    local prog spec i
+    local -a vms taken
     _vmlaunch_unquote "$_vmlaunch_prog"
     prog=$REPLY
     _vmlaunch_unquote "${line[$1]}"
     spec=$REPLY
     [[ -n $spec ]] || return 1
     vms=(${(f)"$("$prog" completion --vms "$spec" 2>/dev/null)"})
+    taken=("${(@)line}")
+    taken[$1]=()  # the spec
+    i=${taken[(i)${(b)words[CURRENT]}]}  # the word being completed is in $line too
+    ((i <= $#taken)) && taken[i]=()
+    taken=("${(@Q)taken}")
+    vms=(${vms:|taken})
     _wanted vms expl VM compadd -a vms
 }
 
+@FUNCTIONS@
 _vmlaunch() {
-    local curcontext=$curcontext state state_descr line ret=1
     local _vmlaunch_prog=${words[1]}
-    typeset -A opt_args
-    _arguments -C \
-@GLOBAL_SPECS@
-        ': :->command' \
-        '*:: :->argument' && ret=0
-    case $state in
-        (command)
-            local -a commands
-            commands=(
-@COMMANDS@
-            )
-            _describe -t commands 'vmlaunch command' commands && ret=0
-            ;;
-        (argument)
-            curcontext=${curcontext%:*:*}:vmlaunch-${words[1]}:
-            case ${words[1]} in
-@COMMAND_SPECS@
-            esac
-            ;;
-    esac
-    return ret
+    _vmlaunch_0
 }
 
 if [[ ${funcstack[1]} == _vmlaunch ]]; then
@@ -408,30 +484,83 @@ else
 fi
 """
 
+# The function that completes a command with sub-commands (vmlaunch itself, or `vmlaunch image`).
+_ZSH_COMMAND = r"""# @WHAT@ COMMAND ...
+@FUNCTION@() {
+    local curcontext=$curcontext state state_descr line ret=1
+    typeset -A opt_args
+    _arguments -C -S \
+@SPECS@
+        ': :->command' \
+        '*:: :->argument' && ret=0
+    case $state in
+        (command)
+            local -a commands
+            commands=(
+@COMMANDS@
+            )
+            _describe -t commands @DESCRIPTION@ commands && ret=0
+            ;;
+        (argument)
+            curcontext=${curcontext%:*:*}:@CONTEXT@-${words[1]}:
+            case ${words[1]} in
+@ARMS@
+            esac
+            ;;
+    esac
+    return ret
+}
+
+"""
+
 
 def zsh_script(line: CommandLine) -> str:
-    commands = [f"                {_zsh_quote(_zsh_escape(c.name, ':') + ':' + _zsh_escape(c.help, ''))}"
-                for c in line.commands]
-    arms = []
-    for command in line.commands:
-        specs = _zsh_specs(command.options, command.arguments)
-        arms.append(f"                ({_zsh_escape(command.name, '()|*?[]<>')})\n"
-                    f"                    _arguments \\\n"
-                    + "".join(f"                        {spec} \\\n" for spec in specs)
-                    + "                        && ret=0\n"
-                    "                    ;;")
+    functions: list[str] = []
+    _zsh_command_function(["vmlaunch"], line.options, line.commands, functions)
     return (_ZSH.replace("@GENERATED@", GENERATED_BY)
-            .replace("@GLOBAL_SPECS@", "".join(f"        {spec} \\\n" for spec in
-                                               _zsh_specs(line.options, ())).rstrip("\n"))
-            .replace("@COMMANDS@", "\n".join(commands))
-            .replace("@COMMAND_SPECS@", "\n".join(arms)))
+            .replace("@FUNCTIONS@", "".join(functions)))
+
+
+def _zsh_command_function(path: list[str], options: Sequence[Option], commands: Sequence[Command],
+                          functions: list[str]) -> str:
+    """Add to `functions` the one that completes the command `path`, which has `commands` (and
+    those its sub-commands need); its name: _vmlaunch_N, numbered in the order they are made."""
+    index = len(functions)
+    name = f"_vmlaunch_{index}"
+    functions.append("")  # its place: before those of its sub-commands
+    items = [f"                {_zsh_quote(_zsh_escape(c.name, ':') + ':' + _zsh_escape(c.help, ''))}"
+             for c in commands]
+    arms = []
+    for command in commands:
+        if command.commands:
+            function = _zsh_command_function([*path, command.name], command.options,
+                                             command.commands, functions)
+            body = f"                    {function} && ret=0\n"
+        else:
+            specs = _zsh_specs(command.options, command.arguments)
+            body = ("                    _arguments -S \\\n"
+                    + "".join(f"                        {spec} \\\n" for spec in specs)
+                    + "                        && ret=0\n")
+        arms.append(f"                ({_zsh_escape(command.name, '()|*?[]<>')})\n{body}"
+                    "                    ;;")
+    functions[index] = (
+        _ZSH_COMMAND.replace("@WHAT@", " ".join(path))
+        .replace("@FUNCTION@", name)
+        .replace("@SPECS@", "".join(f"        {spec} \\\n"
+                                    for spec in _zsh_specs(options, ())).rstrip("\n"))
+        .replace("@COMMANDS@", "\n".join(items))
+        .replace("@DESCRIPTION@", _zsh_quote(" ".join(path) + " command"))
+        .replace("@CONTEXT@", "-".join(path))
+        .replace("@ARMS@", "\n".join(arms)))
+    return name
 
 
 def _zsh_specs(options: Sequence[Option], arguments: Sequence[Value]) -> list[str]:
     """The _arguments specs of these options and positional arguments, each shell-quoted."""
     specs = []
     for option in options:
-        excludes = "(- : *)" if option.ends_line else f"({' '.join(option.excludes)})"
+        excluded = [*option.excludes, *([":", "*"] if option.excludes_arguments else [])]
+        excludes = "(- : *)" if option.ends_line else f"({' '.join(excluded)})"
         for name in option.names:
             spec = f"{excludes}{name}"
             if option.value is not None:
@@ -440,9 +569,13 @@ def _zsh_specs(options: Sequence[Option], arguments: Sequence[Value]) -> list[st
             if option.value is not None:
                 spec += ":" + _zsh_value(option.value, arguments)
             specs.append(_zsh_quote(spec))
+    # an argument is not offered with an option that excludes it, nor that option with it
+    exclusive = " ".join(name for option in options if option.excludes_arguments
+                         for name in option.names)
     for argument in arguments:
         count = "*:" if argument.repeated else "::" if argument.optional else ":"
-        specs.append(_zsh_quote(count + _zsh_value(argument, arguments)))
+        specs.append(_zsh_quote((f"({exclusive})" if exclusive else "") + count
+                                + _zsh_value(argument, arguments)))
     return specs
 
 
