@@ -201,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
                             help="print the VM names of SPEC, one a line (nothing when it does not "
                             "validate); the scripts use it")
     completion.set_defaults(run=cmd_completion)
+
+    from vmlaunch.imagecmd import add_parser as add_image_commands  # argparse only: stays light
+
+    add_image_commands(commands)
     return parser
 
 
