@@ -8,10 +8,12 @@
         VM/disk.qcow2                  the VM's first disk: a qcow2 overlay of its image
         VM/seed.iso                    its NoCloud seed (`cidata`), written anew by every `up`
         VM/nvram.fd                    its UEFI variable store (firmware = "uefi")
+        VM/instance-id                 its cloud-init instance-id: made with the overlay, kept with it
         VM/ssh_host_ed25519_key{,.pub} its SSH host key pair, given to the guest by cloud-init
 
 `down` keeps all of it: the next `up` resumes the same machines. `up --fresh` and `vmlaunch reset`
-recreate a VM's overlay, seed and NVRAM from the image; the keys stay, so known_hosts stays true.
+recreate a VM's overlay, seed, NVRAM and instance-id (so cloud-init sets the new disk up); the keys
+stay, so known_hosts stays true.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ class VmDir:
         return self.path / "nvram.fd"
 
     @property
+    def instance_id(self) -> Path:
+        """Its cloud-init instance-id (`cloudinit.instance_id`): the same while the overlay lives."""
+        return self.path / "instance-id"
+
+    @property
     def host_key(self) -> Path:
         return self.path / "ssh_host_ed25519_key"
 
@@ -53,7 +60,7 @@ class VmDir:
     @property
     def fresh(self) -> tuple[Path, ...]:
         """What `up --fresh` and `reset` recreate: the machine's state, not its identity (keys)."""
-        return (self.overlay, self.seed, self.nvram)
+        return (self.overlay, self.seed, self.nvram, self.instance_id)
 
 
 @attrs.frozen
