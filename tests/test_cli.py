@@ -35,8 +35,10 @@ def test_validate_lists_every_problem(tmp_path: Path, capsys: pytest.CaptureFixt
     err = capsys.readouterr().err.splitlines()
     assert err == [
         f"{spec}:4: vm.a.memory: '1X' is not a size (examples: 256M, 2G, 1.5G)",
+        f"{spec}:5: vm.a.kernel: {tmp_path}/k does not exist (relative paths are relative to the spec "
+        "file)",  # the files too, with the rest: every problem at once
         f"{spec}:7: vm.a.nic[0].network: no network named 'nowhere' (networks: none defined)",
-        "vmlaunch: 2 problems in the spec",
+        "vmlaunch: 3 problems in the spec",
     ]
 
 

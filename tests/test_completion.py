@@ -94,11 +94,12 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def with_image_commands() -> argparse.ArgumentParser:
-    """vmlaunch's parser with a command that has sub-commands of its own, as `image` would."""
+    """vmlaunch's parser with one more command that has sub-commands of its own (as `image` has),
+    whose options and arguments the test chooses."""
     parser = build_parser()
     commands = next(action for action in parser._actions
                     if isinstance(action, argparse._SubParsersAction))
-    image = commands.add_parser("image", help="manage the images the labs boot from")
+    image = commands.add_parser("pictures", help="manage the images the labs boot from")
     image.add_argument("--store", metavar="DIR", help="where the images are")
     images = image.add_subparsers(dest="image_command", metavar="IMAGE-COMMAND", required=True)
     pull = images.add_parser("pull", help="download the images of a spec")
@@ -240,26 +241,26 @@ def test_bash_completes_sub_commands_of_a_command(tmp_path: Path) -> None:
     file.write_text(script("bash", with_image_commands()))
     spec = write_spec(tmp_path, TWO_VMS)
     (tmp_path / "notes.txt").write_text("")
-    assert "image" in complete(file, "vmlaunch", "")
-    assert complete(file, "vmlaunch", "help", "im") == ["image"]
-    assert complete(file, "vmlaunch", "image", "") == ["pull", "list", "rm"]
-    assert complete(file, "vmlaunch", "image", "l") == ["list"]
-    assert complete(file, "vmlaunch", "image", "--") == ["--help", "--store"]
-    assert complete(file, "vmlaunch", "-q", "image", "--store", "/x", "p") == ["pull"]
+    assert "pictures" in complete(file, "vmlaunch", "")
+    assert complete(file, "vmlaunch", "help", "pic") == ["pictures"]
+    assert complete(file, "vmlaunch", "pictures", "") == ["pull", "list", "rm"]
+    assert complete(file, "vmlaunch", "pictures", "l") == ["list"]
+    assert complete(file, "vmlaunch", "pictures", "--") == ["--help", "--store"]
+    assert complete(file, "vmlaunch", "-q", "pictures", "--store", "/x", "p") == ["pull"]
     # each sub-command with its own options and arguments
-    assert complete(file, "vmlaunch", "image", "pull", "--") == ["--help", "--level", "--force"]
-    assert complete(file, "vmlaunch", "image", "pull", "--level", "l") == ["low"]
-    assert complete(file, "vmlaunch", "image", "pull", "", cwd=tmp_path) == ["lab.toml"]
-    assert complete(file, "vmlaunch", "image", "--store", "/x", "pull", "--force", "lab.toml", "",
+    assert complete(file, "vmlaunch", "pictures", "pull", "--") == ["--help", "--level", "--force"]
+    assert complete(file, "vmlaunch", "pictures", "pull", "--level", "l") == ["low"]
+    assert complete(file, "vmlaunch", "pictures", "pull", "", cwd=tmp_path) == ["lab.toml"]
+    assert complete(file, "vmlaunch", "pictures", "--store", "/x", "pull", "--force", "lab.toml", "",
                     cwd=tmp_path) == ["alpha", "beta"]
-    assert complete(file, "vmlaunch", "image", "pull", str(spec), "beta", "") == ["alpha"]
-    assert complete(file, "vmlaunch", "image", "list", "--") == ["--help", "--json"]
-    assert complete(file, "vmlaunch", "image", "list", "") == []
-    assert complete(file, "vmlaunch", "image", "rm", "") == []
-    assert complete(file, "vmlaunch", "image", "rm", "x", "") == []
+    assert complete(file, "vmlaunch", "pictures", "pull", str(spec), "beta", "") == ["alpha"]
+    assert complete(file, "vmlaunch", "pictures", "list", "--") == ["--help", "--json"]
+    assert complete(file, "vmlaunch", "pictures", "list", "") == []
+    assert complete(file, "vmlaunch", "pictures", "rm", "") == []
+    assert complete(file, "vmlaunch", "pictures", "rm", "x", "") == []
     # an option of `image` is not one of `image pull`, nor the other way round
-    assert complete(file, "vmlaunch", "image", "pull", "--st") == []
-    assert complete(file, "vmlaunch", "image", "--le") == []
+    assert complete(file, "vmlaunch", "pictures", "pull", "--st") == []
+    assert complete(file, "vmlaunch", "pictures", "--le") == []
     # and the rest of the command line is as it was
     assert complete(file, "vmlaunch", "up", str(spec), "") == ["alpha", "beta"]
     subprocess.run(["bash", "-n", str(file)], check=True, timeout=60)
@@ -323,12 +324,12 @@ def zsh_complete(script_file: Path, line: str, cwd: Path) -> list[str]:
     ("vmlaunch ssh lab.toml a", ["alpha"]),
     ("vmlaunch ssh lab.toml alpha -- ", []),
     ("vmlaunch ssh lab.toml alpha -- -", []),
-    ("vmlaunch image ", ["pull", "list", "rm"]),
-    ("vmlaunch image pull --l", ["--level"]),
-    ("vmlaunch image pull --level=", ["low", "high"]),
-    ("vmlaunch image --store /x pull lab.toml beta ", ["alpha"]),
-    ("vmlaunch image list --", ["--help", "--json"]),
-    ("vmlaunch image rm ", []),
+    ("vmlaunch pictures ", ["pull", "list", "rm"]),
+    ("vmlaunch pictures pull --l", ["--level"]),
+    ("vmlaunch pictures pull --level=", ["low", "high"]),
+    ("vmlaunch pictures --store /x pull lab.toml beta ", ["alpha"]),
+    ("vmlaunch pictures list --", ["--help", "--json"]),
+    ("vmlaunch pictures rm ", []),
 ])
 def test_zsh_completes(zsh_script: Path, tmp_path: Path, line: str, offered: list[str]) -> None:
     write_spec(tmp_path, TWO_VMS)

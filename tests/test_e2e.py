@@ -409,7 +409,7 @@ def test_balloon_without_a_guest_driver_fails_clearly(tmp_path: Path, netns: Net
     assert netns.vmlaunch("up", str(spec)).returncode == 0
     done = netns.vmlaunch("balloon", str(spec), "solo", "64M", "--timeout", "2")
     assert done.returncode == 4
-    assert "did not move its memory towards 64 MiB within 2 s (it stays at 128 MiB)" in done.stderr
+    assert "did not move its memory towards 64M within 2 s (it stays at 128M)" in done.stderr
     assert "virtio_balloon" in done.stderr and "Traceback" not in done.stderr
     follow = netns.spawn("logs", "--follow", str(spec), "solo", stdout=subprocess.PIPE, text=True)
     assert netns.vmlaunch("down", str(spec), "--timeout", "1").returncode == 0

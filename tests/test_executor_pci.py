@@ -38,8 +38,9 @@ def test_non_viable_group_is_refused_before_anything_changes(
     sysfs.add("0000:15:00.0", group=7)
     sysfs.add("0000:15:00.1", ids=IDS_E1000, driver="e1000", group=7)  # same group, on a host driver
     plan = plan_for(tmp_path, "vfio-pci")
-    with pytest.raises(PciError, match="0000:15:00.1.*e1000"):
+    with pytest.raises(PciError, match="0000:15:00.1.*e1000") as caught:
         executor.up(plan, spec=tmp_path / "lab.toml")
+    assert str(caught.value).startswith(f"{tmp_path / 'lab.toml'}:10: vm.guest.pci[0].host: PCI 0000:15:00.0")
     assert sysfs.writes == []
     assert not (tmp_path / "guest.img").exists()
     assert not (run_dir / "pt").exists()
@@ -59,3 +60,10 @@ def test_failed_start_restores_the_original_driver(
     assert sysfs.driver("0000:15:00.0") == "ixgbe"  # ... and given back
     assert not (tmp_path / "guest.img").exists()
     assert not (run_dir / "pt").exists()
+
+
+def test_dry_run_says_a_device_that_is_not_there_is_refused(
+        tmp_path: Path, run_dir: Path, sysfs: FakeSysfs) -> None:  # noqa: F811
+    described = "\n".join(executor.describe(plan_for(tmp_path, "vfio-pci")))
+    assert "PCI 0000:15:00.0 for guest: bind to vfio-pci [refused: PCI 0000:15:00.0: no such device" \
+        in described

@@ -11,6 +11,7 @@ import pytest
 
 from vmlaunch.journal import JOURNAL_VERSION, Entry, Journal, JournalError, VmEntry
 from vmlaunch.resources.bridge import BridgeRecord
+from vmlaunch.resources.guest import LabDirRecord, VmFileRecord
 from vmlaunch.resources.image import ImageRecord
 from vmlaunch.resources.pci import PciRecord
 from vmlaunch.resources.registry import RECORDS
@@ -24,6 +25,9 @@ SAMPLES = [
     Entry("tap", "vl-1234abcd-0", "a", TapRecord("vl-1234abcd-0", bridge="vlbr-demo")),
     Entry("pci", "0000:15:00.0", "a", PciRecord("0000:15:00.0", "pci-stub", "ixgbe", ids="8086 10fb")),
     Entry("pci", "0000:16:00.0", "a", PciRecord("0000:16:00.0", "vfio-pci", None, changed=True)),
+    Entry("labdir", "/l/.vmlaunch/lab", None, LabDirRecord(Path("/l/.vmlaunch/lab"), created=True)),
+    Entry("vmfile", "/l/.vmlaunch/lab/a/disk.qcow2", "a",
+          VmFileRecord(Path("/l/.vmlaunch/lab/a/disk.qcow2"), created=False, what="overlay")),
 ]
 
 
@@ -44,7 +48,7 @@ def good(resources: list[Any] | None = None, **changes: Any) -> dict[str, Any]:
 
 
 def test_registry_covers_every_record_kind() -> None:
-    assert set(RECORDS) == {"image", "bridge", "tap", "pci"}
+    assert set(RECORDS) == {"image", "bridge", "tap", "pci", "labdir", "vmfile"}
     assert {e.kind for e in SAMPLES} == set(RECORDS)
 
 

@@ -96,13 +96,16 @@ def test_up_status_control_down(lab: Plan, tmp_path: Path, caplog: pytest.LogCap
 
 
 def test_a_crashed_vm_shows_and_follow_log_ends(lab: Plan, tmp_path: Path) -> None:
-    pids = executor.up(lab, spec=tmp_path / "lab.toml", timeout=60)
+    pids = executor.up(lab, spec=tmp_path / "lab.toml", wait_for=READY, timeout=120)
     chunks = control.follow_log(lab.run_dir, "a")
     assert next(chunks)  # the boot so far
     os.kill(pids["a"], signal.SIGKILL)
     assert qemu.wait_gone(pids["a"], 5)
     assert isinstance("".join(chunks), str)  # ends once the VM is gone
     assert control.status(lab.run_dir, ["a"])[0].state == "crashed"
+    control.qmp_command(lab.run_dir, "b", "system_powerdown")  # the guest powers itself off
+    assert qemu.wait_gone(pids["b"], 30)
+    assert control.status(lab.run_dir, ["b"])[0].state == "off"
     assert executor.down(lab.run_dir, timeout=1)
 
 
@@ -192,7 +195,7 @@ def test_down_says_which_vm_it_still_waits_for(tmp_path: Path, run_dir: Path,
     messages = [r.getMessage() for r in caplog.records]
     assert "solo: still shutting down, 2 s: the guest has 3 s to power off after the ACPI power " \
            "button" in messages, messages
-    assert "solo: quit" in messages
+    assert "solo: quit (the guest did not power off within 3 s)" in messages
 
 
 def test_the_cli_commands_in_process(tmp_path: Path, run_dir: Path, test_guest: Path,
@@ -234,7 +237,7 @@ def test_the_cli_commands_in_process(tmp_path: Path, run_dir: Path, test_guest: 
         assert capsys.readouterr().out == "VM status: running\n"  # the monitor's text, not JSON
         assert main(["balloon", str(spec), "a", "8M", "--timeout", "5"]) == 4  # below the guest's floor
         err = capsys.readouterr().err
-        assert "short of 8 MiB" in err and "floor" in err and "driver" not in err, err
+        assert "short of 8M" in err and "floor" in err and "driver" not in err, err
         assert main(["balloon", str(spec), "a", "lots"]) == 64
         assert main(["-v", "down", str(spec), "b", "--timeout", "5"]) == 0
         assert "b: powered off" in capsys.readouterr().err

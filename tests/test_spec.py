@@ -413,3 +413,76 @@ def test_lab_name_of_a_broken_spec_is_still_a_valid_name(tmp_path: Path) -> None
     for name in ("t\\n", "../t", "t\\u0000"):
         with pytest.raises(SpecError):
             lab_name(write_spec(tmp_path, f'[lab]\nname = "{name}"\n[vm.a]\nmemory = "12X"\n'))
+
+
+# --- every problem at once (a mistake in one key never hides one in another) ------------------------
+
+
+def test_every_problem_of_a_table_at_once(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, HEAD + '[network.u]\ntype = "user"\n'
+                      '[vm.a]\nmemory = "1.5M"\ncolour = "blue"\nkernel = "gone"\n'
+                      '[[vm.a.nic]]\nnetwork = "u"\nmac = "01:00:00:00:00:01"\nspeed = 10\n'
+                      '[[vm.a.disk]]\nfile = "d.img"\ncache = "unsafe"\nformt = "raw"\n')
+    with pytest.raises(SpecError) as caught:
+        load_lab(spec, files=True)
+    assert [str(p).replace(str(spec), "lab.toml") for p in caught.value.problems] == [
+        "lab.toml:6: vm.a.memory: '1.5M' is not a whole number of MiB",
+        "lab.toml:7: vm.a.colour: unknown key 'colour' (known keys: accel, append, balloon, cloud_init, "
+        "cpu_model, cpus, disk, disk_size, firmware, image, initrd, kernel, machine, memory, nic, pci, "
+        "share, ssh)",
+        f"lab.toml:8: vm.a.kernel: {tmp_path}/gone does not exist (relative paths are relative to the "
+        "spec file)",
+        "lab.toml:11: vm.a.nic[0].mac: '01:00:00:00:00:01' is a multicast address (the first octet must "
+        "be even)",
+        "lab.toml:12: vm.a.nic[0].speed: unknown key 'speed' (known keys: dns, gateway, ip, mac, model, "
+        "network, queues)",
+        f"lab.toml:14: vm.a.disk[0].file: {tmp_path}/d.img does not exist (give the disk a size to have "
+        "`up` create it)",
+        "lab.toml:15: vm.a.disk[0].cache: cache = \"unsafe\" ignores flushes: a host crash corrupts the "
+        "image (add accept_data_loss = true if that is fine)",
+        "lab.toml:16: vm.a.disk[0].formt: unknown key 'formt' (did you mean 'format'?)",
+    ]
+    lines = [p.location.line for p in caught.value.problems]
+    assert lines == sorted(lines) and len(lines) == 8
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    # a misspelt required key is one mistake, said once
+    (HEAD + '[vm.a]\nmemroy = 64\nkernel = "k"\n',
+     ["lab.toml:4: vm.a.memroy: unknown key 'memroy' (did you mean 'memory'?)"]),
+    # a network of an unknown type still has its unknown keys reported
+    (HEAD + '[network.u]\ntype = "usr"\nfowrard = ["tcp::2222-:22"]\n' + VM,
+     ["lab.toml:4: network.u.type: 'usr' is not one of bridge, user, socket",
+      "lab.toml:5: network.u.fowrard: unknown key 'fowrard' (did you mean 'forward'?)"]),
+    # a host port forwarded twice: QEMU would fail at up
+    (HEAD + '[network.u]\ntype = "user"\nforward = ["tcp:127.0.0.1:2222-:22", "tcp::2222-:23"]\n' + VM,
+     ["lab.toml:5: network.u.forward[1]: tcp host port 2222 is also forwarded at network.u.forward[0] "
+      "(each forward needs its own host port)"]),
+    (HEAD + '[network.u]\ntype = "user"\nforward = ["tcp::2222-:22"]\n[network.v]\ntype = "user"\n'
+     'forward = ["udp::2222-:53", "tcp:127.0.0.2:2222-:22"]\n' + VM,
+     ["lab.toml:8: network.v.forward[1]: tcp host port 2222 is also forwarded at network.u.forward[0] "
+      "(each forward needs its own host port)"]),
+    # TOML mistakes in plain words, at the line that has them
+    (HEAD + '[vm.a]\nmemory = 64\nmemory = 128\n',
+     ["lab.toml:5: TOML syntax error: this key already has a value (column 13) (give each key once "
+      "per table)"]),
+    (HEAD + '[vm.a]\nmemory = 64\n[vm.a]\nkernel = "k"\n',
+     ["lab.toml:5: TOML syntax error: table [vm.a] is declared twice (column 6) (give each [table] "
+      "once; add its keys there)"]),
+    (HEAD + 'forward = ["a", "b"\n[vm.a]\nmemory = 128\n',
+     ["lab.toml:3: TOML syntax error: unclosed array: '[' without its ']' (an array may span lines, "
+      "but needs its ']' before the next key or [table])"]),
+])
+def test_one_mistake_one_line(tmp_path: Path, text: str, expected: list[str]) -> None:
+    spec = write_spec(tmp_path, text)
+    with pytest.raises(SpecError) as caught:
+        load_lab(spec)
+    assert [str(p).replace(str(spec), "lab.toml") for p in caught.value.problems] == expected
+
+
+def test_a_control_character_in_a_path_stays_on_the_line(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\nkernel = "C:\\new"\n')
+    with pytest.raises(SpecError) as caught:
+        load_lab(spec, files=True)
+    (problem,) = caught.value.problems
+    assert "\n" not in str(problem) and f'"{tmp_path}/C:\\new" does not exist' in str(problem)

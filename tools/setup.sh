@@ -6,8 +6,9 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 # qemu-system-x86 + qemu-utils: QEMU and qemu-img; iproute2: `ip`, used by the tests' network
-# namespaces; util-linux: `unshare`.
-DEB_PACKAGES=(qemu-system-x86 qemu-utils iproute2 util-linux)
+# namespaces; util-linux: `unshare`; ovmf: UEFI firmware (firmware = "uefi"); openssh-client: `ssh`
+# and `ssh-keygen` (the lab's keys, `vmlaunch ssh`); zsh: the tests run the zsh completion script.
+DEB_PACKAGES=(qemu-system-x86 qemu-utils iproute2 util-linux ovmf openssh-client zsh)
 
 missing=()
 for pkg in "${DEB_PACKAGES[@]}"; do

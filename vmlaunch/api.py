@@ -47,12 +47,11 @@ class Lab:
         wrong, or a file it names is: kernel, initrd, a disk without a size), HostError (the host
         cannot run it) or UsageError (no VM of such a name).
         """
-        from vmlaunch.specfiles import check_files
-
+        __tracebackhide__ = True  # pytest: a missing or wrong spec shows the test's line
         base, base_is = _caller_base()
         self.spec = _locate_spec(spec, base, base_is)
-        self.model = load_lab(self.spec)
-        check_files(self.model, vms)
+        self.model = load_lab(self.spec, files=True, vms=vms)
+        self.model.select(vms)  # a UsageError for a VM the lab does not have
         self.host = detect_host()
         self.plan: Plan = compile_lab(self.model, self.host, vms)
         self.only = tuple(vms)  # empty: the whole lab
@@ -217,10 +216,11 @@ def _locate_spec(spec: str | os.PathLike[str], base: Path, base_is: str) -> Path
     A missing spec is a SpecError naming the full path looked at; any other problem with the file
     is `read_spec`'s to report.
     """
+    __tracebackhide__ = True  # pytest: the test's line, not vmlaunch's frames
     given = Path(spec)
     if given.is_absolute():
-        return given
-    path = base / given
+        return Path(os.path.normpath(given))
+    path = Path(os.path.normpath(base / given))
     try:
         os.lstat(path)
     except FileNotFoundError:

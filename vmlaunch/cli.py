@@ -10,7 +10,6 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from vmlaunch import __version__
@@ -18,6 +17,7 @@ from vmlaunch.errors import (
     EXIT_BROKEN_PIPE,
     EXIT_INTERRUPTED,
     EXIT_RUNTIME,
+    RuntimeFailure,
     SpecError,
     UsageError,
     VmlaunchError,
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Which accelerator was chosen, and why, goes to standard error.",
     )
     cmdline.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
-    cmdline.add_argument("vms", metavar="VM", nargs="*", help="only these VMs")
+    cmdline.add_argument("vms", metavar="VM", nargs="*", default=[], help="only these VMs")
     cmdline.add_argument("--json", action="store_true",
                          help='print {"VM": ["qemu-system-x86_64", ...], ...}')
     cmdline.set_defaults(run=cmd_cmdline)
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         "left alone. Any failure undoes everything this run did.",
     )
     up.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
-    up.add_argument("vms", metavar="VM", nargs="*", help="only these VMs")
+    up.add_argument("vms", metavar="VM", nargs="*", default=[], help="only these VMs")
     up.add_argument("--dry-run", action="store_true",
                     help="print the host actions and each QEMU command line; change nothing")
     up.add_argument("--wait-for", metavar="TEXT",
@@ -109,7 +109,33 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds to wait for the VMs (and for another up/down of the lab); default 60")
     up.add_argument("--force", action="store_true",
                     help="take the lab over when it is up from another spec file with the same lab name")
+    up.add_argument("--wait", metavar="WHAT", choices=("ssh",),
+                    help="ssh: also wait until each VM with an SSH port answers SSH")
+    up.add_argument("--fresh", action="store_true",
+                    help="start the VMs afresh from their images: their overlays, seeds and UEFI "
+                    "variables are made anew (what they wrote is lost; their SSH keys stay)")
     up.set_defaults(run=cmd_up)
+
+    ssh = commands.add_parser(
+        "ssh", help="log in to a VM over SSH, or run a command there",
+        description="Run OpenSSH with the lab's key, the VM's user and port and its pinned host key. "
+        "With -- CMD..., run CMD in the VM (each word arrives as a word) and exit with its status.",
+    )
+    ssh.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
+    ssh.add_argument("vm", metavar="VM")
+    ssh.add_argument("command", metavar="CMD", nargs=argparse.REMAINDER,
+                     help="-- and the command to run, e.g. -- sh -c 'exit 7'")
+    ssh.set_defaults(run=cmd_ssh)
+
+    reset = commands.add_parser(
+        "reset", help="make VMs start afresh from their images at the next up",
+        description="Remove the VMs' overlays, cloud-init seeds and UEFI variables (kept beside the "
+        "spec in .vmlaunch/LAB/), so the next up boots them as new machines from their images. Their "
+        "SSH keys stay. A VM that is up is refused.",
+    )
+    reset.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
+    reset.add_argument("vms", metavar="VM", nargs="*", default=[], help="only these VMs")
+    reset.set_defaults(run=cmd_reset)
 
     down = commands.add_parser(
         "down", help="stop the lab (or the VMs named) and remove every trace of it",
@@ -118,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         "down does nothing. Disk images are kept.",
     )
     down.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
-    down.add_argument("vms", metavar="VM", nargs="*", help="only these VMs")
+    down.add_argument("vms", metavar="VM", nargs="*", default=[], help="only these VMs")
     down.add_argument("--timeout", metavar="S", type=_seconds(zero_ok=True), default=10.0,
                       help="seconds each guest gets to power off before it is stopped (0: stop it "
                       "at once); default 10")
@@ -234,6 +260,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     import json
 
     from vmlaunch.control import status
+    from vmlaunch.units import format_size
 
     run_dir, lab = _lab_vm(args.spec)
     rows = status(run_dir, [vm.name for vm in lab.vms], lab)
@@ -242,10 +269,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     print(f"{'VM':<16} {'STATE':<8} {'PID':>8} {'ACCEL':<5} {'BALLOON':>8} {'UPTIME':>8}")
     for row in rows:
-        balloon = f"{row.balloon_bytes >> 20}M" if row.balloon_bytes is not None else "-"
+        balloon = format_size(row.balloon_bytes) if row.balloon_bytes is not None else "-"
         uptime = f"{row.uptime:.0f}s" if row.uptime is not None else "-"
+        ssh = f"  ssh 127.0.0.1:{row.ssh_port}" if row.ssh_port else ""
         print(f"{row.name:<16} {row.state:<8} {row.pid or '-':>8} {row.accel or '-':<5} {balloon:>8} "
-              f"{uptime:>8}")
+              f"{uptime:>8}{ssh}")
         for nic in row.nics:
             print(f"  nic{nic.index} {nic.describe()}")
     return 0
@@ -345,10 +373,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from vmlaunch.compiler import compile_lab
     from vmlaunch.host import detect_host
     from vmlaunch.spec import load_lab
-    from vmlaunch.specfiles import check_files
 
-    lab = load_lab(args.spec)
-    check_files(lab, args.vms, shown=Path(args.spec))
+    lab = load_lab(args.spec, files=True, vms=args.vms)
     host = detect_host()
     plan = compile_lab(lab, host, args.vms)
     for note in plan.notes:
@@ -362,10 +388,46 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 0
     for line in plan.accel_lines():
         log.info("%s", line)
+    from vmlaunch.journal import Journal
+
+    before = executor.running_vms(Journal.load(plan.run_dir))
     pids = executor.up(plan, spec=str(lab.file), qemu_img=host.qemu.img, wait_for=args.wait_for,
-                       timeout=args.timeout, force=args.force)
+                       timeout=args.timeout, force=args.force, wait_ssh=args.wait == "ssh",
+                       fresh=args.fresh)
     for vm in plan.vms:
-        print(f"{vm.name}: running (pid {pids[vm.name]}, {vm.accel.accel.value})")
+        left = ", already: left alone" if before.get(vm.name) == pids[vm.name] else ""
+        print(f"{vm.name}: running (pid {pids[vm.name]}, {vm.accel.accel.value}{left})")
+    return 0
+
+
+def cmd_ssh(args: argparse.Namespace) -> int:
+    import signal
+    import subprocess
+
+    from vmlaunch.control import ssh_argv_of
+
+    run_dir, lab = _lab_vm(args.spec, args.vm)
+    words = list(args.command)
+    if words and words[0] == "--":
+        words = words[1:]
+    argv = ssh_argv_of(run_dir, lab, args.vm, words or None)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for ssh (and the guest)
+    try:
+        return subprocess.run(argv, check=False).returncode
+    except OSError as exc:
+        raise RuntimeFailure(f"cannot run {argv[0]}: {exc.strerror or exc}",
+                             "install OpenSSH's client: apt-get install openssh-client") from None
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def cmd_reset(args: argparse.Namespace) -> int:
+    from vmlaunch import executor
+    from vmlaunch.labdir import LabDir
+
+    run_dir, lab = _lab_vm(args.spec, *args.vms)
+    names = [vm.name for vm in lab.select(args.vms)]
+    executor.reset(run_dir, LabDir.of(lab.file, lab.name), names)
     return 0
 
 
@@ -386,10 +448,8 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     from vmlaunch.model import BridgeNetwork
     from vmlaunch.spec import load_lab
-    from vmlaunch.specfiles import check_files
 
-    lab = load_lab(args.spec)
-    check_files(lab, shown=Path(args.spec))
+    lab = load_lab(args.spec, files=True)
     nets = ", ".join(
         f"{net.name} (bridge {net.bridge})" if isinstance(net, BridgeNetwork)
         else f"{net.name} ({net.type.value})"
@@ -409,10 +469,8 @@ def cmd_cmdline(args: argparse.Namespace) -> int:
     from vmlaunch.compiler import compile_lab
     from vmlaunch.host import detect_host
     from vmlaunch.spec import load_lab
-    from vmlaunch.specfiles import check_files
 
-    lab = load_lab(args.spec)
-    check_files(lab, args.vms, shown=Path(args.spec))
+    lab = load_lab(args.spec, files=True, vms=args.vms)
     plan = compile_lab(lab, detect_host(), args.vms)
     for note in plan.notes:
         log.info("note: %s", note)

@@ -11,12 +11,16 @@ from collections.abc import Iterator, Sequence
 from vmlaunch.diskfiles import DiskOrigin
 from vmlaunch.errors import HostError, KeyPath, Location
 from vmlaunch.host import Host
+from vmlaunch.labdir import LabDir
 from vmlaunch.model import (
+    DEFAULT_CLOUD_USER,
     Accel,
     Aio,
     BridgeNetwork,
     Disk,
     DiskBus,
+    DiskFormat,
+    Firmware,
     LabSpec,
     Nic,
     NicModel,
@@ -25,11 +29,12 @@ from vmlaunch.model import (
     UserNetwork,
     VmSpec,
 )
-from vmlaunch.naming import process_name, tap_name
+from vmlaunch.naming import management_mac, process_name, tap_name
 from vmlaunch.plan import AccelChoice, Plan, VmPlan
 from vmlaunch.qemuopts import json_arg, opts
 from vmlaunch.resources.base import Resource
 from vmlaunch.resources.bridge import Bridge
+from vmlaunch.resources.guest import LabDirResource, Nvram, Overlay, Seed
 from vmlaunch.resources.image import Image
 from vmlaunch.resources.pci import PciBind
 from vmlaunch.resources.tap import Tap
@@ -52,8 +57,13 @@ def compile_lab(lab: LabSpec, host: Host, only: Sequence[str] = ()) -> Plan:
     run_dir = RunDir.of(host.run_root, lab.name)
     compiler = _Compiler(lab, host, run_dir)
     plans = tuple(compiler.vm(vm) for vm in vms)
-    return Plan(lab=lab.name, run_dir=run_dir, resources=tuple(host_resources(lab, vms)), vms=plans,
-                notes=tuple(memory_notes(vms, host)))
+    return Plan(lab=lab.name, run_dir=run_dir, resources=tuple(host_resources(lab, vms, host)),
+                vms=plans, notes=tuple(memory_notes(vms, host)), lab_dir=compiler.lab_dir)
+
+
+def needs_lab_dir(vm: VmSpec) -> bool:
+    """A VM keeps files beside the spec when it boots an image, has a seed or UEFI variables."""
+    return vm.image is not None or vm.cloud_init is not None or vm.firmware is Firmware.UEFI
 
 
 def memory_notes(vms: Sequence[VmSpec], host: Host) -> Iterator[str]:
@@ -64,11 +74,26 @@ def memory_notes(vms: Sequence[VmSpec], host: Host) -> Iterator[str]:
                f"{host.memory_mib} MiB; ballooning and KSM help, swapping hurts every guest")
 
 
-def host_resources(lab: LabSpec, vms: Sequence[VmSpec]) -> Iterator[Resource]:
+def host_resources(lab: LabSpec, vms: Sequence[VmSpec], host: Host | None = None) -> Iterator[Resource]:
     """In the order `up` applies them: PCI first (checked before anything else changes)."""
     for vm in vms:
-        for dev in vm.pci:
-            yield PciBind(address=dev.host, driver=dev.driver, vm=vm.name)
+        for index, dev in enumerate(vm.pci):
+            yield PciBind(address=dev.host, driver=dev.driver, vm=vm.name,
+                          origin=DiskOrigin(lab.file, ("vm", vm.name, "pci", index), lab.source))
+    lab_dir = LabDir.of(lab.file, lab.name)
+    if any(needs_lab_dir(vm) for vm in vms):
+        yield LabDirResource(lab_dir)
+    for vm in vms:
+        vm_dir = lab_dir.vm(vm.name)
+        if vm.firmware is Firmware.UEFI and host is not None and host.ovmf is not None:
+            yield Nvram(vm=vm.name, path=vm_dir.nvram, template=host.ovmf.vars)
+        if vm.image is not None:
+            line = lab.source.line_of(("vm", vm.name, "disk_size" if vm.disk_size else "image"))
+            yield Overlay(vm=vm.name, image=lab.image(vm.image), path=vm_dir.overlay, size=vm.disk_size,
+                          spec=lab.file, line=line)
+        if vm.cloud_init is not None:
+            mgmt = management_mac(lab.mac_prefix, lab.name, vm.name) if vm.ssh else None
+            yield Seed(vm=vm.name, lab=lab, lab_dir=lab_dir, management_mac=mgmt)
     for vm in vms:
         for index, disk in enumerate(vm.disks):  # every disk file is checked; one with a size created
             yield Image(path=disk.file, size=disk.size, format=disk.format, vm=vm.name,
@@ -92,6 +117,7 @@ class _Compiler:
         self.lab = lab
         self.host = host
         self.run_dir = run_dir
+        self.lab_dir = LabDir.of(lab.file, lab.name)
 
     def fail(self, path: KeyPath, message: str, hint: str | None = None) -> HostError:
         return HostError(message, hint, Location(self.lab.file, self.lab.source.line_of(path), path))
@@ -103,10 +129,6 @@ class _Compiler:
 
     def vm(self, vm: VmSpec) -> VmPlan:
         path: KeyPath = ("vm", vm.name)
-        for key, used in (("image", vm.image), ("cloud_init", vm.cloud_init), ("share", vm.shares),
-                          ("firmware", vm.firmware.value == "uefi")):
-            if used:  # being built: the spec is checked already, the compiler does not run them yet
-                raise self.fail((*path, key), f"{key} is not supported by this version of vmlaunch yet")
         accel = self.accel(vm)
         files = self.run_dir.vm(vm.name)
         for sock in files.sockets:
@@ -114,10 +136,11 @@ class _Compiler:
                 raise HostError(f"socket path {sock} is longer than {UNIX_PATH_MAX} bytes",
                                 "set VMLAUNCH_RUN_DIR to a shorter directory")
         cpu = vm.cpu_model or ("host" if accel.accel is Accel.KVM else "max")
+        firmware, machine = self.firmware(path, vm)
         argv = [
             self.host.qemu.binary,
             "-name", opts("", guest=vm.name, process=process_name(vm.name), debug_threads=True),
-            "-machine", opts(vm.machine),
+            "-machine", opts(vm.machine, **machine),
             "-accel", accel.accel.value,
             "-cpu", cpu,
             "-smp", str(vm.cpus),
@@ -141,8 +164,12 @@ class _Compiler:
             argv += ["-initrd", str(vm.initrd)]
         if vm.append is not None:
             argv += ["-append", vm.append]
+        argv += firmware
         argv += self.disks(path, vm)
+        argv += self.seed(path, vm)
+        argv += self.shares(path, vm)
         argv += self.nics(path, vm)
+        argv += self.management_nic(path, vm)
         argv += self.pci(path, vm)
         if vm.balloon.enabled:
             self.need_device((*path, "balloon"), "virtio-balloon-pci")
@@ -152,7 +179,74 @@ class _Compiler:
                 "deflate-on-oom": vm.balloon.deflate_on_oom,
                 "free-page-reporting": vm.balloon.free_page_reporting,
             })]
-        return VmPlan(name=vm.name, argv=tuple(argv), accel=accel, files=files, notes=tuple(self.notes(vm)))
+        return VmPlan(name=vm.name, argv=tuple(argv), accel=accel, files=files, notes=tuple(self.notes(vm)),
+                      ssh_user=(vm.cloud_init.user if vm.cloud_init else DEFAULT_CLOUD_USER) if vm.ssh
+                      else None)
+
+    def firmware(self, path: KeyPath, vm: VmSpec) -> tuple[list[str], dict[str, str]]:
+        """UEFI: OVMF's code read-only and shared, the VM's own copy of the variables, as the two
+        pflash devices of the machine. BIOS: QEMU's default SeaBIOS, nothing to add."""
+        if vm.firmware is not Firmware.UEFI:
+            return [], {}
+        ovmf = self.host.ovmf
+        if ovmf is None:
+            raise self.fail((*path, "firmware"), "firmware = \"uefi\" needs OVMF, which this host "
+                            "does not have", "apt-get install ovmf")
+        if not vm.machine.startswith(("q35", "pc-q35")):
+            raise self.fail((*path, "machine"), "firmware = \"uefi\" needs machine = \"q35\"")
+        argv: list[str] = []
+        for node, file, readonly in (("fw-code", ovmf.code, True),
+                                     ("fw-vars", self.lab_dir.vm(vm.name).nvram, False)):
+            argv += ["-blockdev", json_arg({"driver": "file", "filename": str(file),
+                                            "node-name": f"{node}-file", "read-only": readonly})]
+            argv += ["-blockdev", json_arg({"driver": "raw", "node-name": node, "file": f"{node}-file",
+                                            "read-only": readonly})]
+        return argv, {"pflash0": "fw-code", "pflash1": "fw-vars"}
+
+    def boot_disks(self, vm: VmSpec) -> tuple[tuple[KeyPath, Disk], ...]:
+        """The VM's disks with their key paths: its image's overlay first, then its [[disk]]s."""
+        disks = tuple((("vm", vm.name, "disk", index), disk) for index, disk in enumerate(vm.disks))
+        if vm.image is None:
+            return disks
+        overlay = Disk(file=self.lab_dir.vm(vm.name).overlay, format=DiskFormat.QCOW2)
+        return ((("vm", vm.name, "image"), overlay), *disks)
+
+    def seed(self, path: KeyPath, vm: VmSpec) -> Iterator[str]:
+        """The NoCloud seed as a read-only virtio disk: cloud-init finds it by its label, cidata."""
+        if vm.cloud_init is None:
+            return
+        self.need_device((*path, "cloud_init"), "virtio-blk-pci")
+        seed = str(self.lab_dir.vm(vm.name).seed)
+        yield from ("-blockdev", json_arg({"driver": "file", "filename": seed, "node-name": "seed-file",
+                                           "read-only": True}))
+        yield from ("-blockdev", json_arg({"driver": "raw", "node-name": "seed", "file": "seed-file",
+                                           "read-only": True}))
+        yield from ("-device", json_arg({"driver": "virtio-blk-pci", "id": "seed", "drive": "seed"}))
+
+    def shares(self, vm_path: KeyPath, vm: VmSpec) -> Iterator[str]:
+        """Each share over 9p (virtio): the guest's cloud-init mounts it by its tag. security_model
+        none: files keep the host's owners, and the guest's chown is ignored (as Lima does)."""
+        for index, share in enumerate(vm.shares):
+            path = (*vm_path, "share", index)
+            self.need_device(path, "virtio-9p-pci")
+            fsdev = f"fsdev{index}"
+            backend = opts("local", id=fsdev, path=str(share.source),
+                           **({"readonly": True} if share.readonly else {}))
+            yield from ("-fsdev", f"{backend},security_model=none")  # opts would write security-model
+            yield from ("-device", json_arg({"driver": "virtio-9p-pci", "id": f"share{index}",
+                                             "fsdev": fsdev, "mount_tag": share.tag}))
+
+    def management_nic(self, path: KeyPath, vm: VmSpec) -> Iterator[str]:
+        """The VM's SSH port: QEMU's user network with 127.0.0.1:0 (a free port the kernel picks, read
+        back over QMP once QEMU runs: no race with another program) forwarded to 22."""
+        if not vm.ssh:
+            return
+        self.need_device((*path, "ssh"), "virtio-net-pci")
+        yield from ("-netdev", json_arg({"type": "user", "id": "mgmt",
+                                         "hostfwd": [{"str": "tcp:127.0.0.1:0-:22"}]}))
+        yield from ("-device", json_arg({"driver": "virtio-net-pci", "id": "mgmt", "netdev": "mgmt",
+                                         "mac": management_mac(self.lab.mac_prefix, self.lab.name,
+                                                               vm.name)}))
 
     def accel(self, vm: VmSpec) -> AccelChoice:
         kvm = self.host.kvm
@@ -177,8 +271,7 @@ class _Compiler:
             self.need_device(vm_path, "virtio-scsi-pci")
             yield from ("-device", json_arg({"driver": "virtio-scsi-pci", "id": "scsi0"}))
         sata_port = 0
-        for index, disk in enumerate(vm.disks):
-            path = (*vm_path, "disk", index)
+        for index, (path, disk) in enumerate(self.boot_disks(vm)):
             node = f"disk{index}"
             yield from ("-blockdev", json_arg(self.file_node(path, disk, f"{node}-file")))
             cache = {"direct": disk.cache.direct, "no-flush": disk.cache.no_flush}

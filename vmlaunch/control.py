@@ -19,7 +19,7 @@ from vmlaunch import lastrun, qemu
 from vmlaunch.errors import RuntimeFailure, UsageError, VmlaunchError
 from vmlaunch.journal import Journal
 from vmlaunch.qmp import Qmp, QmpError, QuickQmp
-from vmlaunch.rundir import RunDir, open_in_run_dir
+from vmlaunch.rundir import RunDir, VmFiles, open_in_run_dir
 from vmlaunch.wait import TimedOut, wait_until
 
 if TYPE_CHECKING:
@@ -41,23 +41,26 @@ class NicStatus:
     tap: str | None = None
     forwards: tuple[str, ...] = ()  # user networks: the host ports forwarded into the guest
     mcast: str | None = None  # socket networks: the multicast group:port
+    address: str | None = None  # the static address cloud-init sets ("10.10.0.11/24")
 
     def describe(self) -> str:
         where = {"bridge": f"bridge {self.bridge}, tap {self.tap}",
                  "socket": f"socket {self.mcast}"}.get(self.type, "user")
         forwards = f"; forwards {', '.join(self.forwards)}" if self.forwards else ""
-        return f"{self.mac} {self.network} ({where}{forwards})"
+        address = f" {self.address}" if self.address else ""
+        return f"{self.mac}{address} {self.network} ({where}{forwards})"
 
 
 @attrs.frozen
 class VmStatus:
     name: str
-    state: str  # running | stopped | crashed
+    state: str  # running | stopped (not up) | off (up, the guest powered itself off) | crashed
     pid: int | None = None
     accel: str | None = None
     balloon_bytes: int | None = None
     uptime: float | None = None
     nics: tuple[NicStatus, ...] = ()  # when the lab's spec was given
+    ssh_port: int | None = None  # 127.0.0.1's port forwarded to the guest's SSH (`vmlaunch ssh`)
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -77,7 +80,8 @@ def nics_of(lab: LabSpec, vm: VmSpec) -> tuple[NicStatus, ...]:
             extra = {"forwards": tuple(net.forward)}
         elif isinstance(net, SocketNetwork):
             extra = {"mcast": f"{net.group}:{net.port}"}
-        nics.append(NicStatus(index, net.name, net.type.value, nic.mac, nic.model.value, **extra))
+        nics.append(NicStatus(index, net.name, net.type.value, nic.mac, nic.model.value, address=nic.ip,
+                              **extra))
     return tuple(nics)
 
 
@@ -94,7 +98,7 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
             continue
         pid = qemu.find_pid(run_dir.vm(name), vm.pid)
         if pid is None:
-            result.append(VmStatus(name, "crashed", vm.pid, vm.accel, nics=nics))
+            result.append(VmStatus(name, gone_state(run_dir.vm(name)), vm.pid, vm.accel, nics=nics))
             continue
         balloon = None
         try:
@@ -102,7 +106,8 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
                 balloon = int(qmp.cmd("query-balloon")["actual"])
         except QmpError:
             pass  # no balloon device, or QMP busy: the rest of the status still holds
-        result.append(VmStatus(name, "running", pid, vm.accel, balloon, time.time() - vm.started, nics))
+        result.append(VmStatus(name, "running", pid, vm.accel, balloon, time.time() - vm.started, nics,
+                               vm.ssh_port))
     return result
 
 
@@ -146,11 +151,41 @@ def labs_up(root: Path) -> list[LabUp]:
             continue
         if not journal.vms:
             continue
-        vms = {name: "running" if qemu.find_pid(run_dir.vm(name), vm.pid) else "crashed"
+        vms = {name: "running" if qemu.find_pid(run_dir.vm(name), vm.pid) else gone_state(run_dir.vm(name))
                for name, vm in journal.vms.items()}
         since = min(vm.started for vm in journal.vms.values())
         labs.append(LabUp(entry, journal.spec, vms, since, str(run_dir)))
     return labs
+
+
+def ssh_argv_of(run_dir: RunDir, lab: LabSpec, name: str, command: Sequence[str] | None) -> list[str]:
+    """The OpenSSH command line into a running VM (`vmlaunch ssh`, `Vm.ssh`)."""
+    from vmlaunch.labdir import LabDir
+    from vmlaunch.model import DEFAULT_CLOUD_USER
+    from vmlaunch.sshkeys import ssh_argv
+
+    vm = lab.vm(name)
+    if not vm.ssh:
+        raise UsageError(f"VM {name} has no SSH port", f"give it ssh = true (and an image or "
+                         f"[vm.{name}.cloud_init]) in {lab.file}")
+    running_pid(run_dir, name)
+    entry = Journal.load(run_dir).vms[name]
+    if entry.ssh_port is None:
+        raise RuntimeFailure(f"VM {name} was started without an SSH port",
+                             f"restart it: `vmlaunch down SPEC {name}` then `vmlaunch up SPEC {name}`")
+    user = vm.cloud_init.user if vm.cloud_init is not None else DEFAULT_CLOUD_USER
+    return ssh_argv(LabDir.of(lab.file, lab.name), name, user, entry.ssh_port, command)
+
+
+# What a Linux guest prints last when it powers itself off (`poweroff`, `shutdown -h`).
+_POWERED_OFF = ("reboot: Power down", "reboot: System halted")
+
+
+def gone_state(files: VmFiles) -> str:
+    """A VM of the lab whose QEMU is gone: "off" when its guest powered itself off (its console's
+    last lines say so), else "crashed" (killed, or QEMU failed)."""
+    tail = qemu.read_text(files.serial_log)[-4096:]
+    return "off" if any(mark in tail for mark in _POWERED_OFF) else "crashed"
 
 
 def running_pid(run_dir: RunDir, name: str) -> int:
@@ -202,28 +237,34 @@ def balloon(run_dir: RunDir, name: str, size: int | None = None, timeout: float 
             return wait_until(settled, timeout, interval=0.2)
         except TimedOut:
             pass
-    raise _not_followed(name, size, timeout, before, actual)
+    raise _not_followed(name, size, timeout, before, actual, memory)
 
 
-def _not_followed(name: str, size: int, timeout: float, before: int, actual: int) -> RuntimeFailure:
+def _not_followed(name: str, size: int, timeout: float, before: int, actual: int,
+                  memory: int | None) -> RuntimeFailure:
     """Why the guest's memory stopped short of `size`: it never moved (no driver answers), or it moved
-    and stopped (the guest keeps a floor: what its kernel and running programs cannot give up)."""
-    mib = 1 << 20
+    and stopped (the guest keeps a floor: what its kernel and running programs cannot give up). A
+    guest already below its RAM has a driver: one that does not move is at its floor."""
+    from vmlaunch.units import format_size as shown
+
+    floor = (f"{shown(actual)} is about the guest's floor now: what its kernel and programs hold and "
+             "cannot give back; a larger size works, or free memory in the guest first (a longer "
+             "--timeout helps only a guest that is still giving memory back)")
     if actual == before:
+        if memory is not None and before < memory and size < before:
+            return RuntimeFailure(f"{name}: the guest gave nothing more within {timeout:g} s: it stays "
+                                  f"at {shown(actual)}, short of {shown(size)}", floor)
         return RuntimeFailure(
-            f"{name}: the guest did not move its memory towards {size // mib} MiB within {timeout:g} s "
-            f"(it stays at {actual // mib} MiB)", "no balloon driver answered: is the guest still "
+            f"{name}: the guest did not move its memory towards {shown(size)} within {timeout:g} s "
+            f"(it stays at {shown(actual)})", "no balloon driver answered: is the guest still "
             "booting, or is its virtio_balloon driver not loaded?")
     if size < before:
         return RuntimeFailure(
-            f"{name}: the guest gave up {(before - actual) // mib} MiB and stopped at "
-            f"{actual // mib} MiB, short of {size // mib} MiB, within {timeout:g} s",
-            f"{actual // mib} MiB is about the guest's floor now: what its kernel and programs hold "
-            "and cannot give back; a larger size works, or free memory in the guest first (a longer "
-            "--timeout helps only a guest that is still giving memory back)")
+            f"{name}: the guest gave up {shown(before - actual)} and stopped at {shown(actual)}, short "
+            f"of {shown(size)}, within {timeout:g} s", floor)
     return RuntimeFailure(
-        f"{name}: the guest took back {(actual - before) // mib} MiB and is at {actual // mib} MiB, "
-        f"short of {size // mib} MiB, within {timeout:g} s", "a longer --timeout may let it finish")
+        f"{name}: the guest took back {shown(actual - before)} and is at {shown(actual)}, short of "
+        f"{shown(size)}, within {timeout:g} s", "a longer --timeout may let it finish")
 
 
 def is_up(run_dir: RunDir, name: str) -> bool:

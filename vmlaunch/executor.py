@@ -18,6 +18,7 @@ from pathlib import Path
 from vmlaunch import lastrun, qemu, signals
 from vmlaunch.errors import RuntimeFailure, VmlaunchError
 from vmlaunch.journal import Entry, Journal, VmEntry, locked
+from vmlaunch.labdir import LabDir
 from vmlaunch.plan import Plan, VmPlan
 from vmlaunch.qmp import QuickQmp
 from vmlaunch.resources.base import Context, Resource, preflight
@@ -76,7 +77,8 @@ def _roll_back(entry: Entry, ctx: Context, journal: Journal) -> None:
 
 
 def up(plan: Plan, *, spec: str | os.PathLike[str], qemu_img: str | None = None, wait_for: str | None = None,
-       timeout: float = 60.0, force: bool = False) -> dict[str, int]:
+       timeout: float = 60.0, force: bool = False, wait_ssh: bool = False,
+       fresh: bool = False) -> dict[str, int]:
     """Make the plan real; return name -> pid of every VM of the plan now running.
 
     A lab that is up from another spec file (same lab name) is refused unless `force` takes it over.
@@ -84,13 +86,13 @@ def up(plan: Plan, *, spec: str | os.PathLike[str], qemu_img: str | None = None,
     umask = os.umask(0o077)  # the run dir, journal and logs are for their owner only
     try:
         ctx = Context(lab=plan.lab, qemu_img=qemu_img or "qemu-img")
-        return _up(plan, os.fspath(spec), ctx, wait_for, timeout, force)
+        return _up(plan, os.fspath(spec), ctx, wait_for, timeout, force, wait_ssh, fresh)
     finally:
         os.umask(umask)
 
 
 def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: float,
-        force: bool) -> dict[str, int]:
+        force: bool, wait_ssh: bool = False, fresh: bool = False) -> dict[str, int]:
     with locked(plan.run_dir, timeout):
         journal = Journal.load(plan.run_dir)  # first: a journal it cannot read leaves no mark
         journal.check_spec(spec, force=force)
@@ -98,6 +100,10 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
         journal.spec = os.path.realpath(spec)
         already = running_vms(journal)
         to_start = [vm for vm in plan.vms if vm.name not in already]
+        if fresh:
+            for name in already:
+                log.warning("%s runs already: not started afresh (down it first)", name)
+            _reset(plan.lab_dir, [vm.name for vm in to_start])
         if not to_start:
             log.info("lab %s: every VM already runs", plan.lab)
             return already
@@ -124,11 +130,17 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
                     check_opened(pids[resource.owner])
             for vm in to_start:  # QEMU's daemonize sets umask 027; these are ours alone
                 journal.vms[vm.name] = VmEntry(pid=pids[vm.name], started=journal.vms[vm.name].started,
-                                               accel=vm.accel.accel.value)
+                                               accel=vm.accel.accel.value,
+                                               ssh_port=ssh_port(vm) if vm.ssh_user else None)
                 for path in vm.files.private:
                     _narrow(path)
             journal.save()
+            deadline = time.monotonic() + timeout
             _wait_ready(to_start, pids, wait_for, timeout)
+            if wait_ssh:
+                ports = {vm.name: journal.vms[vm.name].ssh_port for vm in to_start if vm.ssh_user}
+                _wait_ssh(plan, [vm for vm in to_start if vm.ssh_user], pids, ports,
+                          remaining(deadline, 1.0))
         except BaseException:
             with signals.held():  # a second Ctrl-C must not cut the rollback short
                 try:
@@ -141,6 +153,45 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
             raise
         stack.pop_all()  # success: keep everything for `down`
         return {**already, **pids}
+
+
+def ssh_port(vm: VmPlan) -> int:
+    """The host port QEMU's user network picked for the VM's SSH forward (127.0.0.1:0 in its argv),
+    from the monitor's `info usernet`: the section of the management netdev, the rule to port 22."""
+    import re
+
+    with QuickQmp(vm.files.qmp, timeout=5) as qmp:
+        text = qmp.cmd("human-monitor-command", **{"command-line": "info usernet"})
+    section = re.search(r"\(mgmt\):\r?\n(.*?)(?:\r?\nHub |\Z)", str(text), re.S)
+    found = section and re.search(r"TCP\[HOST_FORWARD\]\s+\d+\s+127\.0\.0\.1\s+(\d+)\s+\S+\s+22\b",
+                                  section.group(1))
+    if not found:
+        raise RuntimeFailure(f"{vm.name}: QEMU did not say which port it forwards to SSH",
+                             f"`info usernet` answered: {printable(str(text)).strip()[:200]!r}")
+    return int(found.group(1))
+
+
+def reset(run_dir: RunDir, lab_dir: LabDir, vms: Sequence[str], timeout: float = 10.0) -> None:
+    """`vmlaunch reset`: the next `up` starts these VMs afresh from their images. Refused for a VM
+    that runs (its QEMU holds the files)."""
+    with locked(run_dir, timeout):
+        running = [name for name in running_vms(Journal.load(run_dir)) if name in vms]
+        if running:
+            raise RuntimeFailure(f"{', '.join(running)} {'is' if len(running) == 1 else 'are'} up: "
+                                 "a running VM cannot be reset", "take it down first: `vmlaunch down "
+                                 f"SPEC {' '.join(running)}`")
+        _reset(lab_dir, vms)
+
+
+def _reset(lab_dir: LabDir | None, vms: Sequence[str]) -> None:
+    from vmlaunch.resources.guest import reset as reset_vm
+
+    if lab_dir is None:
+        return
+    for name in vms:
+        removed = reset_vm(lab_dir, name)
+        if removed:
+            log.info("%s: reset (removed %s)", name, ", ".join(path.name for path in removed))
 
 
 def _narrow(path: Path) -> None:
@@ -225,7 +276,7 @@ def _wait_console(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str, ti
                 del waiting[name]
             elif not qemu.alive(pids[name]):
                 raise RuntimeFailure(f"{name}: QEMU exited before its console printed {wait_for!r}"
-                                     f"{_tail(vm.files.serial_log)}{_tail(vm.files.qemu_log)}")
+                                     f"{_tail(vm.files.serial_log)}{_tail(vm.files.qemu_log, empty='')}")
         return not waiting
 
     def progress(waited: float) -> None:
@@ -241,11 +292,75 @@ def _wait_console(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str, ti
                              f"console of {', '.join(sorted(waiting))}; the last lines:{tails}") from None
 
 
-def _tail(path: Path, lines: int = 5) -> str:
+# Run over SSH until it succeeds: without cloud-init nothing to wait for; with it, its status once done.
+_CLOUD_INIT_DONE = ("command -v cloud-init >/dev/null 2>&1 || exit 0; "
+                    "cloud-init status --wait >/dev/null 2>&1; echo cloud-init:$?")
+
+
+def _wait_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports: dict[str, int | None],
+              timeout: float) -> None:
+    """Every VM with an SSH port answers: `ssh ... true` with the lab's key and its pinned host key
+    succeeds. A progress line per VM every 5 s; a VM whose QEMU exits stops the wait."""
+    import subprocess
+
+    from vmlaunch.sshkeys import ssh_argv
+
+    waiting = {vm.name: vm for vm in vms}
+    lab_dir = plan.lab_dir
+    assert lab_dir is not None  # compile_lab sets it
+
+    deadline = time.monotonic() + timeout
+
+    def answers(vm: VmPlan) -> bool:
+        """SSH runs a command, and cloud-init (when the guest has it) has finished: until then it may
+        still restart sshd with the host key it was given, or not have made the user yet."""
+        port = ports.get(vm.name)
+        assert port is not None and vm.ssh_user is not None
+        argv = ssh_argv(lab_dir, vm.name, vm.ssh_user, port, ["sh", "-c", _CLOUD_INIT_DONE])
+        try:
+            done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, check=False,
+                                  timeout=remaining(deadline, 5.0), text=True)
+        except subprocess.TimeoutExpired:
+            return False
+        if done.returncode != 0:
+            return False  # 255: ssh could not connect or log in (yet)
+        status = done.stdout.strip().rpartition("cloud-init:")[2]
+        if status not in ("", "0", "2"):  # 2: done, with warnings
+            log.warning("%s: cloud-init reported an error (status %s): `vmlaunch ssh SPEC %s -- "
+                        "cloud-init status --long` says which", vm.name, status, vm.name)
+        return True
+
+    def all_ready() -> bool:
+        for name, vm in list(waiting.items()):
+            if answers(vm):
+                log.info("%s: ready (SSH answers on 127.0.0.1:%s)", name, ports[name])
+                del waiting[name]
+            elif not qemu.alive(pids[name]):
+                raise RuntimeFailure(f"{name}: QEMU exited before SSH answered"
+                                     f"{_tail(vm.files.serial_log)}{_tail(vm.files.qemu_log, empty='')}")
+        return not waiting
+
+    def progress(waited: float) -> None:
+        for name, vm in waiting.items():
+            line = last_line(qemu.read_text(vm.files.serial_log)) or "(nothing on the console yet)"
+            log.info("%s: waiting for SSH, %.0f s: %s", name, waited, line)
+
+    try:
+        wait_until(all_ready, timeout, interval=1.0, progress=progress)
+    except TimedOut:
+        tails = "".join(f"\n{name}:{_tail(vm.files.serial_log)}" for name, vm in sorted(waiting.items()))
+        raise RuntimeFailure(f"timed out after {timeout:.0f} s waiting for SSH on "
+                             f"{', '.join(sorted(waiting))}; the last console lines:{tails}",
+                             "a cold boot under TCG takes a minute or two: a longer --timeout?") from None
+
+
+def _tail(path: Path, lines: int = 5, empty: str = " (nothing on its console)") -> str:
     """The end of a log, for an error message (a failed `up` removes the run dir it lives in), with
     the guest's terminal escapes taken out: this is vmlaunch speaking, not the guest."""
     text = printable(qemu.read_text(path)).strip()
-    return "".join(f"\n  | {line}" for line in text.splitlines()[-lines:]) if text else ""
+    if not text:
+        return empty
+    return "".join(f"\n  | {line}" for line in text.splitlines()[-lines:])
 
 
 def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, force: bool = False,

@@ -58,6 +58,15 @@ class Host:
     cpus: int = 1
     memory_mib: int = 1024
     run_root: Path = Path("/run/vmlaunch")
+    ovmf: Ovmf | None = None  # UEFI firmware, for firmware = "uefi"
+
+
+@attrs.frozen
+class Ovmf:
+    """UEFI firmware for q35: the code (read-only, shared) and the template of a VM's variables."""
+
+    code: Path
+    vars: Path
 
 
 def detect_host() -> Host:
@@ -73,7 +82,61 @@ def detect_host() -> Host:
         cpus=os.cpu_count() or 1,
         memory_mib=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20,
         run_root=run_root(),
+        ovmf=find_ovmf(),
     )
+
+
+# Where QEMU's firmware descriptors live (docs/interop/firmware.json), lowest priority first: a file of
+# the same name in a later folder replaces an earlier one, and the lowest name wins.
+FIRMWARE_DIRS = ("/usr/share/qemu/firmware", "/etc/qemu/firmware")
+# Without descriptors: Debian's ovmf package (bookworm ships the 4M images; older ones the 2M).
+OVMF_FALLBACKS = (("/usr/share/OVMF/OVMF_CODE_4M.fd", "/usr/share/OVMF/OVMF_VARS_4M.fd"),
+                  ("/usr/share/OVMF/OVMF_CODE.fd", "/usr/share/OVMF/OVMF_VARS.fd"))
+# Firmware that needs what vmlaunch does not set up (SMM for secure boot, SEV, enrolled keys).
+_UNWANTED_FEATURES = {"secure-boot", "requires-smm", "enrolled-keys", "amd-sev-es", "amd-sev-snp",
+                      "intel-tdx"}
+
+
+def find_ovmf() -> Ovmf | None:
+    """The UEFI firmware QEMU's descriptors name for x86_64 q35 without secure boot, else Debian's
+    files, else None. Cheap: a few small JSON files."""
+    import fnmatch
+    import json
+
+    dirs = [*FIRMWARE_DIRS]
+    config = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    dirs.append(os.path.join(config, "qemu", "firmware"))
+    files: dict[str, str] = {}
+    for folder in dirs:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        files.update({name: os.path.join(folder, name) for name in names if name.endswith(".json")})
+    for name in sorted(files):
+        try:
+            with open(files[name], encoding="utf-8") as f:
+                doc = json.load(f)
+            mapping = doc["mapping"]
+            if ("uefi" not in doc.get("interface-types", ()) or mapping.get("device") != "flash"
+                    or _UNWANTED_FEATURES & set(doc.get("features", ()))):
+                continue
+            if not any(target.get("architecture") == "x86_64"
+                       and any(fnmatch.fnmatch("pc-q35-7.2", m) for m in target.get("machines", ()))
+                       for target in doc.get("targets", ())):
+                continue
+            code, template = mapping["executable"], mapping["nvram-template"]
+            if code.get("format", "raw") != "raw" or template.get("format", "raw") != "raw":
+                continue
+            found = Ovmf(Path(code["filename"]), Path(template["filename"]))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # not a descriptor vmlaunch can use
+        if found.code.is_file() and found.vars.is_file():
+            return found
+    for code_file, vars_file in OVMF_FALLBACKS:
+        if os.path.isfile(code_file) and os.path.isfile(vars_file):
+            return Ovmf(Path(code_file), Path(vars_file))
+    return None
 
 
 def _which(name: str, path: str | None = None) -> str | None:

@@ -68,6 +68,7 @@ class VmEntry:
     pid: int | None
     started: float
     accel: str
+    ssh_port: int | None = None  # the 127.0.0.1 port forwarded to the guest's 22 (a VM with ssh)
 
 
 # --- (un)structuring ---------------------------------------------------------------------------------

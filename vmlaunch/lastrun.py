@@ -41,8 +41,9 @@ def keep(run_dir: RunDir, vms: Iterable[str]) -> None:
     """Copy each VM's logs out of the run dir (a VM that left none keeps its previous ones)."""
     from vmlaunch.dirs import UnsafeDirectory, log_root, secure_dir
 
-    found = {vm: _sources(run_dir.vm(vm)) for vm in vms}
-    found = {vm: sources for vm, sources in found.items() if any(sources.values())}
+    sources = {vm: _sources(run_dir.vm(vm)) for vm in vms}
+    found = {vm: {kind: data or b"" for kind, data in logs.items()}
+             for vm, logs in sources.items() if any(data is not None for data in logs.values())}
     if not found:
         return
     try:
@@ -50,8 +51,8 @@ def keep(run_dir: RunDir, vms: Iterable[str]) -> None:
     except (UnsafeDirectory, OSError) as exc:
         log.warning("the logs of lab %s are not kept: %s", run_dir.lab, exc)
         return
-    for vm, sources in found.items():
-        for kind, data in sources.items():
+    for vm, kept in found.items():
+        for kind, data in kept.items():
             try:
                 _replace(path_of(run_dir.lab, vm, kind), data[-MAX_BYTES:])
             except OSError as exc:
@@ -68,16 +69,18 @@ def read(lab: str, vm: str, kind: str) -> str | None:
         return f.read(MAX_BYTES + 1).decode(errors="replace")
 
 
-def _sources(files: VmFiles) -> dict[str, bytes]:
+def _sources(files: VmFiles) -> dict[str, bytes | None]:
+    """Each log of the run (None: the VM left none; b"": it printed nothing, which is kept too)."""
+    stderr, qemu = _tail(files.stderr_log), _tail(files.qemu_log)
     return {"serial": _tail(files.serial_log),
-            "qemu": _tail(files.stderr_log) + _tail(files.qemu_log)}
+            "qemu": None if stderr is None and qemu is None else (stderr or b"") + (qemu or b"")}
 
 
-def _tail(path: Path) -> bytes:
+def _tail(path: Path) -> bytes | None:
     try:
         fd = open_in_run_dir(path, os.O_RDONLY | os.O_NONBLOCK)
     except (OSError, RuntimeFailure):  # missing, or a planted link: nothing to keep
-        return b""
+        return None
     with os.fdopen(fd, "rb") as f:
         with contextlib.suppress(OSError):  # shorter than MAX_BYTES
             f.seek(-MAX_BYTES, os.SEEK_END)

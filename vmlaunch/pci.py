@@ -178,6 +178,14 @@ def check_viable(addresses: Sequence[str], root: Path | None = None, *,
         raise PciError("\n".join(problems), problems=problems)
 
 
+def device_problems(address: str, root: Path | None = None) -> list[str]:
+    """What keeps this one device from being passed through (for `up --dry-run`)."""
+    try:
+        return _group_problems(_root(root), address, {address}, set())
+    except PciError as err:
+        return [err.message]
+
+
 def _group_problems(root: Path, address: str, wanted: set[str], blockers: set[tuple[str, str]]) -> list[str]:
     if not is_pci_address(address):
         return [f"{address!r} is not a PCI address: write DOMAIN:BUS:SLOT.FUNCTION, e.g. 0000:15:00.0"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import attrs
 
+from vmlaunch.labdir import LabDir
 from vmlaunch.model import Accel
 from vmlaunch.resources.base import Resource
 from vmlaunch.rundir import RunDir, VmFiles
@@ -25,6 +26,7 @@ class VmPlan:
     accel: AccelChoice
     files: VmFiles
     notes: tuple[str, ...] = ()  # warnings worth showing a user (vCPU over-commit, ...)
+    ssh_user: str | None = None  # a VM with an SSH port (management NIC): the user `vmlaunch ssh` logs in as
 
 
 @attrs.frozen
@@ -34,6 +36,7 @@ class Plan:
     resources: tuple[Resource, ...]
     vms: tuple[VmPlan, ...]
     notes: tuple[str, ...] = ()  # lab-wide warnings (memory over-commit)
+    lab_dir: LabDir | None = None  # beside the spec: keys, overlays, seeds (`labdir.py`)
 
     def vm(self, name: str) -> VmPlan:
         for vm in self.vms:

@@ -233,7 +233,7 @@ async def _stop(name: str, pid: int | None, files: VmFiles, timeout: float, step
         with contextlib.suppress(QmpError):
             await qmp.cmd("quit")
         if await wait_until_async(lambda: not alive(pid), 5):
-            return "quit"
+            return f"quit (the guest did not power off within {timeout:g} s)"
     except QmpError:
         pass
     finally:

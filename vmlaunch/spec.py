@@ -17,7 +17,7 @@ import os
 import re
 import stat
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,10 +119,11 @@ def _shown(value: object) -> str:
     return text if len(text) <= 60 else f"{text[:48]}...({len(text)} characters)"
 
 
-def load_lab(path: str | Path) -> LabSpec:
-    """Parse, check and build the lab of the spec at `path`."""
+def load_lab(path: str | Path, *, files: bool = False, vms: Sequence[str] = ()) -> LabSpec:
+    """Parse, check and build the lab of the spec at `path`. With `files`, also check the files it
+    names (of the VMs named, or all; `specfiles.py`), reported with every other problem at once."""
     file = Path(path)
-    return parse_lab(read_spec(file), file)
+    return parse_lab(read_spec(file), file, files=files, vms=vms)
 
 
 def read_spec(file: Path) -> bytes:
@@ -171,7 +172,7 @@ def _check_spec_file(info: os.stat_result, refuse: Callable[[str], SpecError]) -
         raise refuse(f"it is {info.st_size} bytes; a spec may have at most {format_size(MAX_SPEC_BYTES)}")
 
 
-def parse_lab(data: bytes, file: Path) -> LabSpec:
+def parse_lab(data: bytes, file: Path, *, files: bool = False, vms: Sequence[str] = ()) -> LabSpec:
     """Like `load_lab` for spec text already read; relative paths resolve against `file`'s folder."""
     text = _decode(data, file)
     doc = _parse_toml(text, file)
@@ -179,9 +180,16 @@ def parse_lab(data: bytes, file: Path) -> LabSpec:
     problems = _Problems(file, source)
     walked = _walk(doc, problems)
     invalid = _check_structure(doc, data, problems, walked)
-    lab = _Builder(doc, file.resolve(), source, problems, invalid).build()
+    builder = _Builder(doc, file.resolve(), source, problems, invalid)
+    lab = builder.build()
+    if files:  # of every VM, built or not: a broken key elsewhere never hides a missing kernel
+        from vmlaunch.specfiles import disk_size_problems, named_problems
+
+        for path, message, hint in [*named_problems(builder.named, vms, builder.vm_images),
+                                    *disk_size_problems(lab, vms)]:
+            problems.add(path, message, hint)
     if problems.items:
-        raise SpecError(problems.items)
+        raise SpecError(sorted(problems.items, key=lambda problem: problem.location.line))
     return lab
 
 
@@ -222,7 +230,9 @@ _TOML_MESSAGES = {
     "Illegal character '\\n'": ("unterminated string: a \"...\" or '...' string must end on the line "
                                  "it starts", 'close it, or use """...""" for text of several lines'),
     "Unterminated string": ("unterminated string: the file ends inside it", "close the string"),
-    "Unclosed array": ("unclosed array: '[' without its ']'", None),
+    "Unclosed array": ("unclosed array: '[' without its ']'", "an array may span lines, but "
+                       "needs its ']' before the next key or [table]"),
+    "Cannot overwrite a value": ("this key already has a value", "give each key once per table"),
     "Unclosed inline table": ("unclosed inline table: '{' without its '}', or it spans lines",
                               "an inline table must be on one line; use a [table] for more"),
     "Invalid value": ("a value is missing or is not a TOML value",
@@ -248,7 +258,13 @@ def _parse_toml(text: str, file: Path) -> Doc:
             message = message[: -len("(at end of document)")].strip()
         if message.startswith("Illegal character") and message not in _TOML_MESSAGES:
             message += " (control characters must be written as escapes, e.g. \\u0000)"
+        if message == "Unclosed array" and line:
+            line, column = _unclosed_array_line(text, line), None
         words, hint = _TOML_MESSAGES.get(message, (message, None))
+        declared = re.fullmatch(r"Cannot declare \((.*)\) twice", message)
+        if declared:  # tomllib says it as a Python tuple: ('vm', 'a')
+            table = ".".join(re.findall(r"'((?:[^'\\]|\\.)*)'", declared.group(1)))
+            words, hint = f"table [{table}] is declared twice", "give each [table] once; add its keys there"
         where = f" (column {column})" if column else ""
         problem = Problem(Location(file, line or 1), f"TOML syntax error: {words}{where}", hint)
     except RecursionError:  # tomllib recurses once per level of nested arrays or inline tables
@@ -258,6 +274,17 @@ def _parse_toml(text: str, file: Path) -> Doc:
         line = _line_at(text, re.search(r"[0-9_]{4000,}", text))
         problem = Problem(Location(file, line), "a number has thousands of digits")
     raise SpecError([problem]) from None
+
+
+def _unclosed_array_line(text: str, reported: int) -> int:
+    """tomllib notices an unclosed array where the next line fails to continue it; the user wants
+    the line that opened it: the last `key = [` line before that with more '[' than ']'."""
+    lines = text.splitlines()
+    for number in range(min(reported, len(lines)), 0, -1):
+        line = lines[number - 1].split("#", 1)[0]
+        if "=" in line and line.count("[") > line.count("]"):
+            return number
+    return reported
 
 
 def _deep_line(text: str) -> int:
@@ -422,8 +449,14 @@ def _describe(error: Any) -> Iterator[tuple[KeyPath, str, str | None]]:
     if "propertyNames" in error.absolute_schema_path:
         yield (*path, value), f"the name {_shown(value)} {_schema_message(error)}", None
     elif kind == "required":
+        import difflib
+
         missing = [key for key in error.validator_value if key not in value]
-        yield path, f"missing required key {', '.join(map(repr, missing))}", None
+        # `memroy = 64` is one mistake: the unknown key's "did you mean 'memory'?" says it all
+        unknown = [key for key in value if key not in schema.get("properties", {})]
+        missing = [key for key in missing if not difflib.get_close_matches(key, unknown, n=1)]
+        if missing:
+            yield path, f"missing required key {', '.join(map(repr, missing))}", None
     elif kind == "additionalProperties":
         import difflib
 
@@ -504,6 +537,16 @@ def _is_port(text: str) -> bool:
     return 1 <= int(text) <= 65535
 
 
+@functools.lru_cache(maxsize=1)
+def _network_keys() -> frozenset[str]:
+    """Every key some kind of network has (from the schema)."""
+    import json
+
+    defs = json.loads(SCHEMA_FILE.read_bytes())["$defs"]
+    return frozenset(key for kind in ("bridgeNetwork", "userNetwork", "socketNetwork")
+                     for key in defs[kind]["properties"])
+
+
 def _format_from_name(file: str) -> DiskFormat:
     return DiskFormat.QCOW2 if file.lower().endswith(".qcow2") else DiskFormat.RAW
 
@@ -529,12 +572,20 @@ class _Builder:
         self.problems = problems
         self.invalid = invalid
         self.macs: dict[str, KeyPath] = {}
+        self.named: list[Any] = []  # specfiles.Named: each file the spec names, for `files=True`
+        self.vm_images: dict[str, str] = {}
+        self.host_ports: dict[tuple[str, str, int], KeyPath] = {}
         self.writable_images: dict[Path, KeyPath] = {}
         self.pci_hosts: dict[str, KeyPath] = {}
 
     def is_valid(self, path: KeyPath) -> bool:
         """True when the schema found nothing wrong at or below `path`."""
         return not any(bad[: len(path)] == path for bad in self.invalid)
+
+    def value(self, path: KeyPath, raw: Doc, key: str, default: Any = None) -> Any:
+        """raw[key] when the schema found nothing wrong with it, else `default`: each key is checked on
+        its own, so a mistake in one key of a table never hides a mistake in another."""
+        return raw[key] if key in raw and self.is_valid((*path, key)) else default
 
     def table(self, path: KeyPath) -> Doc:
         node: Any = self.doc
@@ -603,6 +654,10 @@ class _Builder:
                     self.problems.add((*path, "url"), f"{_shown(url)} holds a NUL")
                     continue
             given = raw.get("file")
+            if given is not None:
+                from vmlaunch.specfiles import Named
+
+                self.named.append(Named((*path, "file"), self.base / os.path.expanduser(given)))
             fmt = DiskFormat(raw["format"]) if "format" in raw else _format_by_suffix(url or given or "")
             yield Image(name=image_name, url=url, file=self.path_of(given), format=fmt,
                         sha256=raw["sha256"].lower() if "sha256" in raw else None,
@@ -626,10 +681,13 @@ class _Builder:
         for net_name, raw in self.table(("network",)).items():
             path: KeyPath = ("network", net_name)
             if not self.is_valid(path):
+                if isinstance(raw, dict) and not self.is_valid((*path, "type")):
+                    self.unknown_network_keys(path, raw)  # no kind's checks ran: say what no kind has
                 continue
             if raw.get("type") == "user":
                 forward = tuple(raw.get("forward", ()))
-                bad = [self.forward_problem((*path, "forward", i), rule) for i, rule in enumerate(forward)]
+                bad = [self.forward_problem((*path, "forward", i), rule) or
+                       self.forwarded_twice((*path, "forward", i), rule) for i, rule in enumerate(forward)]
                 if not any(bad):
                     yield UserNetwork(name=net_name, forward=forward)
                 continue
@@ -672,6 +730,30 @@ class _Builder:
         self.subnets[str(path[-1])] = network
         return str(network)
 
+    def forwarded_twice(self, path: KeyPath, rule: str) -> bool:
+        """A host port can be forwarded once (per protocol): QEMU fails at `up` on the second."""
+        found = _HOSTFWD.fullmatch(rule)
+        assert found is not None  # forward_problem checked it
+        proto, address, port = rule.split(":", 1)[0], found["host_addr"] or "", int(found["host_port"])
+        for (other_proto, other_address, other_port), first in self.host_ports.items():
+            if (other_proto, other_port) == (proto, port) and (
+                    address == other_address or "" in (address, other_address)):
+                self.problems.add(path, f"{proto} host port {port} is also forwarded at "
+                                  f"{format_key_path(first)}", "each forward needs its own host port")
+                return True
+        self.host_ports[(proto, address, port)] = path
+        return False
+
+    def unknown_network_keys(self, path: KeyPath, raw: Doc) -> None:
+        import difflib
+
+        known = _network_keys()
+        for key in raw:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
+                self.problems.add((*path, key), f"unknown key {_shown(key)}", hint)
+
     def forward_problem(self, path: KeyPath, rule: str) -> bool:
         """Adds a problem and returns True when a hostfwd rule is impossible (port 99999, 300.1.1.1)."""
         found = _HOSTFWD.fullmatch(rule)
@@ -702,64 +784,91 @@ class _Builder:
         pci = tuple(self.pci(path, self.tables(raw, "pci")))
         queries = [key for key in ("machine", "cpu_model")
                    if self.is_valid((*path, key)) and self.is_qemu_query((*path, key), raw.get(key))]
-        if not self.is_valid(path) or queries:
-            return None  # the schema already reported it; its parts were checked above
-        memory = self.memory_mib((*path, "memory"), raw["memory"])
-        kernel = self.path_of(raw.get("kernel"))
+        # Each key on its own: a mistake in one never hides a mistake in another.
+        memory = (self.memory_mib((*path, "memory"), raw["memory"])
+                  if self.value(path, raw, "memory") is not None else None)
+        kernel = self.path_of(self.value(path, raw, "kernel"))
+        self.name_files(path, raw)
         for key in ("initrd", "append"):
-            if key in raw and kernel is None:
+            if key in raw and "kernel" not in raw:
                 self.problems.add((*path, key), f"{key} needs kernel", "add kernel = \"...\"")
-        if kernel is None and not raw.get("disk") and "image" not in raw:
+        if not raw.get("kernel") and not raw.get("disk") and not raw.get("image"):
             self.problems.add(path, "nothing to boot", "add image = \"...\", kernel = \"...\" or a [[disk]]")
-        if not self.sata_fits(path, raw, disks):
-            return None
+        sata_ok = self.sata_fits(path, raw, disks)
+        guest = self.guest(path, raw)
+        if not self.is_valid(path) or queries or memory is None or not sata_ok:
+            return None  # the schema or a check above said why
         given: dict[str, Any] = {key: raw[key] for key in ("cpus", "cpu_model", "machine", "append")
                                  if key in raw}
         if "accel" in raw:
             given["accel"] = Accel(raw["accel"])
         if "initrd" in raw:
             given["initrd"] = self.path_of(raw["initrd"])
-        given.update(self.guest(path, raw))
+        given.update(guest)
         return VmSpec(name=name, memory_mib=memory or 1, kernel=kernel, disks=disks, nics=nics, pci=pci,
                       balloon=Balloon(**raw.get("balloon", {})), **given)
+
+    def name_files(self, path: KeyPath, raw: Doc) -> None:
+        """Note each file this VM's table names (where the key itself is right), for `files=True`."""
+        from vmlaunch.specfiles import Named
+
+        for key in ("kernel", "initrd"):
+            value = self.value(path, raw, key)
+            if value is not None:
+                self.named.append(Named((*path, key), self.base / os.path.expanduser(value)))
+        image = self.value(path, raw, "image")
+        if image is not None:
+            self.vm_images[str(path[-1])] = image
+        seed = raw.get("cloud_init")
+        if isinstance(seed, dict) and self.value((*path, "cloud_init"), seed, "user_data") is not None:
+            self.named.append(Named((*path, "cloud_init", "user_data"),
+                                    self.base / os.path.expanduser(seed["user_data"])))
+        for index, share in enumerate(self.tables(raw, "share")):
+            where = (*path, "share", index)
+            if self.value(where, share, "source") is not None:
+                self.named.append(Named((*where, "source"),
+                                        self.base / os.path.expanduser(share["source"]), "folder"))
 
     def guest(self, path: KeyPath, raw: Doc) -> dict[str, Any]:
         """The keys of a real guest: its image, firmware, cloud-init seed, shares and SSH."""
         given: dict[str, Any] = {}
-        image = raw.get("image")
+        image = self.value(path, raw, "image")
         if image is not None:
             if image not in self.image_names and image not in self.broken_images:
                 known = ", ".join(sorted(self.image_names)) or "none defined"
                 self.problems.add((*path, "image"), f"no image named {image!r}", f"images: {known}")
             given["image"] = image
-        if "disk_size" in raw:
-            if image is None:
+        if self.value(path, raw, "disk_size") is not None:
+            if "image" not in raw:
                 self.problems.add((*path, "disk_size"), "disk_size sizes the overlay of an image",
                                   "add image = \"...\", or give a [[disk]] its size")
             size = self.disk_bytes((*path, "disk_size"), raw["disk_size"])
             if size is not None:
                 given["disk_size"] = size
-        if "firmware" in raw:
+        if self.value(path, raw, "firmware") is not None:
             given["firmware"] = Firmware(raw["firmware"])
         shares = tuple(self.shares(path, self.tables(raw, "share")))
         if shares:
             given["shares"] = shares
-        ssh = raw.get("ssh", image is not None or "cloud_init" in raw)
+        ssh = bool(self.value(path, raw, "ssh", "image" in raw or "cloud_init" in raw))
         given["ssh"] = ssh
         if ssh:
             mgmt = management_mac(self.mac_prefix, self.lab_name, str(path[-1]))
             if mgmt in self.macs:
                 self.problems.add(self.macs[mgmt], f"MAC {mgmt} is also the SSH NIC's of vm.{path[-1]}",
                                   "set mac = \"...\"")
-        if image is not None or "cloud_init" in raw or ssh:
-            seed = raw.get("cloud_init", {})
-            extra: dict[str, Any] = {key: tuple(seed[key]) for key in ("packages", "runcmd") if key in seed}
-            if "user" in seed:
+        if "image" in raw or "cloud_init" in raw or ssh:
+            seed_path = (*path, "cloud_init")
+            seed = raw.get("cloud_init") if isinstance(raw.get("cloud_init"), dict) else {}
+            assert isinstance(seed, dict)
+            extra: dict[str, Any] = {key: tuple(seed[key]) for key in ("packages", "runcmd")
+                                     if self.value(seed_path, seed, key) is not None}
+            if self.value(seed_path, seed, "user") is not None:
                 extra["user"] = seed["user"]
                 if seed["user"] == "root":
                     self.problems.add((*path, "cloud_init", "user"), "the SSH user is made with "
                                       "passwordless sudo; root is not such a user", "name another user")
-            if "user_data" in seed:
+            if self.value(seed_path, seed, "user_data") is not None:
                 extra["user_data"] = self.path_of(seed["user_data"])
             given["cloud_init"] = CloudInit(**extra)
         return given
@@ -802,7 +911,7 @@ class _Builder:
         sata = sum(disk.bus is DiskBus.SATA for disk in disks)
         if not sata:
             return True
-        machine = raw.get("machine", default_of(VmSpec, "machine"))
+        machine = self.value(path, raw, "machine", default_of(VmSpec, "machine"))
         ports = next((n for prefix, n in MACHINE_SATA_PORTS.items() if machine.startswith(prefix)), None)
         if ports is None:
             self.problems.add((*path, "machine"), "bus = \"sata\" disks need machine = \"q35\" "
@@ -840,31 +949,38 @@ class _Builder:
     def disks(self, vm_path: KeyPath, items: Iterable[Doc]) -> Iterator[Disk]:
         for index, raw in enumerate(items):
             path = (*vm_path, "disk", index)
-            if self.is_valid(path):
-                disk = self.disk(path, raw)
-                if disk is not None:
-                    yield disk
+            disk = self.disk(path, raw)
+            if disk is not None and self.is_valid(path):
+                yield disk
 
     def disk(self, path: KeyPath, raw: Doc) -> Disk | None:
         ok = True
         size = None
-        if "size" in raw:
+        if self.value(path, raw, "size") is not None:
             size = self.disk_bytes((*path, "size"), raw["size"])
             ok = size is not None
-        cache = CacheMode(raw["cache"]) if "cache" in raw else default_of(Disk, "cache")
-        if cache is CacheMode.UNSAFE and not raw.get("accept_data_loss", False):
+        cache_value = self.value(path, raw, "cache")
+        cache = CacheMode(cache_value) if cache_value is not None else default_of(Disk, "cache")
+        if cache is CacheMode.UNSAFE and not self.value(path, raw, "accept_data_loss", False):
             self.problems.add((*path, "cache"), "cache = \"unsafe\" ignores flushes: a host crash "
                               "corrupts the image", "add accept_data_loss = true if that is fine")
             ok = False
-        aio = Aio(raw["aio"]) if "aio" in raw else None
+        aio = Aio(raw["aio"]) if self.value(path, raw, "aio") is not None else None
         if aio is Aio.NATIVE and not cache.direct:
             self.problems.add((*path, "aio"), f"aio = \"native\" needs O_DIRECT, which cache = "
                               f"\"{cache.value}\" does not use", "use cache = \"none\" or "
                               "\"directsync\", or aio = \"io_uring\" or \"threads\"")
             ok = False
-        file = self.path_of(raw["file"])
-        assert file is not None
-        readonly = bool(raw.get("readonly", default_of(Disk, "readonly")))
+        file = self.path_of(self.value(path, raw, "file"))
+        if file is None:
+            return None  # the schema said why
+        from vmlaunch.specfiles import Named
+
+        self.named.append(Named((*path, "file"), file, "disk",
+                                writable=not self.value(path, raw, "readonly", False),
+                                device_ok=bool(self.value(path, raw, "block_device", False)),
+                                may_be_missing="size" in raw))
+        readonly = bool(self.value(path, raw, "readonly", default_of(Disk, "readonly")))
         if not readonly:
             key = Path(os.path.normpath(file))
             first = self.writable_images.get(key)
@@ -874,7 +990,7 @@ class _Builder:
                                   "readonly = true or a qcow2 overlay per VM")
                 ok = False
             self.writable_images.setdefault(key, path)
-        if not ok:
+        if not ok or not self.is_valid(path):
             return None
         given: dict[str, Any] = {key: raw[key] for key in ("discard", "block_device", "accept_other_owner")
                                  if key in raw}
@@ -912,9 +1028,10 @@ class _Builder:
     ) -> Iterator[Nic]:
         for index, raw in enumerate(items):
             path = (*vm_path, "nic", index)
-            if not self.is_valid(path):
+            mac = self.mac(path, raw.get("mac"), vm, index) if self.is_valid((*path, "mac")) else None
+            network = self.value(path, raw, "network")
+            if network is None:
                 continue
-            network = raw["network"]
             if network not in networks:
                 if network not in broken:
                     known = ", ".join(sorted(networks)) or "none defined"
@@ -929,12 +1046,11 @@ class _Builder:
                                       "a forwarded host port reaches one NIC: give each VM its own "
                                       "user network")
                 self.forwarding[network] = path
-            mac = self.mac(path, raw.get("mac"), vm, index)
+            if not self.address_fits(path, raw, network) or not self.is_valid(path):
+                continue
             given: dict[str, Any] = {k: raw[k] for k in ("queues", "gateway") if k in raw}
             if "dns" in raw:
                 given["dns"] = tuple(raw["dns"])
-            if not self.address_fits(path, raw, network):
-                continue
             nic = Nic(network=network, mac=mac or "", model=NicModel(raw["model"]) if "model" in raw
                       else default_of(Nic, "model"), **given)
             if nic.queues > 1 and nic.model is not NicModel.VIRTIO:
@@ -948,6 +1064,8 @@ class _Builder:
         from vmlaunch.addresses import Wanted
 
         keys = [key for key in ("ip", "gateway", "dns") if key in raw]
+        if any(not self.is_valid((*path, key)) for key in keys):
+            return False  # the schema said what is wrong
         if keys and network in self.forwarding_or_user:
             self.problems.add((*path, keys[0]), f"network {network!r} is QEMU's user network, which "
                               "gives its NICs addresses by DHCP (10.0.2.15)", f"remove {keys[0]}")

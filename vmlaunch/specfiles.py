@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Optional
 
-from vmlaunch.errors import KeyPath, Location, Problem, SpecError
+import attrs
+
+from vmlaunch.errors import KeyPath, Location, Problem, SpecError, VmlaunchError
 from vmlaunch.model import LabSpec, VmSpec
 
 
@@ -27,8 +29,9 @@ def check_files(lab: LabSpec, vms: Sequence[str] = (), *, shown: Path | None = N
     """Raise SpecError listing every file of the lab's VMs (those named, or all) that cannot work.
 
     `shown`: the spec path as the user gave it, for messages (default: the lab's absolute path)."""
+    lab.select(vms)  # a UsageError for a VM it does not have
     problems = [Problem(Location(shown or lab.file, lab.source.line_of(path), path), message, hint)
-                for vm in lab.select(vms) for path, message, hint in _vm_problems(vm)]
+                for path, message, hint in file_problems(lab, vms)]
     if problems:
         raise SpecError(problems)
 
@@ -36,18 +39,117 @@ def check_files(lab: LabSpec, vms: Sequence[str] = (), *, shown: Path | None = N
 Found = tuple[KeyPath, str, Optional[str]]  # where, what is wrong, a hint
 
 
-def _vm_problems(vm: VmSpec) -> Iterator[Found]:
-    base: KeyPath = ("vm", vm.name)
-    for key, file in (("kernel", vm.kernel), ("initrd", vm.initrd)):
-        if file is not None:
-            problem = _problem(file, disk=False)
-            if problem is not None:
-                yield (*base, key), *problem
-    for index, disk in enumerate(vm.disks):
-        problem = _problem(disk.file, disk=True, writable=not disk.readonly, device_ok=disk.block_device,
-                           may_be_missing=disk.size is not None)
+@attrs.frozen
+class Named:
+    """A file (or folder) a spec names, where it names it, and what it must be."""
+
+    path: KeyPath
+    file: Path
+    kind: str = "file"  # file | disk | folder
+    writable: bool = False  # a disk the VM writes to
+    device_ok: bool = False  # block_device = true
+    may_be_missing: bool = False  # a disk with a size: `up` creates it
+
+    @property
+    def vm(self) -> str | None:
+        return str(self.path[1]) if self.path[0] == "vm" else None
+
+
+def named_in(lab: LabSpec) -> list[Named]:
+    """Every file the (built) lab names."""
+    named = [Named(("image", image.name, "file"), image.file) for image in lab.images
+             if image.file is not None]
+    for vm in lab.vms:
+        base: KeyPath = ("vm", vm.name)
+        named += [Named((*base, key), file) for key, file in (("kernel", vm.kernel), ("initrd", vm.initrd))
+                  if file is not None]
+        named += [Named((*base, "disk", index, "file"), disk.file, "disk", not disk.readonly,
+                        disk.block_device, disk.size is not None) for index, disk in enumerate(vm.disks)]
+        if vm.cloud_init is not None and vm.cloud_init.user_data is not None:
+            named.append(Named((*base, "cloud_init", "user_data"), vm.cloud_init.user_data))
+        named += [Named((*base, "share", index, "source"), share.source, "folder")
+                  for index, share in enumerate(vm.shares)]
+    return named
+
+
+def named_problems(named: Iterable[Named], vms: Sequence[str] = (),
+                   images: Mapping[str, str] | None = None) -> list[Found]:
+    """What is wrong with each named file of the VMs named (all when none are), and of the images
+    those VMs boot (`images`: VM -> image name; None: every image)."""
+    wanted_images = None if images is None else {image for vm, image in images.items()
+                                                  if not vms or vm in vms}
+    found: list[Found] = []
+    for item in named:
+        if item.vm is not None and vms and item.vm not in vms:
+            continue
+        if item.path[0] == "image" and wanted_images is not None and item.path[1] not in wanted_images:
+            continue
+        if item.kind == "folder":
+            missing = _folder_problem(item.file)
+            if missing is not None:
+                found.append((item.path, missing, None))
+            continue
+        problem = _problem(item.file, disk=item.kind == "disk", writable=item.writable,
+                           device_ok=item.device_ok, may_be_missing=item.may_be_missing)
         if problem is not None:
-            yield (*base, "disk", index, "file"), *problem
+            found.append((item.path, *problem))
+    return found
+
+
+def file_problems(lab: LabSpec, vms: Sequence[str] = ()) -> list[Found]:
+    """What is wrong with the files of the lab's VMs (those named that it has, or all)."""
+    selected = [vm for vm in lab.vms if not vms or vm.name in vms]
+    images = {vm.name: vm.image for vm in lab.vms if vm.image is not None}
+    return [*named_problems(named_in(lab), vms, images),
+            *(item for vm in selected for item in _disk_size_problems(lab, vm))]
+
+
+def disk_size_problems(lab: LabSpec, vms: Sequence[str] = ()) -> list[Found]:
+    return [item for vm in lab.vms if not vms or vm.name in vms for item in _disk_size_problems(lab, vm)]
+
+
+def _disk_size_problems(lab: LabSpec, vm: VmSpec) -> Iterator[Found]:
+    """disk_size below the image's own size, when the image is known here (a local file)."""
+    if vm.image is None or vm.disk_size is None:
+        return
+    image = lab.image(vm.image)
+    if image.file is None or not image.file.is_file():
+        return  # downloaded: checked once it is (`up`)
+    from vmlaunch.images import image_info
+    from vmlaunch.units import format_size
+
+    try:
+        size = image_info(image.file, image.format).virtual_size
+    except (OSError, VmlaunchError):
+        return  # said when `up` opens it
+    if vm.disk_size < size:
+        yield (("vm", vm.name, "disk_size"), f"{format_size(vm.disk_size)} is smaller than image "
+               f"{image.name} ({format_size(size)})", "leave disk_size out, or make it larger")
+
+
+def _p(path: Path) -> str:
+    """A path inside a message: quoted with escapes when it holds a control character (a newline in
+    a spec string would break the one-line-per-problem format)."""
+    text = str(path)
+    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+        import json
+
+        return json.dumps(text)
+    return text
+
+
+def _folder_problem(path: Path) -> str | None:
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return f"{_p(path)} does not exist"
+    except OSError as exc:
+        return f"{_p(path)} cannot be looked at: {exc.strerror or exc}"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"{_p(path)} is not a folder"
+    if not os.access(path, os.R_OK | os.X_OK):
+        return f"{_p(path)} is not readable by you"
+    return None
 
 
 def _problem(path: Path, *, disk: bool, writable: bool = False, device_ok: bool = False,
@@ -60,25 +162,25 @@ def _problem(path: Path, *, disk: bool, writable: bool = False, device_ok: bool 
             return None
         hint = ("give the disk a size to have `up` create it" if disk
                 else "relative paths are relative to the spec file")
-        return f"{path} does not exist", hint
+        return f"{_p(path)} does not exist", hint
     except OSError as exc:  # EACCES on a folder of the path, ELOOP, ENAMETOOLONG, ENOTDIR
-        return f"{path} cannot be looked at: {exc.strerror or exc}", None
+        return f"{_p(path)} cannot be looked at: {exc.strerror or exc}", None
     mode = info.st_mode
     if stat.S_ISDIR(mode):
-        return f"{path} is a folder, not a file", None
+        return f"{_p(path)} is a folder, not a file", None
     if stat.S_ISBLK(mode):
         if not device_ok:
-            return (f"{path} is a block device", "add block_device = true to the disk if that is meant"
+            return (f"{_p(path)} is a block device", "add block_device = true to the disk if that is meant"
                     if disk else None)
     elif not stat.S_ISREG(mode):
         kind = ("a character device" if stat.S_ISCHR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
                 else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
-        return f"{path} is {kind}, not a file", None
+        return f"{_p(path)} is {kind}, not a file", None
     elif info.st_size == 0 and not may_be_missing:
-        return f"{path} is empty", None
+        return f"{_p(path)} is empty", None
     if not os.access(path, os.R_OK):
-        return f"{path} is not readable by you", None
+        return f"{_p(path)} is not readable by you", None
     if writable and not os.access(path, os.W_OK):
-        return (f"{path} is not writable by you (the VM writes to this disk)",
+        return (f"{_p(path)} is not writable by you (the VM writes to this disk)",
                 "add readonly = true to the disk if the VM only reads it")
     return None

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 import attrs
 
+from vmlaunch.diskfiles import DiskOrigin
 from vmlaunch.model import PciDriver
 from vmlaunch.naming import is_driver_name, is_pci_address
 from vmlaunch.resources.base import Context
@@ -64,6 +65,8 @@ class PciBind:
     address: str
     driver: PciDriver
     vm: str
+    origin: DiskOrigin | None = attrs.field(default=None, eq=False)  # where the spec asks for it
+
 
     @property
     def key(self) -> str:
@@ -77,7 +80,10 @@ class PciBind:
         return f"PCI {self.address} for {self.vm}: bind to {self.driver.value}"
 
     def found(self) -> str | None:
-        return None
+        from vmlaunch.pci import device_problems
+
+        problems = device_problems(self.address)
+        return f"refused: {'; '.join(problems)}" if problems else None
 
     def apply(self, ctx: Context) -> PciRecord:
         from vmlaunch.pci import bind
@@ -87,6 +93,17 @@ class PciBind:
     @staticmethod
     def preflight(binds: Sequence[PciBind]) -> None:
         """Every device to pass through is in a viable IOMMU group, before anything changes."""
-        from vmlaunch.pci import check_viable
+        from vmlaunch.pci import PciError, check_viable
 
-        check_viable([b.address for b in binds], drivers={b.driver for b in binds})
+        try:
+            check_viable([b.address for b in binds], drivers={b.driver for b in binds})
+        except PciError as err:  # each line of a device: with the file, line and key that ask for it
+            lines = [_located(line, binds) for line in err.problems]
+            raise PciError("\n".join(lines), err.hint, lines) from None
+
+
+def _located(line: str, binds: Sequence[PciBind]) -> str:
+    for bind in binds:
+        if bind.origin is not None and line.startswith(f"PCI {bind.address}:"):
+            return f"{bind.origin.location('host')} {line}"
+    return line

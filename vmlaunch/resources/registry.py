@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from vmlaunch.resources.base import Context, Record
 from vmlaunch.resources.bridge import BridgeRecord, release_unjournaled_bridges
+from vmlaunch.resources.guest import LabDirRecord, VmFileRecord
 from vmlaunch.resources.image import ImageRecord
 from vmlaunch.resources.pci import PciRecord
 from vmlaunch.resources.tap import TapRecord
@@ -15,6 +16,8 @@ RECORDS: dict[str, type[Record]] = {record.kind: record for record in (
     BridgeRecord,
     TapRecord,
     PciRecord,
+    LabDirRecord,
+    VmFileRecord,
 )}
 
 # Kinds that keep claims outside the journal (a bridge shared between labs: bridge_registry.py), each a

@@ -1,0 +1,300 @@
+"""What a real guest keeps in the lab dir (`labdir.py`): the lab dir itself, each VM's overlay of its
+image, its UEFI variable store and its NoCloud seed.
+
+`down` keeps them all: the next `up` resumes the same machines (`up --fresh` or `vmlaunch reset`
+remove a VM's overlay, NVRAM and instance id first). Only a failing `up` removes what it created, so a
+first `up` that fails leaves nothing beside the spec. Each file is written under a temporary name in
+the lab dir (the user's own, writable by nobody else) and renamed into place when complete: a crash
+never leaves a half-made overlay that a later `up` would boot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import ClassVar
+
+import attrs
+
+from vmlaunch.errors import Location, RuntimeFailure, SpecError
+from vmlaunch.errors import Problem as SpecProblem
+from vmlaunch.labdir import LabDir, VmDir
+from vmlaunch.model import Image, LabSpec, VmSpec
+from vmlaunch.resources.base import Context
+
+log = logging.getLogger(__name__)
+
+
+def _temp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def _publish(temp: Path, path: Path) -> None:
+    """fsync `temp` and rename it over `path` (a file vmlaunch made; never followed: rename replaces
+    a link itself)."""
+    fd = os.open(temp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temp, path)
+
+
+def _remove(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise RuntimeFailure(f"cannot remove {path}: {exc.strerror}") from None
+
+
+@attrs.frozen
+class LabDirRecord:
+    kind: ClassVar[str] = "labdir"
+
+    path: Path
+    created: bool
+
+    def undo(self, ctx: Context, *, rollback: bool) -> None:
+        """Kept by `down` (it holds the machines); removed by a failing `up` that made it."""
+        if not (rollback and self.created):
+            return
+        if not (self.path / ".vmlaunch-lab-dir").is_file():
+            return  # not vmlaunch's (any more): never removed
+        shutil.rmtree(self.path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.path.parent.rmdir()  # .vmlaunch, when no other lab of this folder uses it
+
+    def describe(self) -> str:
+        return f"lab dir {self.path} ({'created' if self.created else 'existed'}; kept by down)"
+
+
+@attrs.frozen
+class LabDirResource:
+    """The lab dir beside the spec: made (0700, marked) when missing, checked against the ownership
+    rule when present."""
+
+    kind: ClassVar[str] = "labdir"
+
+    lab_dir: LabDir
+
+    @property
+    def key(self) -> str:
+        return str(self.lab_dir.path)
+
+    @property
+    def owner(self) -> str | None:
+        return None
+
+    def describe(self) -> str:
+        return f"lab dir {self.lab_dir.path} (keys, overlays, seeds: kept by down)"
+
+    def found(self) -> str | None:
+        return "exists" if self.lab_dir.path.exists() else None
+
+    def apply(self, ctx: Context) -> LabDirRecord:
+        existed = os.path.lexists(self.lab_dir.path)
+        self.lab_dir.secure(create=True)
+        if existed and not self.lab_dir.mark.is_file():
+            raise RuntimeFailure(f"{self.lab_dir.path} exists and was not made by vmlaunch (it has no "
+                                 f"{self.lab_dir.mark.name} mark)", "move it away")
+        return LabDirRecord(self.lab_dir.path, created=not existed)
+
+
+@attrs.frozen
+class VmFileRecord:
+    """A file of a VM in the lab dir: an overlay, a seed or an NVRAM store."""
+
+    kind: ClassVar[str] = "vmfile"
+
+    path: Path
+    created: bool
+    what: str = "file"
+
+    def undo(self, ctx: Context, *, rollback: bool) -> None:
+        if rollback and self.created:
+            _remove(self.path)
+
+    def describe(self) -> str:
+        return f"{self.what} {self.path} ({'created' if self.created else 'existed'}; kept by down)"
+
+
+@attrs.frozen
+class Overlay:
+    """A VM's first disk: a qcow2 overlay backed by its image (pulled into the cache when missing),
+    with the VM's `disk_size` (at least the image's)."""
+
+    kind: ClassVar[str] = "vmfile"
+
+    vm: str
+    image: Image
+    path: Path
+    size: int | None
+    spec: Path  # for a message naming the line of disk_size
+    line: int = 1
+
+    @property
+    def key(self) -> str:
+        return str(self.path)
+
+    @property
+    def owner(self) -> str | None:
+        return self.vm
+
+    def describe(self) -> str:
+        from vmlaunch.units import format_size
+
+        size = f", {format_size(self.size)}" if self.size else ""
+        return f"overlay {self.path} of image {self.image.name} for {self.vm}{size}"
+
+    def found(self) -> str | None:
+        return "exists: the VM resumes from it" if self.path.exists() else None
+
+    def apply(self, ctx: Context) -> VmFileRecord:
+        from vmlaunch import images
+
+        if os.path.lexists(self.path):
+            return VmFileRecord(self.path, created=False, what="overlay")
+        _make_vm_dir(self.path.parent)
+        base = images.ensure(self.image)
+        info = images.image_info(base, self.image.format)
+        if self.size is not None and self.size < info.virtual_size:
+            from vmlaunch.units import format_size
+
+            raise SpecError([SpecProblem(
+                Location(self.spec, self.line, ("vm", self.vm, "disk_size")),
+                f"{format_size(self.size)} is smaller than image {self.image.name} "
+                f"({format_size(info.virtual_size)})", "leave disk_size out, or make it larger")])
+        temp = _temp(self.path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        argv = [ctx.qemu_img, "create", "-q", "-f", "qcow2", "-b", str(base), "-F", info.format.value,
+                str(temp)]
+        if self.size is not None:
+            argv.append(str(self.size))
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, check=False,
+                                  stdin=subprocess.DEVNULL)
+        except OSError as exc:
+            raise RuntimeFailure(f"`{' '.join(argv)}` failed: {exc}") from None
+        if done.returncode != 0:
+            _remove(temp)
+            raise RuntimeFailure(f"creating the overlay of {self.vm} failed: "
+                                 f"{done.stderr.strip() or f'qemu-img status {done.returncode}'}")
+        os.chmod(temp, 0o600)
+        _publish(temp, self.path)
+        return VmFileRecord(self.path, created=True, what="overlay")
+
+
+@attrs.frozen
+class Nvram:
+    """A VM's UEFI variable store: a copy of the firmware's template, made once."""
+
+    kind: ClassVar[str] = "vmfile"
+
+    vm: str
+    path: Path
+    template: Path
+
+    @property
+    def key(self) -> str:
+        return str(self.path)
+
+    @property
+    def owner(self) -> str | None:
+        return self.vm
+
+    def describe(self) -> str:
+        return f"UEFI variables {self.path} for {self.vm} (from {self.template})"
+
+    def found(self) -> str | None:
+        return "exists" if self.path.exists() else None
+
+    def apply(self, ctx: Context) -> VmFileRecord:
+        if os.path.lexists(self.path):
+            return VmFileRecord(self.path, created=False, what="UEFI variables")
+        _make_vm_dir(self.path.parent)
+        temp = _temp(self.path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        try:
+            shutil.copyfile(self.template, temp)
+            os.chmod(temp, 0o600)
+            _publish(temp, self.path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise RuntimeFailure(f"cannot copy the UEFI variables of {self.vm} from {self.template}: "
+                                 f"{exc.strerror or exc}") from None
+        return VmFileRecord(self.path, created=True, what="UEFI variables")
+
+
+@attrs.frozen
+class Seed:
+    """A VM's NoCloud seed: its hostname, the lab's SSH key, its own host key, static addresses,
+    shares to mount and the spec's cloud-init settings. Written anew by every `up` (the instance id
+    stays, so cloud-init runs its once-per-instance steps on the first boot of an overlay only)."""
+
+    kind: ClassVar[str] = "vmfile"
+
+    vm: str
+    lab: LabSpec = attrs.field(eq=False, repr=False)
+    lab_dir: LabDir
+    management_mac: str | None
+
+    @property
+    def path(self) -> Path:
+        return self.lab_dir.vm(self.vm).seed
+
+    @property
+    def key(self) -> str:
+        return str(self.path)
+
+    @property
+    def owner(self) -> str | None:
+        return self.vm
+
+    def describe(self) -> str:
+        return f"cloud-init seed {self.path} for {self.vm} (written by every up)"
+
+    def found(self) -> str | None:
+        return "exists: written anew" if self.path.exists() else None
+
+    def apply(self, ctx: Context) -> VmFileRecord:
+        from vmlaunch import cloudinit, sshkeys
+
+        vm: VmSpec = self.lab.vm(self.vm)
+        vm_dir: VmDir = self.lab_dir.vm(self.vm)
+        existed = os.path.lexists(self.path)
+        _make_vm_dir(vm_dir.path)
+        authorized = sshkeys.ensure_lab_key(self.lab_dir)
+        host_key = sshkeys.ensure_host_key(self.lab_dir, self.vm)
+        sshkeys.pin(self.lab_dir, self.vm, host_key[1])
+        cloudinit.write_seed(
+            self.path,
+            cloudinit.user_data(self.lab, vm, authorized, host_key),
+            cloudinit.meta_data(self.lab, vm, cloudinit.instance_id(self.lab_dir, self.vm)),
+            cloudinit.network_config(self.lab, vm, self.management_mac),
+        )
+        return VmFileRecord(self.path, created=not existed, what="cloud-init seed")
+
+
+def _make_vm_dir(path: Path) -> None:
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+
+
+def reset(lab_dir: LabDir, vm: str) -> list[Path]:
+    """Remove what makes a VM the machine it is now (overlay, seed, NVRAM, instance id), so the next
+    `up` starts it afresh from its image; its keys stay. Returns what was removed."""
+    removed = []
+    for path in lab_dir.vm(vm).fresh:
+        if os.path.lexists(path):
+            _remove(path)
+            removed.append(path)
+    return removed
