@@ -1,0 +1,103 @@
+"""What a real guest keeps beside its spec, on the fast test guest: the busybox kernel boots directly
+with an image's overlay as its disk and a NoCloud seed it does not read, which is all these tests need
+(the Debian guest in tests/test_guests.py shows cloud-init and SSH for real). User networking only."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import write_spec
+from vmlaunch.cli import main
+
+pytestmark = [pytest.mark.qemu, pytest.mark.guest]
+READY = "VMLAUNCH-GUEST-READY"
+
+
+def spec_of(tmp_path: Path, guest: Path, kernel: str = "vmlinuz") -> Path:
+    base = tmp_path / "base.qcow2"
+    if not base.exists():
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(base), "16M"], check=True)
+    return write_spec(tmp_path, f"""
+[lab]
+name = "gr"
+[image.base]
+file = "base.qcow2"
+[vm.a]
+memory = 128
+accel = "tcg"
+image = "base"
+disk_size = "32M"
+kernel = "{guest / kernel}"
+initrd = "{guest / 'initrd.gz'}"
+[vm.a.cloud_init]
+user = "dev"
+runcmd = ["true"]
+""")
+
+
+def files(tmp_path: Path) -> dict[str, int]:
+    """Each file of VM a in the lab dir, by name, with its inode (a file made anew has another)."""
+    folder = tmp_path / ".vmlaunch" / "gr" / "a"
+    return {entry.name: entry.stat().st_ino for entry in os.scandir(folder)}
+
+
+def test_the_lab_dir_lives_across_down_and_fresh(tmp_path: Path, run_dir: Path, test_guest: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from vmlaunch import cloudinit
+    from vmlaunch.model import DiskFormat
+    from vmlaunch.resources.image import virtual_size
+
+    spec = spec_of(tmp_path, test_guest)
+    try:
+        assert main(["-q", "up", str(spec), "--wait-for", READY, "--timeout", "120"]) == 0
+        first = files(tmp_path)
+        assert set(first) == {"disk.qcow2", "seed.iso", "instance-id", "ssh_host_ed25519_key",
+                              "ssh_host_ed25519_key.pub"}
+        overlay = tmp_path / ".vmlaunch" / "gr" / "a" / "disk.qcow2"
+        assert virtual_size(overlay, DiskFormat.QCOW2, overlay.stat()) == 32 << 20  # disk_size
+        assert oct(overlay.stat().st_mode & 0o777) == "0o600"
+        seed = cloudinit.read_seed(tmp_path / ".vmlaunch" / "gr" / "a" / "seed.iso")
+        assert "instance-id" in seed["meta-data"] and "dev" in seed["user-data"]
+        assert (tmp_path / ".vmlaunch" / "gr" / "ssh" / "known_hosts").read_text().startswith(
+            "vmlaunch-gr-a ssh-ed25519 ")
+        capsys.readouterr()
+        assert main(["status", str(spec), "--json"]) == 0
+        port = json.loads(capsys.readouterr().out)["a"]["ssh_port"]
+        assert isinstance(port, int) and port > 0  # the kernel's pick, read back over QMP
+        assert main(["reset", str(spec)]) == 4  # a running VM cannot be reset
+        assert "a is up" in capsys.readouterr().err
+        assert main(["-q", "down", str(spec), "--timeout", "1"]) == 0
+        assert files(tmp_path) == first  # down keeps the machine
+        assert main(["-q", "up", str(spec), "--wait-for", READY, "--timeout", "120"]) == 0
+        again = files(tmp_path)
+        assert again["disk.qcow2"] == first["disk.qcow2"]  # the same overlay: the same machine
+        assert again["instance-id"] == first["instance-id"]
+        assert main(["-q", "down", str(spec), "--timeout", "1"]) == 0
+        instance = (tmp_path / ".vmlaunch" / "gr" / "a" / "instance-id").read_text()
+        assert main(["-q", "up", str(spec), "--fresh", "--wait-for", READY, "--timeout", "120"]) == 0
+        fresh = files(tmp_path)
+        assert fresh["disk.qcow2"] != first["disk.qcow2"]  # made anew from the image
+        assert (tmp_path / ".vmlaunch" / "gr" / "a" / "instance-id").read_text() != instance
+        assert fresh["ssh_host_ed25519_key"] == first["ssh_host_ed25519_key"]  # its identity stays
+        assert main(["-q", "down", str(spec), "--timeout", "1"]) == 0
+        assert main(["reset", str(spec), "a"]) == 0
+        assert set(files(tmp_path)) == {"ssh_host_ed25519_key", "ssh_host_ed25519_key.pub"}
+    finally:
+        main(["-q", "down", str(spec), "--timeout", "1"])
+
+
+def test_a_first_up_that_fails_leaves_no_lab_dir(tmp_path: Path, run_dir: Path, test_guest: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    not_a_kernel = tmp_path / "not-a-kernel"
+    not_a_kernel.write_bytes(b"\x7fELF" + bytes(4092))
+    spec = spec_of(tmp_path, tmp_path, kernel="not-a-kernel")
+    (tmp_path / "initrd.gz").write_bytes(b"x")
+    assert main(["-q", "up", str(spec), "--timeout", "30"]) == 4
+    assert "Error while loading elf kernel" in capsys.readouterr().err
+    assert not (tmp_path / ".vmlaunch").exists()
+    assert not (run_dir / "gr").exists()
