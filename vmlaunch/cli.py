@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--fresh", action="store_true",
                     help="start the VMs afresh from their images: their overlays, seeds and UEFI "
                     "variables are made anew (what they wrote is lost; their SSH keys stay)")
+    up.add_argument("--from-snapshot", metavar="NAME",
+                    help="start the VMs, which must be down, from snapshot NAME (`vmlaunch snapshot`), "
+                    "RAM included: they run on from that instant, without booting")
     up.set_defaults(run=cmd_up)
 
     ssh = commands.add_parser(
@@ -231,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     from vmlaunch.imagecmd import add_parser as add_image_commands  # argparse only: stays light
 
     add_image_commands(commands)
+    from vmlaunch.snapshotcmd import add_parser as add_snapshot_commands  # argparse only: stays light
+
+    add_snapshot_commands(commands)
     return parser
 
 
@@ -391,9 +397,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     from vmlaunch.journal import Journal
 
     before = executor.running_vms(Journal.load(plan.run_dir))
+    warm = None
+    if args.from_snapshot is not None:
+        from vmlaunch.snapshot import warm_start
+
+        warm = warm_start(lab, [vm.name for vm in plan.vms], args.from_snapshot, qemu_img=host.qemu.img)
     pids = executor.up(plan, spec=str(lab.file), qemu_img=host.qemu.img, wait_for=args.wait_for,
                        timeout=args.timeout, force=args.force, wait_ssh=args.wait == "ssh",
-                       fresh=args.fresh)
+                       fresh=args.fresh, from_snapshot=warm)
     for vm in plan.vms:
         left = ", already: left alone" if before.get(vm.name) == pids[vm.name] else ""
         print(f"{vm.name}: running (pid {pids[vm.name]}, {vm.accel.accel.value}{left})")

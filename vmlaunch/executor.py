@@ -14,9 +14,10 @@ import stat
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vmlaunch import lastrun, qemu, signals
-from vmlaunch.errors import RuntimeFailure, VmlaunchError
+from vmlaunch.errors import RuntimeFailure, UsageError, VmlaunchError
 from vmlaunch.journal import Entry, Journal, VmEntry, locked
 from vmlaunch.labdir import LabDir
 from vmlaunch.plan import Plan, VmPlan
@@ -25,6 +26,9 @@ from vmlaunch.resources.base import Context, Resource, preflight
 from vmlaunch.rundir import RunDir, VmFiles
 from vmlaunch.textsafe import last_line, printable
 from vmlaunch.wait import TimedOut, remaining, wait_until
+
+if TYPE_CHECKING:
+    from vmlaunch.snapshot import WarmStart
 
 log = logging.getLogger(__name__)
 
@@ -78,21 +82,26 @@ def _roll_back(entry: Entry, ctx: Context, journal: Journal) -> None:
 
 def up(plan: Plan, *, spec: str | os.PathLike[str], qemu_img: str | None = None, wait_for: str | None = None,
        timeout: float = 60.0, force: bool = False, wait_ssh: bool = False,
-       fresh: bool = False) -> dict[str, int]:
+       fresh: bool = False, from_snapshot: WarmStart | None = None) -> dict[str, int]:
     """Make the plan real; return name -> pid of every VM of the plan now running.
 
     A lab that is up from another spec file (same lab name) is refused unless `force` takes it over.
+    `from_snapshot` (`snapshot.warm_start`): the VMs, all down, start from a snapshot, RAM included.
     """
+    if fresh and from_snapshot is not None:
+        raise UsageError("--fresh and --from-snapshot do not go together: --fresh makes the disks that "
+                         "hold the snapshot anew")
     umask = os.umask(0o077)  # the run dir, journal and logs are for their owner only
     try:
         ctx = Context(lab=plan.lab, qemu_img=qemu_img or "qemu-img")
-        return _up(plan, os.fspath(spec), ctx, wait_for, timeout, force, wait_ssh, fresh)
+        return _up(plan, os.fspath(spec), ctx, wait_for, timeout, force, wait_ssh, fresh, from_snapshot)
     finally:
         os.umask(umask)
 
 
 def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: float,
-        force: bool, wait_ssh: bool = False, fresh: bool = False) -> dict[str, int]:
+        force: bool, wait_ssh: bool = False, fresh: bool = False,
+        from_snapshot: WarmStart | None = None) -> dict[str, int]:
     with locked(plan.run_dir, timeout):
         journal = Journal.load(plan.run_dir)  # first: a journal it cannot read leaves no mark
         journal.check_spec(spec, force=force)
@@ -100,6 +109,11 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
         journal.spec = os.path.realpath(spec)
         already = running_vms(journal)
         to_start = [vm for vm in plan.vms if vm.name not in already]
+        if from_snapshot is not None and len(to_start) < len(plan.vms):
+            running = [vm.name for vm in plan.vms if vm.name in already]
+            raise RuntimeFailure(f"{', '.join(running)} {'runs' if len(running) == 1 else 'run'} already: "
+                                 "--from-snapshot starts VMs that are down", "restore a lab that is up "
+                                 f"with `vmlaunch snapshot SPEC restore {from_snapshot.name}`")
         if fresh:
             for name in already:
                 log.warning("%s runs already: not started afresh (down it first)", name)
@@ -136,11 +150,16 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
                     _narrow(path)
             journal.save()
             deadline = time.monotonic() + timeout
+            if from_snapshot is not None:  # still paused: the guests resume at the snapshot's instant
+                from_snapshot.load(to_start, timeout)
             _wait_ready(to_start, pids, wait_for, timeout)
             if wait_ssh:
                 ports = {vm.name: journal.vms[vm.name].ssh_port for vm in to_start if vm.ssh_user}
                 _wait_ssh(plan, [vm for vm in to_start if vm.ssh_user], pids, ports,
                           remaining(deadline, 1.0))
+            if from_snapshot is not None:
+                from_snapshot.step_clocks(plan, to_start, {vm.name: journal.vms[vm.name].ssh_port
+                                                           for vm in to_start})
         except BaseException:
             with signals.held():  # a second Ctrl-C must not cut the rollback short
                 try:
