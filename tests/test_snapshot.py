@@ -1,0 +1,377 @@
+"""Snapshots of a whole lab (`vmlaunch/snapshot.py`, `vmlaunch snapshot`, `up --from-snapshot`).
+
+What a snapshot may hold and the refusals are checked on specs alone; the rest on one booted lab of
+two test guests under TCG (a socket network: nothing is created on the host), shared by the tests
+below in their order: save, restore, list, delete, a failing save, then down and a warm start."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from tests.conftest import fake_host
+from vmlaunch import executor, snapshot
+from vmlaunch.cli import main
+from vmlaunch.compiler import compile_lab
+from vmlaunch.dirs import run_root
+from vmlaunch.errors import RuntimeFailure, UsageError
+from vmlaunch.host import Ovmf
+from vmlaunch.journal import Journal
+from vmlaunch.model import LabSpec
+from vmlaunch.rundir import RunDir
+from vmlaunch.spec import load_lab
+
+READY = "VMLAUNCH-GUEST-READY"
+VM = """
+[vm.NAME]
+memory = "128M"
+accel = "tcg"
+kernel = "GUEST/vmlinuz"
+initrd = "GUEST/initrd.gz"
+[[vm.NAME.disk]]
+file = "NAME.qcow2"
+size = "16M"
+format = "qcow2"
+[[vm.NAME.nic]]
+network = "lan"
+"""
+SPEC = '[lab]\nname = "snap"\n[network.lan]\ntype = "socket"\n' + VM.replace("NAME", "a") + \
+    VM.replace("NAME", "b")
+
+
+def lab_of(tmp_path: Path, text: str, name: str = "lab.toml") -> LabSpec:
+    spec = tmp_path / name
+    spec.write_text(text)
+    return load_lab(spec)
+
+
+# --- what a snapshot holds, and what it refuses (specs only) --------------------------------------------
+
+
+REFUSED = """[lab]
+name = "refused"
+[vm.a]
+memory = "64M"
+[[vm.a.disk]]
+file = "a.img"
+[[vm.a.disk]]
+file = "base.img"
+readonly = true
+[[vm.a.share]]
+source = "src"
+target = "/srv"
+[vm.b]
+memory = "64M"
+[[vm.b.pci]]
+host = "01:00.0"
+[[vm.b.disk]]
+file = "b.qcow2"
+[vm.c]
+memory = "64M"
+kernel = "vmlinuz"
+"""
+
+
+def test_every_reason_is_given_at_once_with_its_line(tmp_path: Path) -> None:
+    lab = lab_of(tmp_path, REFUSED)
+    with pytest.raises(snapshot.SnapshotRefused) as caught:
+        snapshot.check(lab, ["a", "b", "c"], running={"a": 1})
+    lines = caught.value.message.splitlines()
+    spec = tmp_path / "lab.toml"
+    assert lines[0] == "cannot snapshot lab refused:"
+    assert lines[1].startswith(f"{spec}:5: vm.a.disk[0]: the raw disk {tmp_path / 'a.img'} cannot hold a "
+                               "snapshot: only qcow2 keeps internal snapshots")
+    assert lines[2].startswith(f"{spec}:10: vm.a.share[0]: the 9p share of {tmp_path / 'src'} cannot be "
+                               "snapshotted: QEMU blocks migration, and so the saving of RAM, while the "
+                               "guest has it mounted")
+    assert lines[3].startswith(f"{spec}:15: vm.b.pci[0]: the passed-through PCI device 0000:01:00.0 cannot "
+                               "be snapshotted")
+    assert lines[4] == f"{spec}:13: vm.b: VM b is not running"
+    assert lines[5].startswith(f"{spec}:19: vm.c: VM c has no writable qcow2 disk to hold its RAM")
+    assert lines[6] == f"{spec}:19: vm.c: VM c is not running"
+    assert len(lines) == 7  # the read-only raw disk is not a reason: it is not in the snapshot
+    assert "bring the lab up first" in str(caught.value.hint)
+    with pytest.raises(snapshot.SnapshotRefused, match="cannot snapshot lab refused: it has no VM"):
+        snapshot.check(lab, [])
+
+
+GUEST = """[lab]
+name = "real"
+[image.base]
+file = "base.qcow2"
+[vm.web]
+memory = "256M"
+image = "base"
+firmware = "uefi"
+[[vm.web.disk]]
+file = "data.qcow2"
+[[vm.web.disk]]
+file = "iso.img"
+readonly = true
+[[vm.web.disk]]
+file = "more.qcow2"
+"""
+
+
+def test_the_snapshot_holds_the_writable_qcow2_nodes_the_compiler_made(tmp_path: Path) -> None:
+    """The overlay is disk0 and holds the RAM; the seed, the UEFI pflash and a read-only disk are left
+    out, so neither stops a snapshot. The node names are those of the compiled argv."""
+    lab = lab_of(tmp_path, GUEST)
+    disks = snapshot.check(lab, ["web"])["web"]
+    overlay = tmp_path / ".vmlaunch" / "real" / "web" / "disk.qcow2"
+    assert [(d.node, d.file) for d in disks.disks] == [
+        ("disk0", overlay), ("disk1", tmp_path / "data.qcow2"), ("disk3", tmp_path / "more.qcow2")]
+    assert disks.vmstate == "disk0" and disks.devices == ["disk0", "disk1", "disk3"]
+    host = fake_host(ovmf=Ovmf(Path("/usr/share/OVMF/OVMF_CODE_4M.fd"), Path("/usr/share/OVMF/VARS.fd")))
+    argv = compile_lab(lab, host).vm("web").argv
+    nodes = [json.loads(value) for option, value in zip(argv, argv[1:]) if option == "-blockdev"]
+    files = {node["node-name"]: node.get("filename") for node in nodes if node["driver"] == "file"}
+    writable_qcow2 = [(node["node-name"], Path(files[node["file"]])) for node in nodes
+                      if node["driver"] == "qcow2" and not node["read-only"]]
+    assert writable_qcow2 == [(d.node, d.file) for d in disks.disks]
+    assert {"seed", "fw-vars"} <= {node["node-name"] for node in nodes}  # there, and not in it
+
+
+def test_names_start_with_a_letter() -> None:
+    assert snapshot.check_name("before-upgrade.2") == "before-upgrade.2"
+    for bad in ("1", "", "a b", "x" * 65, "-a", "a/b"):
+        with pytest.raises(UsageError, match="is not a snapshot name"):
+            snapshot.check_name(bad)
+
+
+def test_the_command_line_checks_what_goes_with_which_subcommand(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = tmp_path / "lab.toml"
+    spec.write_text(REFUSED)
+    for argv, message in ((["save"], "snapshot save needs a NAME"),
+                          (["list", "x"], "snapshot list takes no NAME"),
+                          (["restore", "x", "--force"], "--force goes with save only"),
+                          (["save", "x", "--json"], "--json goes with list only"),
+                          (["save", "1"], "'1' is not a snapshot name"),
+                          (["keep"], "invalid choice: 'keep'")):
+        assert main(["snapshot", str(spec), *argv]) == 64
+        assert message in capsys.readouterr().err
+
+
+def test_a_lab_that_cannot_be_snapshotted_is_refused_and_left_alone(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(tmp_path / "run"))
+    (tmp_path / "src").mkdir()
+    spec = tmp_path / "lab.toml"
+    spec.write_text(REFUSED)
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(tmp_path / "b.qcow2"), "16M"], check=True)
+    subprocess.run(["qemu-img", "create", "-q", "-f", "raw", str(tmp_path / "a.img"), "1M"], check=True)
+    (tmp_path / "base.img").write_bytes(b"\0" * 512)
+    (tmp_path / "vmlinuz").write_bytes(b"not booted")
+    before = (tmp_path / "b.qcow2").read_bytes()
+    assert main(["snapshot", str(spec), "save", "first"]) == 4
+    err = capsys.readouterr().err
+    assert "vm.a.disk[0]: the raw disk" in err and "vm.a.share[0]: the 9p share" in err
+    assert "vm.b: VM b is not running" in err
+    assert (tmp_path / "b.qcow2").read_bytes() == before
+    assert main(["up", str(spec), "--from-snapshot", "first"]) == 4
+    assert "cannot start lab refused from snapshot 'first':" in capsys.readouterr().err
+    assert main(["snapshot", str(spec), "list", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {}
+
+
+def test_a_clock_is_set_to_the_time_sent_once_the_command_runs(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """The SSH command is stood in for by a local shell (nothing here sets this host's clock)."""
+    sent, given = tmp_path / "sent", []
+
+    def fake_ssh(words: list[str]) -> list[str]:
+        given.append(words)
+        return ["sh", "-c", f'echo 100.25; read t; echo "$t" > {sent}']
+
+    behind = snapshot._step_clock(fake_ssh)
+    assert given == [["sudo", "-n", "sh", "-c", snapshot._SET_CLOCK]]
+    assert isinstance(behind, float) and abs(behind - (time.time() - 100.25)) < 5
+    assert abs(float(sent.read_text()) - time.time()) < 5
+    refused = ["sh", "-c", "echo 'sudo: a password is required' >&2; exit 1"]
+    assert snapshot._step_clock(lambda words: refused) == "sudo: a password is required"
+    assert snapshot._step_clock(lambda words: ["sleep", "5"], timeout=1) == "SSH did not answer within 1 s"
+
+    caplog.set_level(logging.INFO, logger="vmlaunch")
+    snapshot.step_clocks({"a": time.time() - 60, "b": time.time() - 60}, {"a": fake_ssh})
+    messages = [record.getMessage() for record in caplog.records]
+    assert any(m.startswith("a: clock set to the host's (it was ") for m in messages), messages
+    assert "b: its clock may be up to 60 s behind (the snapshot's age): it has no SSH to set it with " \
+           "(NTP or `hwclock -s` in the guest does)" in messages
+
+
+# --- one lab, up ---------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Rig:
+    spec: Path
+    lab: LabSpec
+    run_dir: RunDir
+
+    def cli(self, *words: str) -> int:
+        return main([words[0], str(self.spec), *words[1:]])
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory, test_guest: Path) -> Iterator[Rig]:
+    folder = tmp_path_factory.mktemp("snap")
+    runs = tempfile.mkdtemp(prefix="vl-")  # short: unix socket paths
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VMLAUNCH_RUN_DIR", runs)
+        env.setenv("VMLAUNCH_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
+        env.setenv("VMLAUNCH_LOG_DIR", str(tmp_path_factory.getbasetemp() / "logs"))
+        spec = folder / "lab.toml"
+        spec.write_text(SPEC.replace("GUEST", str(test_guest)))
+        lab = load_lab(spec)
+        run_dir = RunDir.of(run_root(), lab.name)
+        try:
+            assert main(["up", str(spec), "--wait-for", READY, "--timeout", "120"]) == 0
+            yield Rig(spec, lab, run_dir)
+        finally:
+            executor.down(run_dir, timeout=1, force=True)
+            shutil.rmtree(runs, ignore_errors=True)
+
+
+def on_console(rig: Rig, vm: str, command: str, timeout: float = 30) -> str:
+    """Type `command` on the VM's serial console (the test guest's root shell); what it printed.
+
+    What the guest prints is read as it comes, as a console does: QEMU's serial port waits for a
+    client that does not read. The end is marked by output the typed line itself does not contain
+    (`$((6*7))` is 42 once run)."""
+    text = ""
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(str(rig.run_dir.vm(vm).console))
+        conn.settimeout(0.2)
+        conn.sendall(f"echo BEGIN$((6*7)); {command}; echo END$((6*7))\n".encode())
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(socket.timeout):
+                text += conn.recv(65536).decode(errors="replace")
+            # Kernel messages (the socket network's ICMPv6 notes) come at any point, mid-line too.
+            shell = re.sub(r"\[ *\d+\.\d+\] [^\n]*\n", "", text.replace("\r", ""))
+            found = re.search(r"BEGIN42\n(.*?)END42", shell, re.S)
+            if found:
+                return found.group(1)
+    raise AssertionError(f"{vm}: no answer to {command!r} within {timeout} s: {text[-3000:]!r}")
+
+
+def listed(rig: Rig, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    capsys.readouterr()
+    assert rig.cli("snapshot", "list", "--json") == 0
+    doc: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return doc
+
+
+def running(rig: Rig) -> list[str]:
+    from vmlaunch.control import qmp_command
+
+    return [qmp_command(rig.run_dir, vm, "query-status")["status"] for vm in ("a", "b")]
+
+
+def test_save_then_restore_brings_both_vms_back(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
+    for vm in ("a", "b"):
+        on_console(rig, vm, f"echo {vm}-first > /tmp/x")
+    assert rig.cli("snapshot", "save", "first") == 0
+    assert capsys.readouterr().out == "first: saved (a, b)\n"
+    assert running(rig) == ["running", "running"]
+    for vm in ("a", "b"):
+        on_console(rig, vm, f"echo {vm}-later > /tmp/x")
+        assert on_console(rig, vm, "cat /tmp/x") == f"{vm}-later\n"
+
+    assert rig.cli("snapshot", "restore", "first") == 0
+    assert capsys.readouterr().out == "first: restored (a, b)\n"
+    assert running(rig) == ["running", "running"]
+    assert on_console(rig, "a", "cat /tmp/x") == "a-first\n"
+    assert on_console(rig, "b", "cat /tmp/x") == "b-first\n"
+
+
+def test_list_shows_the_snapshot_of_each_vm(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = listed(rig, capsys)
+    assert set(doc) == {"first"} and set(doc["first"]) == {"a", "b"}
+    for entry in doc["first"].values():
+        assert entry["complete"] and entry["missing"] == []
+        assert entry["vm_state_size"] > 1 << 20 and entry["vm_clock"] > 1
+        assert abs(entry["taken"] - time.time()) < 300
+    assert rig.cli("snapshot", "list") == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["SNAPSHOT", "VM", "TAKEN", "VM", "STATE", "VM", "CLOCK"]
+    assert [line.split()[:2] for line in out[1:]] == [["first", "a"], ["first", "b"]]
+
+
+def test_a_name_taken_is_refused_unless_forced(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
+    taken = listed(rig, capsys)["first"]["a"]["taken"]
+    assert rig.cli("snapshot", "save", "first") == 4
+    assert "snapshot 'first' exists already in a, b" in capsys.readouterr().err
+    assert listed(rig, capsys)["first"]["a"]["taken"] == taken
+    assert rig.cli("snapshot", "save", "first", "--force") == 0
+    assert listed(rig, capsys)["first"]["a"]["taken"] > taken
+
+
+def test_restoring_what_is_not_there_changes_nothing(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
+    on_console(rig, "a", "echo still > /tmp/y")
+    assert rig.cli("snapshot", "restore", "nope") == 4
+    assert "the lab has no snapshot 'nope'" in capsys.readouterr().err
+    assert running(rig) == ["running", "running"]
+    assert on_console(rig, "a", "cat /tmp/y") == "still\n"
+
+
+def test_delete(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
+    assert rig.cli("snapshot", "save", "gone") == 0
+    assert set(listed(rig, capsys)) == {"first", "gone"}
+    assert rig.cli("snapshot", "delete", "gone") == 0
+    assert capsys.readouterr().out == "gone: deleted (a, b)\n"
+    assert set(listed(rig, capsys)) == {"first"}
+    assert rig.cli("snapshot", "delete", "gone") == 4
+    assert "no VM of lab snap has a snapshot 'gone'" in capsys.readouterr().err
+
+
+def test_a_failed_save_resumes_every_vm_and_leaves_no_part(rig: Rig, capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    real = snapshot._job
+
+    async def failing_in_b(qmp: Any, vm: str, command: str, deadline: float, **args: Any) -> None:
+        if vm == "b" and command == "snapshot-save":
+            raise RuntimeFailure("b: the disk is full (made up by the test)")
+        await real(qmp, vm, command, deadline, **args)
+
+    monkeypatch.setattr(snapshot, "_job", failing_in_b)
+    with pytest.raises(RuntimeFailure, match="snapshot 'half' failed") as caught:
+        snapshot.save(rig.run_dir, rig.lab, "half")
+    assert "b: the disk is full" in caught.value.message and caught.value.hint == "every VM was resumed"
+    assert running(rig) == ["running", "running"]
+    assert set(listed(rig, capsys)) == {"first"}  # a's part was deleted
+
+
+def test_up_from_snapshot_starts_without_booting(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
+    assert rig.cli("up", "--from-snapshot", "first") == 4  # up: restore is for that
+    assert "a, b run already: --from-snapshot starts VMs that are down" in capsys.readouterr().err
+    assert rig.cli("down", "--timeout", "5") == 0
+    assert set(listed(rig, capsys)["first"]) == {"a", "b"}  # read from the disks
+    assert rig.cli("up", "--from-snapshot", "first", "--fresh") == 64
+    assert "--fresh and --from-snapshot do not go together" in capsys.readouterr().err
+
+    started = time.time()
+    assert rig.cli("up", "--from-snapshot", "first") == 0
+    assert running(rig) == ["running", "running"]
+    assert on_console(rig, "a", "cat /tmp/x") == "a-first\n"
+    assert on_console(rig, "b", "cat /tmp/x") == "b-first\n"
+    for vm in ("a", "b"):
+        console = rig.run_dir.vm(vm).serial_log.read_text(errors="replace")
+        assert "Linux version" not in console and READY not in console  # it did not boot
+        uptime = float(on_console(rig, vm, "cut -d' ' -f1 /proc/uptime"))
+        assert uptime > time.time() - started  # up longer than its QEMU: it ran before, and runs on
+    assert set(Journal.load(rig.run_dir).vms) == {"a", "b"}
