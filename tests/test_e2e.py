@@ -6,6 +6,7 @@ bridges, taps and forwarded ports never touch the host's network; the namespace 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -30,13 +31,14 @@ class Netns:
     def __init__(self, name: str, run_root: Path) -> None:
         self.name = name
         self.run_root = run_root
+        self.env: dict[str, str] = {}  # more environment for every vmlaunch run in it
 
     def _command(self, args: tuple[str, ...], as_user: tuple[int, int] | None,
                  env: dict[str, str] | None) -> tuple[list[str], dict[str, str]]:
         drop = ["setpriv", f"--reuid={as_user[0]}", f"--regid={as_user[1]}", "--clear-groups",
                 "--inh-caps=-all", "--bounding-set=-all"] if as_user else []
         argv = ["ip", "netns", "exec", self.name, *drop, sys.executable, "-m", "vmlaunch", *args]
-        return argv, {**os.environ, "VMLAUNCH_RUN_DIR": str(self.run_root), **(env or {})}
+        return argv, {**os.environ, "VMLAUNCH_RUN_DIR": str(self.run_root), **self.env, **(env or {})}
 
     def vmlaunch(self, *args: str, timeout: float = 180, as_user: tuple[int, int] | None = None,
                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -74,6 +76,13 @@ def qemu_pids(run_root: Path) -> list[int]:
 
 @pytest.fixture
 def netns(tmp_path: Path) -> Iterator[Netns]:
+    with netns_named() as made:
+        yield made
+
+
+@contextlib.contextmanager
+def netns_named() -> Iterator[Netns]:
+    """A private network namespace (and run root) for one test or module; gone afterwards."""
     import tempfile
 
     name = f"vltest-{uuid.uuid4().hex[:8]}"

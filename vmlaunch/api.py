@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -38,7 +39,7 @@ class Lab:
     """A lab from its spec. As a context manager: up on enter, down on exit, whatever happened."""
 
     def __init__(self, spec: str | os.PathLike[str], vms: Sequence[str] = (), *,
-                 wait_for: str | None = None, timeout: float = 60.0) -> None:
+                 wait_for: str | None = None, timeout: float = 60.0, wait_ssh: bool = False) -> None:
         """Read and check the spec, probe the host and compile the lab; nothing starts yet.
 
         A relative `spec` is taken from the directory of the calling file (the working directory
@@ -57,6 +58,7 @@ class Lab:
         self.only = tuple(vms)  # empty: the whole lab
         self.wait_for = wait_for
         self.timeout = timeout
+        self.wait_ssh = wait_ssh
 
     def __repr__(self) -> str:
         return f"Lab({str(self.spec)!r}, vms={list(self.vms)!r})"
@@ -76,15 +78,18 @@ class Lab:
         """The lab's run dir (sockets, logs, journal); see "Files" in the README."""
         return self.plan.run_dir
 
-    def up(self, wait_for: str | None = None, timeout: float | None = None) -> None:
+    def up(self, wait_for: str | None = None, timeout: float | None = None,
+           wait_ssh: bool | None = None) -> None:
         """Bring the VMs up, as `vmlaunch up`: return when each runs and answers QMP (and, with
-        `wait_for`, has printed it on its console). VMs already running are left alone.
+        `wait_for`, has printed it on its console; with `wait_ssh`, as `--wait ssh`, when each VM
+        with an SSH port answers SSH and its cloud-init is done). VMs already running are left alone.
 
         Raises RuntimeFailure or HostError; whatever this call did is undone first.
         """
         executor.up(self.plan, spec=str(self.model.file), qemu_img=self.host.qemu.img,
                     wait_for=wait_for if wait_for is not None else self.wait_for,
-                    timeout=timeout if timeout is not None else self.timeout)
+                    timeout=timeout if timeout is not None else self.timeout,
+                    wait_ssh=wait_ssh if wait_ssh is not None else self.wait_ssh)
 
     def down(self, timeout: float = 10.0) -> bool:
         """Stop the VMs and undo what `up` did, as `vmlaunch down`; returns False (and does nothing)
@@ -190,6 +195,38 @@ class Vm:
     def status(self) -> VmStatus:
         """This VM's row of `Lab.status()`."""
         return self.lab.status()[self.name]
+
+    def ssh(self, command: str | Sequence[str], *, check: bool = False, timeout: float | None = None,
+            input: str | None = None) -> subprocess.CompletedProcess[str]:
+        """Run `command` in the VM over SSH, as `vmlaunch ssh SPEC VM -- ...`; its output as text.
+
+        A string runs through the guest's shell (`vm.ssh("ls /tmp | wc -l")`); a sequence of words
+        arrives as those words (`vm.ssh(["printf", "%s", "two words"])`). `returncode` is the
+        command's (255: SSH itself failed). `check=True` raises RuntimeFailure on a non-zero status.
+        UsageError when the VM has no SSH port; RuntimeFailure when it is not running."""
+        words = ["sh", "-c", command] if isinstance(command, str) else list(command)
+        argv = control.ssh_argv_of(self.lab.run_dir, self.lab.model, self.name, words)
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, input=input, timeout=timeout,
+                                  stdin=None if input is not None else subprocess.DEVNULL, check=False)
+        except subprocess.TimeoutExpired:
+            raise RuntimeFailure(f"{self.name}: {words!r} did not finish within {timeout:g} s") from None
+        if check and done.returncode != 0:
+            raise RuntimeFailure(f"{self.name}: {words!r} exited with status {done.returncode}",
+                                 done.stderr.strip()[-500:] or None)
+        return done
+
+    def wait_ssh(self, timeout: float = 300.0) -> None:
+        """Wait until the VM answers SSH and its cloud-init is done (as `up --wait ssh`)."""
+        from vmlaunch.journal import Journal
+
+        plan = self.lab.plan.vm(self.name)
+        entry = Journal.load(self.lab.run_dir).vms.get(self.name)
+        if plan.ssh_user is None or entry is None or entry.ssh_port is None:
+            raise RuntimeFailure(f"VM {self.name} is not up with an SSH port",
+                                 "it needs ssh = true (the default with an image) and `up`")
+        executor._wait_ssh(self.lab.plan, [plan], {self.name: self.pid},  # noqa: SLF001 - one wait
+                           {self.name: entry.ssh_port}, timeout)
 
 
 def _caller_base() -> tuple[Path, str]:

@@ -35,9 +35,9 @@ def vmlaunch_lab(request: pytest.FixtureRequest) -> Iterator[LabFactory]:
     test_file = request.path
 
     def start(spec: str | os.PathLike[str], vms: Sequence[str] = (), *, wait_for: str | None = None,
-              timeout: float = 60.0) -> Lab:
+              timeout: float = 60.0, wait_ssh: bool = False) -> Lab:
         path = _locate_spec(spec, test_file.parent, f"the directory of the test file, {test_file}")
-        lab = Lab(path, vms, wait_for=wait_for, timeout=timeout)
+        lab = Lab(path, vms, wait_for=wait_for, timeout=timeout, wait_ssh=wait_ssh)
         labs.append(lab)
         lab.up()
         return lab

@@ -1,0 +1,191 @@
+"""A real Debian guest end to end, as a user runs it: the image pulled over HTTP from 127.0.0.1,
+two VMs with static addresses on a bridge in a private network namespace, cloud-init, SSH, a
+read-only share, down/up keeping the machines, reset making one anew.
+
+The image is built once by tools/build_debian.py (mmdebstrap; cached in examples/debian/). One lab is
+booted for the whole module (a boot under TCG is a minute or two) and the tests run in order on it.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.test_e2e import Netns, netns_named
+
+pytestmark = [pytest.mark.qemu, pytest.mark.guest]
+BOOT_TIMEOUT = "420"
+
+
+@pytest.fixture(scope="module")
+def debian() -> dict[str, object]:
+    """The Debian image and its manifest (built, or found built, by tools/build_debian.py)."""
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "build_debian.py")],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.fail(f"building the Debian image failed:\n{done.stdout}\n{done.stderr}")
+    folder = ROOT / "examples" / "debian"
+    manifest: dict[str, object] = json.loads((folder / "bookworm.json").read_text())
+    return {**manifest, "path": folder / "bookworm.qcow2"}
+
+
+class Served:
+    """Files served over HTTP on 127.0.0.1 (the host's namespace), as a distro's mirror would."""
+
+    def __init__(self, folder: Path) -> None:
+        handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=str(folder))  # noqa: E731
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/{name}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def lab_text(url: str, sha512: str) -> str:
+    return f"""
+[lab]
+name = "deb"
+
+[image.debian]
+url = "{url}"
+sha512 = "{sha512}"
+
+[network.lan]
+bridge = "vlbr-deb"
+subnet = "10.10.0.0/24"
+
+[vm.a]
+memory = "768M"
+image = "debian"
+disk_size = "3G"
+firmware = "uefi"
+[vm.a.cloud_init]
+user = "dev"
+runcmd = ["touch /var/tmp/hello"]
+[[vm.a.nic]]
+network = "lan"
+ip = "10.10.0.11"
+[[vm.a.share]]
+source = "src"
+target = "/srv/src"
+readonly = true
+
+[vm.b]
+memory = "768M"
+image = "debian"
+[[vm.b.nic]]
+network = "lan"
+ip = "10.10.0.12"
+"""
+
+
+@pytest.fixture(scope="module")
+def lab(debian: dict[str, object], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Netns, Path]]:
+    """The lab, pulled and brought up once for the module; down (and checked clean) at the end."""
+    folder = tmp_path_factory.mktemp("deb")
+    (folder / "src").mkdir()
+    (folder / "src" / "from-the-host.txt").write_text("shared\n")
+    image = Path(str(debian["path"]))
+    served = Served(image.parent)
+    cache = folder / "cache"
+    env = {"VMLAUNCH_CACHE_DIR": str(cache)}
+    spec = folder / "lab.toml"
+    spec.write_text(lab_text(served.url(image.name), str(debian["sha512"])))
+    # a pull as for a real download: from the host's 127.0.0.1, before the lab goes in its namespace
+    try:
+        pulled = subprocess.run([sys.executable, "-m", "vmlaunch", "image", "pull", str(spec)],
+                                capture_output=True, text=True, env={**_environ(), **env}, timeout=300,
+                                check=False)
+    finally:
+        served.close()
+    assert pulled.returncode == 0, pulled.stderr
+    with netns_named() as netns:
+        up = netns.vmlaunch("up", str(spec), "--wait", "ssh", "--timeout", BOOT_TIMEOUT, env=env,
+                            timeout=float(BOOT_TIMEOUT) + 60)
+        try:
+            assert up.returncode == 0, up.stderr
+            netns.env = env
+            yield netns, spec
+        finally:
+            down = netns.vmlaunch("down", str(spec), env=env, timeout=120)
+            assert down.returncode == 0, down.stderr
+            assert netns.links() == {"lo"}
+
+
+def _environ() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)
+
+
+def ssh(netns: Netns, spec: Path, vm: str, *command: str) -> subprocess.CompletedProcess[str]:
+    return netns.vmlaunch("ssh", str(spec), vm, "--", *command, env=netns.env, timeout=120)
+
+
+def test_ssh_runs_words_and_passes_the_exit_status(lab: tuple[Netns, Path]) -> None:
+    netns, spec = lab
+    assert ssh(netns, spec, "a", "sh", "-c", "exit 7").returncode == 7
+    said = ssh(netns, spec, "b", "printf", "%s|", "two words", "it's", "$HOME")
+    assert said.returncode == 0 and said.stdout == "two words|it's|$HOME|"
+    assert ssh(netns, spec, "a", "cat", "/etc/hostname").stdout.strip() == "a"
+    assert ssh(netns, spec, "a", "id", "-un").stdout.strip() == "dev"
+    assert ssh(netns, spec, "a", "sudo", "-n", "true").returncode == 0  # passwordless sudo
+
+
+def reach(netns: Netns, spec: Path, vm: str, address: str) -> bool:
+    """`vm` opens a TCP connection to `address`'s SSH port over the lab's bridge (bash's /dev/tcp:
+    the image need not have ping)."""
+    done = ssh(netns, spec, vm, "timeout", "10", "bash", "-c", f"echo > /dev/tcp/{address}/22")
+    return done.returncode == 0
+
+
+def test_static_addresses_reach_each_other(lab: tuple[Netns, Path]) -> None:
+    netns, spec = lab
+    assert reach(netns, spec, "a", "10.10.0.12") and reach(netns, spec, "b", "10.10.0.11")
+    addresses = ssh(netns, spec, "a", "ip", "-4", "-o", "addr", "show").stdout
+    assert "10.10.0.11/24" in addresses
+
+
+def test_cloud_init_ran_the_spec(lab: tuple[Netns, Path]) -> None:
+    netns, spec = lab
+    assert ssh(netns, spec, "a", "test", "-e", "/var/tmp/hello").returncode == 0
+    assert ssh(netns, spec, "b", "test", "-e", "/var/tmp/hello").returncode == 1  # not b's runcmd
+    status = json.loads(netns.vmlaunch("status", str(spec), "--json", env=netns.env).stdout)
+    assert status["a"]["nics"][0]["address"] == "10.10.0.11/24"
+    assert isinstance(status["a"]["ssh_port"], int)
+
+
+def test_the_share_is_mounted_read_only(lab: tuple[Netns, Path]) -> None:
+    netns, spec = lab
+    if ssh(netns, spec, "a", "sh", "-c", "grep -qw 9p /proc/filesystems || modprobe -n 9p").returncode:
+        pytest.skip("the guest's kernel has no 9p (Debian's -cloud-amd64 kernel): no share to mount")
+    assert ssh(netns, spec, "a", "cat", "/srv/src/from-the-host.txt").stdout == "shared\n"
+    written = ssh(netns, spec, "a", "sudo", "touch", "/srv/src/from-the-guest")
+    assert written.returncode != 0 and "Read-only file system" in written.stderr
+    assert not (spec.parent / "src" / "from-the-guest").exists()
+
+
+def test_down_then_up_keeps_the_machine_and_reset_makes_it_anew(lab: tuple[Netns, Path]) -> None:
+    netns, spec = lab
+    for vm in ("a", "b"):
+        assert ssh(netns, spec, vm, "sh", "-c", "echo kept > /var/tmp/kept && sync").returncode == 0
+    assert netns.vmlaunch("down", str(spec), env=netns.env, timeout=120).returncode == 0
+    assert netns.vmlaunch("reset", str(spec), "b", env=netns.env).returncode == 0
+    up = netns.vmlaunch("up", str(spec), "--wait", "ssh", "--timeout", BOOT_TIMEOUT, env=netns.env,
+                        timeout=float(BOOT_TIMEOUT) + 60)
+    assert up.returncode == 0, up.stderr
+    assert ssh(netns, spec, "a", "cat", "/var/tmp/kept").stdout == "kept\n"  # the same machine
+    assert ssh(netns, spec, "b", "test", "-e", "/var/tmp/kept").returncode == 1  # a new one
