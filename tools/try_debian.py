@@ -16,9 +16,12 @@ cloud-init analyze). Exit status: 0 when every boot reached SSH, 1 when one did 
 its serial console is printed; ``--keep DIR`` keeps the work files and logs), 2 on bad usage.
 
 Usage: ``tools/try_debian.py [--image examples/debian/bookworm.qcow2] [--firmware uefi|bios|both]
-[--smp N] [--timeout SECONDS] [--analyze] [--keep DIR]``. Needs qemu-system-x86, qemu-utils,
-openssh-client, ovmf (for UEFI) and the pycdlib Python package; never touches the host's network
-(QEMU user networking only). Python 3.9+, standard library and pycdlib.
+[--smp N] [--disk-size SIZE] [--timeout SECONDS] [--analyze] [--keep DIR]``. With ``--disk-size``
+the VM's disk is larger than the image and cloud-init grows the root file system to fill it.
+
+Needs qemu-system-x86, qemu-utils, openssh-client, ovmf (for UEFI) and the pycdlib Python
+package; never touches the host's network (QEMU user networking only). Python 3.9+, standard
+library and pycdlib.
 """
 
 from __future__ import annotations
@@ -372,7 +375,16 @@ class BootResult(NamedTuple):
     analysis: str
 
 
-def boot(firmware: str, image: Path, work: Path, smp: int, timeout: float, analyze: bool) -> BootResult:
+class Options(NamedTuple):
+    image: Path
+    smp: int
+    timeout: float
+    analyze: bool
+    disk_size: str | None  # the overlay's virtual size (cloud-init grows the root to it)
+
+
+def boot(firmware: str, work: Path, options: Options) -> BootResult:
+    image, smp, timeout, analyze = options.image, options.smp, options.timeout, options.analyze
     keys = make_keys(work)
     port = free_port()
     known_hosts = work / "known_hosts"
@@ -381,8 +393,9 @@ def boot(firmware: str, image: Path, work: Path, smp: int, timeout: float, analy
     instance = f"try-{uuid.uuid4().hex[:12]}"
     make_seed(seed, {"meta-data": meta_data(instance), "user-data": user_data(keys)})
     overlay = work / "disk.qcow2"
+    size = [options.disk_size] if options.disk_size else []
     run(
-        ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(image), str(overlay)],
+        ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(image), str(overlay), *size],
         "qemu-img create",
     )
     argv = qemu_argv(firmware, work, overlay, seed, port, smp)
@@ -513,6 +526,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--firmware", choices=("uefi", "bios", "both"), default="both")
     parser.add_argument("--smp", type=int, default=1, help="vCPUs (default: 1)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per boot (default: 300)")
+    parser.add_argument("--disk-size", help="virtual size of the VM's disk, e.g. 4G (default: the image's)")
     parser.add_argument("--analyze", action="store_true", help="print systemd-analyze and cloud-init analyze")
     parser.add_argument("--keep", type=Path, help="keep the work files (serial.log, keys, seed) in DIR")
     return parser.parse_args(argv)
@@ -523,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     firmwares = ["uefi", "bios"] if args.firmware == "both" else [args.firmware]
     image: Path = args.image.resolve()
     failed = False
+    options = Options(image, args.smp, args.timeout, args.analyze, args.disk_size)
     try:
         check_prerequisites(image, firmwares)
     except TryError as exc:
@@ -532,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         with work_dir(args.keep, firmware) as work:
             say(f"{firmware}: booting {image.name} (TCG, q35, -cpu max, 1G, {args.smp} vCPU)")
             try:
-                result = boot(firmware, image, work, args.smp, args.timeout, args.analyze)
+                result = boot(firmware, work, options)
             except TryError as exc:
                 print(f"try_debian: error: {exc}", file=sys.stderr)
                 failed = True
