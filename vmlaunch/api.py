@@ -225,8 +225,8 @@ class Vm:
         if plan.ssh_user is None or entry is None or entry.ssh_port is None:
             raise RuntimeFailure(f"VM {self.name} is not up with an SSH port",
                                  "it needs ssh = true (the default with an image) and `up`")
-        executor._wait_ssh(self.lab.plan, [plan], {self.name: self.pid},  # noqa: SLF001 - one wait
-                           {self.name: entry.ssh_port}, timeout)
+        executor.wait_for_ssh(self.lab.plan, [plan], {self.name: self.pid},
+                              {self.name: entry.ssh_port}, timeout)
 
 
 def _caller_base() -> tuple[Path, str]:

@@ -155,7 +155,7 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
             _wait_ready(to_start, pids, wait_for, timeout)
             if wait_ssh:
                 ports = {vm.name: journal.vms[vm.name].ssh_port for vm in to_start if vm.ssh_user}
-                _wait_ssh(plan, [vm for vm in to_start if vm.ssh_user], pids, ports,
+                wait_for_ssh(plan, [vm for vm in to_start if vm.ssh_user], pids, ports,
                           remaining(deadline, 1.0))
             if from_snapshot is not None:
                 from_snapshot.step_clocks(plan, to_start, {vm.name: journal.vms[vm.name].ssh_port
@@ -316,7 +316,7 @@ _CLOUD_INIT_DONE = ("command -v cloud-init >/dev/null 2>&1 || exit 0; "
                     "cloud-init status --wait >/dev/null 2>&1; echo cloud-init:$?")
 
 
-def _wait_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports: dict[str, int | None],
+def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports: dict[str, int | None],
               timeout: float) -> None:
     """Every VM with an SSH port answers: `ssh ... true` with the lab's key and its pinned host key
     succeeds. A progress line per VM every 5 s; a VM whose QEMU exits stops the wait."""
