@@ -128,6 +128,7 @@ def test_generated_cloud_config(lab: LabSpec) -> None:
         "ssh_pwauth": False,
         "ssh_deletekeys": True,
         "ssh_keys": {"ed25519_private": HOST_KEY[0], "ed25519_public": HOST_KEY[1]},
+        "updates": {"network": {"when": ["boot-new-instance", "boot"]}},
         "bootcmd": [
             [*mount, "share0", "/srv/my src", "trans=virtio,version=9p2000.L,msize=512000,ro"],
             [*mount, "share1", "/srv/out", "trans=virtio,version=9p2000.L,msize=512000,rw"],

@@ -19,7 +19,14 @@ as raw UTF-8 (which it reads as they are); tests check the round trip through Py
 
 What cloud-init 22.4.2's source says about the choices below (read for this module):
 - network-config v2: an `ethernets` entry without `set-name` takes the name of the interface with
-  its `match: macaddress` (network_state.handle_ethernets, LP: #1855945), so nothing is renamed.
+  its `match: macaddress` (network_state.handle_ethernets, LP: #1855945), so nothing is renamed;
+  the rendered networkd file matches that name *and* the MAC. By default that happens on an
+  instance's first boot only, and the kernel's name follows the PCI slot: a spec edited between
+  `down` and `up` (a share or disk removed) moves the NICs to other slots, and the files rendered
+  for the old names match nothing (no address, no SSH; systemd-networkd-wait-online then holds the
+  boot for two minutes). `updates: network: when: [boot]` (stages.apply_network_config: every
+  datasource supports the BOOT event, NoCloud included) renders the config again at every boot,
+  for the names and addresses of that boot: a spec's changed `ip` applies at the next `up` too.
   A route `to: default` is refused (not an IP network: ValueError) before 23.x; `to: 0.0.0.0/0`
   works in every version and renderer. `optional` reaches netplan only (the networkd and ENI
   renderers drop it); it is still given, for distros that render with netplan.
@@ -95,6 +102,7 @@ def generated_config(vm: VmSpec, authorized_key: str, host_key: tuple[str, str])
       but 22.4's schema wants at least one item and warns), so the key pinned in known_hosts is
       the one sshd offers.
     - `manage_etc_hosts`: the hostname resolves (sudo warns on every call otherwise).
+    - `updates`: the network config is rendered at every boot, not just the first (module doc).
     """
     seed = _seed_of(vm)
     private, public = host_key
@@ -114,6 +122,7 @@ def generated_config(vm: VmSpec, authorized_key: str, host_key: tuple[str, str])
         "ssh_pwauth": False,
         "ssh_deletekeys": True,
         "ssh_keys": {"ed25519_private": private, "ed25519_public": public.strip()},
+        "updates": {"network": {"when": ["boot-new-instance", "boot"]}},
     }
     if vm.shares:
         config["bootcmd"] = [mount_command(share) for share in vm.shares]
