@@ -101,3 +101,38 @@ def test_a_first_up_that_fails_leaves_no_lab_dir(tmp_path: Path, run_dir: Path, 
     assert "Error while loading elf kernel" in capsys.readouterr().err
     assert not (tmp_path / ".vmlaunch").exists()
     assert not (run_dir / "gr").exists()
+
+
+@pytest.mark.parametrize(("files", "said"), [
+    ({"enabled": "", "result.json": '{\n "v1": {\n  "datasource": "x",\n  "errors": []\n }\n}\n'},
+     "cloud-init:0"),
+    ({"enabled": "", "result.json": '{\n "v1": {\n  "errors": [\n   "boom"\n  ]\n }\n}\n'}, "cloud-init:1"),
+    ({}, "cloud-init:0"),  # the directory without `enabled`: disabled by its generator
+    (None, "cloud-init:5"),  # no directory: `cloud-init status --wait` is asked
+])
+def test_wait_ssh_reads_cloud_inits_result(tmp_path: Path, files: dict[str, str] | None, said: str) -> None:
+    """The shell `--wait ssh` runs in the guest, here with a stand-in /run/cloud-init and cloud-init."""
+    from vmlaunch.executor import _CLOUD_INIT_DONE
+
+    run_dir = tmp_path / "run-cloud-init"
+    if files is not None:
+        run_dir.mkdir()
+        for name, text in files.items():
+            (run_dir / name).write_text(text)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "cloud-init").write_text("#!/bin/sh\nexit 5\n")
+    (bin_dir / "cloud-init").chmod(0o755)
+    script = _CLOUD_INIT_DONE.replace("r=/run/cloud-init", f"r={run_dir}")
+    assert script != _CLOUD_INIT_DONE
+    done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=10, check=False,
+                          env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    assert done.stdout.strip() == said
+
+
+def test_wait_ssh_without_cloud_init_is_done_at_once() -> None:
+    from vmlaunch.executor import _CLOUD_INIT_DONE
+
+    done = subprocess.run(["/bin/sh", "-c", _CLOUD_INIT_DONE], capture_output=True, text=True, timeout=10,
+                          check=False, env={"PATH": "/nonexistent"})
+    assert (done.returncode, done.stdout) == (0, "")

@@ -198,12 +198,16 @@ def test_a_clock_is_set_to_the_time_sent_once_the_command_runs(tmp_path: Path,
         return ["sh", "-c", f'echo 100.25; read t; echo "$t" > {sent}']
 
     behind = snapshot._step_clock(fake_ssh)
-    assert given == [["sudo", "-n", "sh", "-c", snapshot._SET_CLOCK]]
+    assert given == [["sh", "-c", f"sudo -n sh -c '{snapshot._SET_CLOCK}' || exit {snapshot.CLOCK_REFUSED}"]]
     assert isinstance(behind, float) and abs(behind - (time.time() - 100.25)) < 5
     assert abs(float(sent.read_text()) - time.time()) < 5
     refused = ["sh", "-c", "echo 'sudo: a password is required' >&2; exit 1"]
     assert snapshot._step_clock(lambda words: refused) == "sudo: a password is required"
     assert snapshot._step_clock(lambda words: ["sleep", "5"], timeout=1) == "SSH did not answer within 1 s"
+
+    refused_by_sshd = "ssh: connect to host 127.0.0.1 port 2: Connection refused"
+    session = snapshot.clock_session(lambda words: ["sh", "-c", f"echo '{refused_by_sshd}' >&2; exit 255"])
+    assert session.status == 255 and session.error == refused_by_sshd
 
     caplog.set_level(logging.INFO, logger="vmlaunch")
     snapshot.step_clocks({"a": time.time() - 60, "b": time.time() - 60}, {"a": fake_ssh})
@@ -375,3 +379,33 @@ def test_up_from_snapshot_starts_without_booting(rig: Rig, capsys: pytest.Captur
         uptime = float(on_console(rig, vm, "cut -d' ' -f1 /proc/uptime"))
         assert uptime > time.time() - started  # up longer than its QEMU: it ran before, and runs on
     assert set(Journal.load(rig.run_dir).vms) == {"a", "b"}
+
+
+def test_a_clock_session_runs_more_after_the_clock(tmp_path: Path) -> None:
+    """`--wait ssh` after a snapshot sets the clock and asks about cloud-init in one SSH session."""
+    given: list[list[str]] = []
+
+    def fake_ssh(words: list[str]) -> list[str]:
+        given.append(words)
+        return ["sh", "-c", 'echo 100.25; read t; echo "after $t"; exit 3']
+
+    session = snapshot.clock_session(fake_ssh, then="echo cloud-init:0")
+    assert given[0][-1].endswith(f"|| exit {snapshot.CLOCK_REFUSED}; echo cloud-init:0")
+    assert session.error is None and session.status == 3 and session.output.startswith("after ")
+    assert abs(session.behind - (time.time() - 100.25)) < 5
+
+
+def test_a_warm_start_reads_the_saved_ram_through_the_page_cache() -> None:
+    """The snapshot disks' file nodes start without O_DIRECT; their compiled options are kept for the
+    reopen after the load. Other nodes, and aio=native (which needs O_DIRECT), stay as compiled."""
+    def blockdev(name: str, direct: bool, aio: str = "io_uring") -> str:
+        return json.dumps({"driver": "file", "filename": f"/x/{name}", "node-name": name, "aio": aio,
+                           "cache": {"direct": direct, "no-flush": False}, "read-only": False})
+
+    argv = ("qemu", "-blockdev", blockdev("disk0-file", True),
+            "-blockdev", blockdev("disk1-file", True, "native"),
+            "-blockdev", blockdev("disk2-file", True), "-blockdev", blockdev("disk3-file", False), "-S")
+    started, reopen = snapshot._page_cached(argv, ["disk0", "disk1", "disk3"])
+    assert json.loads(started[2])["cache"] == {"direct": False, "no-flush": False}
+    assert started[3:] == argv[3:]
+    assert reopen == [json.loads(argv[2])]

@@ -39,12 +39,13 @@ class Lab:
     """A lab from its spec. As a context manager: up on enter, down on exit, whatever happened."""
 
     def __init__(self, spec: str | os.PathLike[str], vms: Sequence[str] = (), *,
-                 wait_for: str | None = None, timeout: float = 60.0, wait_ssh: bool = False) -> None:
+                 wait_for: str | None = None, timeout: float | None = None, wait_ssh: bool = False) -> None:
         """Read and check the spec, probe the host and compile the lab; nothing starts yet.
 
         A relative `spec` is taken from the directory of the calling file (the working directory
         from the REPL or `python -c`). `vms` limits the lab to those VMs (all when empty);
-        `wait_for` and `timeout` are the defaults of `up`. Raises SpecError (the spec is missing or
+        `wait_for` and `timeout` are the defaults of `up` (`timeout`: 60 s, 600 s with `wait_ssh`,
+        as the CLI). Raises SpecError (the spec is missing or
         wrong, or a file it names is: kernel, initrd, a disk without a size), HostError (the host
         cannot run it) or UsageError (no VM of such a name).
         """
@@ -86,10 +87,12 @@ class Lab:
 
         Raises RuntimeFailure or HostError; whatever this call did is undone first.
         """
+        wait_ssh = wait_ssh if wait_ssh is not None else self.wait_ssh
+        if timeout is None:
+            timeout = self.timeout if self.timeout is not None else executor.default_timeout(wait_ssh)
         executor.up(self.plan, spec=str(self.model.file), qemu_img=self.host.qemu.img,
                     wait_for=wait_for if wait_for is not None else self.wait_for,
-                    timeout=timeout if timeout is not None else self.timeout,
-                    wait_ssh=wait_ssh if wait_ssh is not None else self.wait_ssh)
+                    timeout=timeout, wait_ssh=wait_ssh)
 
     def down(self, timeout: float = 10.0) -> bool:
         """Stop the VMs and undo what `up` did, as `vmlaunch down`; returns False (and does nothing)
@@ -216,7 +219,7 @@ class Vm:
                                  done.stderr.strip()[-500:] or None)
         return done
 
-    def wait_ssh(self, timeout: float = 300.0) -> None:
+    def wait_ssh(self, timeout: float = 600.0) -> None:
         """Wait until the VM answers SSH and its cloud-init is done (as `up --wait ssh`)."""
         from vmlaunch.journal import Journal
 

@@ -105,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="print the host actions and each QEMU command line; change nothing")
     up.add_argument("--wait-for", metavar="TEXT",
                     help="also wait until each VM's serial console has printed TEXT")
-    up.add_argument("--timeout", metavar="S", type=_seconds(zero_ok=False), default=60.0,
-                    help="seconds to wait for the VMs (and for another up/down of the lab); default 60")
+    up.add_argument("--timeout", metavar="S", type=_seconds(zero_ok=False),
+                    help="seconds to wait for the VMs (and for another up/down of the lab); "
+                         "default 60, 600 with --wait ssh")
     up.add_argument("--force", action="store_true",
                     help="take the lab over when it is up from another spec file with the same lab name")
     up.add_argument("--wait", metavar="WHAT", choices=("ssh",),
@@ -403,7 +404,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
         warm = warm_start(lab, [vm.name for vm in plan.vms], args.from_snapshot, qemu_img=host.qemu.img)
     pids = executor.up(plan, spec=str(lab.file), qemu_img=host.qemu.img, wait_for=args.wait_for,
-                       timeout=args.timeout, force=args.force, wait_ssh=args.wait == "ssh",
+                       timeout=args.timeout if args.timeout is not None else
+                       executor.default_timeout(args.wait == "ssh"),
+                       force=args.force, wait_ssh=args.wait == "ssh",
                        fresh=args.fresh, from_snapshot=warm)
     for vm in plan.vms:
         left = ", already: left alone" if before.get(vm.name) == pids[vm.name] else ""

@@ -8,11 +8,12 @@ handled the same way (`resources/base.py`); nothing here knows bridges from imag
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import stat
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -135,6 +136,8 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
                 # `down` finds the QEMU by (through the pidfile).
                 journal.vms[vm.name] = VmEntry(pid=None, started=time.time(), accel=vm.accel.accel.value)
             journal.save()
+            if from_snapshot is not None:
+                to_start = [from_snapshot.starting(vm) for vm in to_start]
             # Before start: a signal the moment start returns must not leave its QEMUs running.
             stack.callback(qemu.kill_serving, [vm.files for vm in to_start])
             pids = qemu.start(to_start)
@@ -153,13 +156,14 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
             if from_snapshot is not None:  # still paused: the guests resume at the snapshot's instant
                 from_snapshot.load(to_start, timeout)
             _wait_ready(to_start, pids, wait_for, timeout)
-            if wait_ssh:
-                ports = {vm.name: journal.vms[vm.name].ssh_port for vm in to_start if vm.ssh_user}
-                wait_for_ssh(plan, [vm for vm in to_start if vm.ssh_user], pids, ports,
-                          remaining(deadline, 1.0))
+            waited = [vm for vm in to_start if vm.ssh_user] if wait_ssh else []
+            if waited:  # with their clocks set in the same SSH session, after a snapshot
+                ports = {vm.name: journal.vms[vm.name].ssh_port for vm in waited}
+                wait_for_ssh(plan, waited, pids, ports, remaining(deadline, 1.0),
+                             clocks=[vm.name for vm in waited] if from_snapshot is not None else ())
             if from_snapshot is not None:
-                from_snapshot.step_clocks(plan, to_start, {vm.name: journal.vms[vm.name].ssh_port
-                                                           for vm in to_start})
+                from_snapshot.step_clocks(plan, [vm for vm in to_start if vm not in waited],
+                                          {vm.name: journal.vms[vm.name].ssh_port for vm in to_start})
         except BaseException:
             with signals.held():  # a second Ctrl-C must not cut the rollback short
                 try:
@@ -311,22 +315,51 @@ def _wait_console(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str, ti
                              f"console of {', '.join(sorted(waiting))}; the last lines:{tails}") from None
 
 
-# Run over SSH until it succeeds: without cloud-init nothing to wait for; with it, its status once done.
-_CLOUD_INIT_DONE = ("command -v cloud-init >/dev/null 2>&1 || exit 0; "
-                    "cloud-init status --wait >/dev/null 2>&1; echo cloud-init:$?")
+# How long `up` waits by default: for the VMs to run (and a console text), and with --wait ssh for a
+# cold boot of a distro under TCG (a minute or two on an idle host, several on a busy one; Lima's
+# default is ten minutes too).
+UP_TIMEOUT = 60.0
+SSH_TIMEOUT = 600.0
+
+
+def default_timeout(wait_ssh: bool) -> float:
+    return SSH_TIMEOUT if wait_ssh else UP_TIMEOUT
+
+
+# Run in the guest by `--wait ssh`: "cloud-init:0" once cloud-init has finished (or at once when the
+# guest has none, or it is disabled), "cloud-init:1" when it finished with errors. Read from the file
+# cloud-init writes when its last stage ends (/run/cloud-init/result.json: `"errors": []` when there
+# were none), as `cloud-init status` does; the shell is quicker than that Python command by a second
+# or two under TCG. A guest without that directory (cloud-init not started by its systemd generator)
+# is asked `cloud-init status --wait`.
+_CLOUD_INIT_DONE = (
+    "command -v cloud-init >/dev/null 2>&1 || exit 0; r=/run/cloud-init; "
+    "if [ -e $r/enabled ]; then "
+    "while [ ! -e $r/result.json ]; do sleep 0.5 2>/dev/null || sleep 1; done; "
+    "grep -q '\"errors\": \\[\\]' $r/result.json; echo cloud-init:$?; "
+    "elif [ -d $r ]; then echo cloud-init:0; "
+    "else cloud-init status --wait >/dev/null 2>&1; echo cloud-init:$?; fi")
+SSH_ATTEMPT = 5.0  # seconds one SSH attempt of `--wait ssh` may take before it is tried again
 
 
 def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports: dict[str, int | None],
-              timeout: float) -> None:
+                 timeout: float, clocks: Collection[str] = ()) -> None:
     """Every VM with an SSH port answers: `ssh ... true` with the lab's key and its pinned host key
-    succeeds. A progress line per VM every 5 s; a VM whose QEMU exits stops the wait."""
-    import subprocess
+    succeeds, and cloud-init (when the guest has it) has finished. The VMs are tried all at once, each
+    every second; a progress line per VM every 5 s; a VM whose QEMU exits stops the wait.
 
+    `clocks`: VMs just loaded from a snapshot, whose clocks are behind: the same SSH session sets each
+    one's clock to the host's (`snapshot.clock_session`), so SSH is asked once, not twice."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vmlaunch.snapshot import clock_session
     from vmlaunch.sshkeys import ssh_argv
 
     waiting = {vm.name: vm for vm in vms}
     lab_dir = plan.lab_dir
     assert lab_dir is not None  # compile_lab sets it
+    unset = set(clocks)  # VMs whose clock is still to be set
 
     deadline = time.monotonic() + timeout
 
@@ -335,27 +368,45 @@ def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports:
         still restart sshd with the host key it was given, or not have made the user yet."""
         port = ports.get(vm.name)
         assert port is not None and vm.ssh_user is not None
-        argv = ssh_argv(lab_dir, vm.name, vm.ssh_user, port, ["sh", "-c", _CLOUD_INIT_DONE])
-        try:
-            done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, check=False,
-                                  timeout=remaining(deadline, 5.0), text=True)
-        except subprocess.TimeoutExpired:
-            return False
-        if done.returncode != 0:
+        argv_of = functools.partial(ssh_argv, lab_dir, vm.name, vm.ssh_user, port)
+        if vm.name in unset:
+            session = clock_session(argv_of, then=_CLOUD_INIT_DONE, timeout=remaining(deadline, SSH_ATTEMPT))
+            if session.status is None or session.status == 255:
+                log.debug("%s: SSH: %s", vm.name, session.error)
+                return False  # SSH did not answer (yet)
+            unset.discard(vm.name)
+            if session.error is not None:
+                log.warning("%s: its clock could not be set to the host's: %s", vm.name, session.error)
+                return False  # asked again, without the clock
+            log.info("%s: clock set to the host's (it was %.1f s %s)", vm.name, abs(session.behind),
+                     "behind" if session.behind >= 0 else "ahead")
+            status, output = session.status, session.output
+        else:
+            try:
+                done = subprocess.run(argv_of(["sh", "-c", _CLOUD_INIT_DONE]), stdin=subprocess.DEVNULL,
+                                      capture_output=True, check=False, text=True,
+                                      timeout=remaining(deadline, SSH_ATTEMPT))
+            except subprocess.TimeoutExpired:
+                return False
+            status, output = done.returncode, done.stdout
+        if status != 0:
             return False  # 255: ssh could not connect or log in (yet)
-        status = done.stdout.strip().rpartition("cloud-init:")[2]
-        if status not in ("", "0", "2"):  # 2: done, with warnings
-            log.warning("%s: cloud-init reported an error (status %s): `vmlaunch ssh SPEC %s -- "
-                        "cloud-init status --long` says which", vm.name, status, vm.name)
+        said = output.strip().rpartition("cloud-init:")[2]
+        if said not in ("", "0", "2"):  # 2: done, with warnings (`cloud-init status`)
+            log.warning("%s: cloud-init reported an error: `vmlaunch ssh SPEC %s -- cloud-init status "
+                        "--long` says which", vm.name, vm.name)
         return True
 
     def all_ready() -> bool:
-        for name, vm in list(waiting.items()):
-            if answers(vm):
-                log.info("%s: ready (SSH answers on 127.0.0.1:%s)", name, ports[name])
-                del waiting[name]
-            elif not qemu.alive(pids[name]):
-                raise RuntimeFailure(f"{name}: QEMU exited before SSH answered"
+        tried = list(waiting.values())
+        with ThreadPoolExecutor(len(tried)) as pool:
+            answered = list(pool.map(answers, tried))
+        for vm, ok in zip(tried, answered):
+            if ok:
+                log.info("%s: ready (SSH answers on 127.0.0.1:%s)", vm.name, ports[vm.name])
+                del waiting[vm.name]
+            elif not qemu.alive(pids[vm.name]):
+                raise RuntimeFailure(f"{vm.name}: QEMU exited before SSH answered"
                                      f"{_tail(vm.files.serial_log)}{_tail(vm.files.qemu_log, empty='')}")
         return not waiting
 

@@ -27,15 +27,15 @@ LabFactory = Callable[..., "Lab"]
 
 @pytest.fixture
 def vmlaunch_lab(request: pytest.FixtureRequest) -> Iterator[LabFactory]:
-    """`vmlaunch_lab(spec, vms=(), *, wait_for=None, timeout=60.0)` brings a lab up (`Lab.up`) and
-    returns it; a relative `spec` is taken from the test file's directory."""
+    """`vmlaunch_lab(spec, vms=(), *, wait_for=None, timeout=None, wait_ssh=False)` brings a lab up
+    (`Lab.up`) and returns it; a relative `spec` is taken from the test file's directory."""
     from vmlaunch.api import Lab, _locate_spec
 
     labs: list[Lab] = []
     test_file = request.path
 
     def start(spec: str | os.PathLike[str], vms: Sequence[str] = (), *, wait_for: str | None = None,
-              timeout: float = 60.0, wait_ssh: bool = False) -> Lab:
+              timeout: float | None = None, wait_ssh: bool = False) -> Lab:
         path = _locate_spec(spec, test_file.parent, f"the directory of the test file, {test_file}")
         lab = Lab(path, vms, wait_for=wait_for, timeout=timeout, wait_ssh=wait_ssh)
         labs.append(lab)
