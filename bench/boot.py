@@ -34,8 +34,9 @@ touched; every VM and daemon is stopped before the script ends.
 
     python bench/boot.py [--runs N] [--arms qemu,libvirt,vmlaunch] [--no-warm] [--timeout S]
 
-An arm `vmlaunch@MODEL` boots the same spec with `cpu_model = "MODEL"` (to weigh vmlaunch's TCG
-CPU model against others: `--arms qemu,vmlaunch,vmlaunch@qemu64,vmlaunch@max`).
+An arm `vmlaunch@MODEL` boots the same spec with `cpu_model = "MODEL"`, and `qemu@CPU` the plain line
+with `-cpu CPU` (features included), to weigh CPU models under TCG:
+`--arms qemu,vmlaunch,vmlaunch@max,qemu@qemu64,+popcnt`.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -151,7 +153,7 @@ def watch(start: float, key: Path, user: str, port: int, timeout: float) -> Samp
 def _module_time(blame: str, module: str) -> float | None:
     for line in blame.splitlines():
         words = line.split()
-        if len(words) == 2 and words[1].endswith(module) and words[0].endswith("s"):
+        if len(words) == 2 and words[1].strip("()").endswith(module) and words[0].endswith("s"):
             return float(words[0].rstrip("s"))
     return None
 
@@ -160,7 +162,7 @@ def overlay(path: Path) -> None:
     run("qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(IMAGE), str(path))
 
 
-def boot_qemu(work: Path, keys: Keys, timeout: float) -> Sample:
+def boot_qemu(work: Path, keys: Keys, timeout: float, cpu_model: str | None = None) -> Sample:
     from vmlaunch.cloudinit import write_seed
 
     folder = Path(tempfile.mkdtemp(dir=work, prefix="qemu-"))
@@ -170,7 +172,8 @@ def boot_qemu(work: Path, keys: Keys, timeout: float) -> Sample:
     write_seed(folder / "seed.iso", keys.user_data(), "instance-id: bench\nlocal-hostname: bench\n", None)
     shutil.copyfile(OVMF_VARS, folder / "vars.fd")
     pidfile = folder / "qemu.pid"
-    run("qemu-system-x86_64", "-machine", "q35", "-accel", "tcg", "-m", f"{MEMORY_MIB}M", "-smp", "1",
+    cpu = ["-cpu", cpu_model] if cpu_model else []
+    run("qemu-system-x86_64", "-machine", "q35", "-accel", "tcg", *cpu, "-m", f"{MEMORY_MIB}M", "-smp", "1",
         "-drive", f"if=pflash,format=raw,readonly=on,file={OVMF_CODE}",
         "-drive", f"if=pflash,format=raw,file={folder / 'vars.fd'}",
         "-drive", f"file={folder / 'disk.qcow2'},if=virtio",
@@ -342,7 +345,8 @@ def median(found: list[Sample], field: str) -> float:
 
 def measure(args: argparse.Namespace) -> int:
     run("ip", "link", "set", "lo", "up")
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    # commas separate arms, and may also be in a CPU model's features: a new arm starts at a name
+    arms = [a for a in re.split(r"[\s,]+(?=(?:qemu|libvirt|vmlaunch)(?:@|$|[\s,]))", args.arms.strip()) if a]
     with tempfile.TemporaryDirectory(prefix="vmlaunch-boot-") as tmp:
         work = Path(tmp)
         keys = Keys(work)
@@ -353,11 +357,13 @@ def measure(args: argparse.Namespace) -> int:
             "qemu": lambda: boot_qemu(work, keys, args.timeout),
             "libvirt": lambda: boot_libvirt(work, keys, args.timeout),
             **{arm: functools.partial(lab.boot, args.timeout) for arm, lab in labs.items()},
+            **{arm: functools.partial(boot_qemu, work, keys, args.timeout, arm.partition("@")[2])
+               for arm in arms if arm.startswith("qemu@")},
         }
         unknown = set(arms) - set(boots)
         if unknown:
-            print(f"boot: unknown arm {', '.join(sorted(unknown))}: qemu, libvirt, vmlaunch[@CPU_MODEL]",
-                  file=sys.stderr)
+            print(f"boot: unknown arm {', '.join(sorted(unknown))}: qemu[@CPU], libvirt, "
+                  "vmlaunch[@CPU_MODEL]", file=sys.stderr)
             return 2
         ours = labs.get("vmlaunch")
         warm: list[float] = []

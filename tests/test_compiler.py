@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import EXAMPLES, fake_host, write_spec
 from tests.test_qemuopts import split_qemu_opts
-from vmlaunch.compiler import compile_lab
+from vmlaunch.compiler import TCG_CPU, compile_lab
 from vmlaunch.errors import HostError, UsageError
 from vmlaunch.host import KvmStatus
 from vmlaunch.model import Accel, DiskFormat, PciDriver
@@ -77,7 +77,7 @@ def test_best_practice_defaults(tmp_path: Path) -> None:
                       '[[vm.a.disk]]\nfile = "d.img"\n[[vm.a.nic]]\nnetwork = "n"\n')
     argv = argv_of(spec)
     assert option(argv, "-machine") == ["q35"]
-    assert option(argv, "-cpu") == ["max"]  # TCG: -cpu host needs KVM
+    assert option(argv, "-cpu") == [TCG_CPU]  # TCG: -cpu host needs KVM
     assert option(argv, "-smp") == ["1"]
     file_node, fmt_node = (json.loads(a) for a in option(argv, "-blockdev"))
     assert file_node["aio"] == "io_uring"

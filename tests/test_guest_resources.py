@@ -136,3 +136,22 @@ def test_wait_ssh_without_cloud_init_is_done_at_once() -> None:
     done = subprocess.run(["/bin/sh", "-c", _CLOUD_INIT_DONE], capture_output=True, text=True, timeout=10,
                           check=False, env={"PATH": "/nonexistent"})
     assert (done.returncode, done.stdout) == (0, "")
+
+
+def test_a_guest_refusing_its_cpu_ends_the_wait_with_the_fix() -> None:
+    """RHEL 9 under QEMU's default CPU: glibc's message on the console, then nothing ever answers."""
+    from types import SimpleNamespace
+    from typing import cast
+
+    from vmlaunch.errors import RuntimeFailure
+    from vmlaunch.executor import check_cpu_level
+    from vmlaunch.plan import VmPlan
+
+    vm = cast(VmPlan, SimpleNamespace(name="rhel", argv=("qemu", "-cpu", "qemu64", "-m", "1G")))
+    check_cpu_level(vm, "Booting\nWelcome to Rocky Linux 9\n")
+    with pytest.raises(RuntimeFailure) as raised:
+        check_cpu_level(vm, "[    2.1] Run /init\nFatal glibc error: CPU does not support x86-64-v2\n"
+                            "[    2.2] Kernel panic")
+    assert raised.value.message == ('rhel: its OS needs an x86-64-v2 CPU (its console says "CPU does not '
+                                    'support x86-64-v2"), and -cpu qemu64 is not one')
+    assert raised.value.hint == 'set cpu_model = "max" in vm.rhel: every x86-64 level'

@@ -40,6 +40,14 @@ from vmlaunch.resources.pci import PciBind
 from vmlaunch.resources.tap import Tap
 from vmlaunch.rundir import RunDir
 
+# The CPU under TCG when the spec names none: QEMU's default model (qemu64) plus what x86-64-v2 adds
+# to it (SSSE3, SSE4.1, SSE4.2, POPCNT), the level RHEL 9 and its rebuilds are built for. Measured by
+# bench/boot.py (a Debian guest, command to cloud-init done, medians of 2 interleaved runs): qemu64
+# 69 s, `max` 86 s, Nehalem 85 s, Haswell-noTSX 102 s; the v2 additions to qemu64 made no difference
+# beyond the runs' spread (about 10 %). The newer models cost the guest's user space time under TCG
+# (AVX2 and the like, emulated, which its libraries then use). A guest built for v3 (RHEL 10) says so
+# on its console, and `up` then stops waiting with the fix: cpu_model = "max".
+TCG_CPU = "qemu64,+ssse3,+sse4.1,+sse4.2,+popcnt"
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the NUL
 NIC_DEVICES = {
     NicModel.VIRTIO: "virtio-net-pci",
@@ -135,7 +143,7 @@ class _Compiler:
             if len(str(sock).encode()) > UNIX_PATH_MAX:
                 raise HostError(f"socket path {sock} is longer than {UNIX_PATH_MAX} bytes",
                                 "set VMLAUNCH_RUN_DIR to a shorter directory")
-        cpu = vm.cpu_model or ("host" if accel.accel is Accel.KVM else "max")
+        cpu = vm.cpu_model or ("host" if accel.accel is Accel.KVM else TCG_CPU)
         firmware, machine = self.firmware(path, vm)
         argv = [
             self.host.qemu.binary,

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import stat
 import time
 from collections.abc import Collection, Iterable, Iterator, Sequence
@@ -304,7 +305,9 @@ def _wait_console(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str, ti
 
     def progress(waited: float) -> None:
         for name, vm in waiting.items():
-            line = last_line(qemu.read_text(vm.files.serial_log)) or "(nothing on the console yet)"
+            console = qemu.read_text(vm.files.serial_log)
+            check_cpu_level(vm, console)
+            line = last_line(console) or "(nothing on the console yet)"
             log.info("%s: waiting for %r, %.0f s: %s", name, wait_for, waited, line)
 
     try:
@@ -412,7 +415,9 @@ def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports:
 
     def progress(waited: float) -> None:
         for name, vm in waiting.items():
-            line = last_line(qemu.read_text(vm.files.serial_log)) or "(nothing on the console yet)"
+            console = qemu.read_text(vm.files.serial_log)
+            check_cpu_level(vm, console)
+            line = last_line(console) or "(nothing on the console yet)"
             log.info("%s: waiting for SSH, %.0f s: %s", name, waited, line)
 
     try:
@@ -422,6 +427,23 @@ def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports:
         raise RuntimeFailure(f"timed out after {timeout:.0f} s waiting for SSH on "
                              f"{', '.join(sorted(waiting))}; the last console lines:{tails}",
                              "a cold boot under TCG takes a minute or two: a longer --timeout?") from None
+
+
+# What glibc (2.33 and later) prints when the CPU lacks the x86-64 level the distribution was built
+# for (RHEL 9 and its rebuilds: x86-64-v2; RHEL 10: v3): the guest's init dies at once, and the
+# guest panics or loops, never answering. Seen on the console, it ends a wait with the fix.
+_CPU_LEVEL_MISSING = re.compile(r"CPU does not support (x86-64-v[2-4])")
+
+
+def check_cpu_level(vm: VmPlan, console: str) -> None:
+    """Fail when the VM's console shows its OS refusing the VM's CPU model."""
+    found = _CPU_LEVEL_MISSING.search(console)
+    if found is None:
+        return
+    model = vm.argv[vm.argv.index("-cpu") + 1] if "-cpu" in vm.argv else "QEMU's default"
+    raise RuntimeFailure(f"{vm.name}: its OS needs an {found[1]} CPU (its console says \"{found[0]}\"), "
+                         f"and -cpu {model} is not one",
+                         f'set cpu_model = "max" in vm.{vm.name}: every x86-64 level')
 
 
 def _tail(path: Path, lines: int = 5, empty: str = " (nothing on its console)") -> str:
