@@ -235,6 +235,9 @@ def test_the_cli_commands_in_process(tmp_path: Path, run_dir: Path, test_guest: 
         assert main(["qmp", str(spec), "a", "balloon", "nope"]) == 64
         assert main(["qmp", str(spec), "a", "human-monitor-command", '{"command-line": "info status"}']) == 0
         assert capsys.readouterr().out == "VM status: running\n"  # the monitor's text, not JSON
+        assert main(["qmp", str(spec), "a", "human-monitor-command", '{"command-line": "no-such"}']) == 4
+        said = capsys.readouterr()
+        assert said.out == "" and "a: the monitor says: unknown command: 'no-such'" in said.err
         assert main(["balloon", str(spec), "a", "8M", "--timeout", "5"]) == 4  # below the guest's floor
         err = capsys.readouterr().err
         assert "short of 8M" in err and "floor" in err and "driver" not in err, err

@@ -354,6 +354,11 @@ def cmd_balloon(args: argparse.Namespace) -> int:
     return 0
 
 
+# How QEMU's human monitor starts the text of a command that failed (`human-monitor-command` itself
+# succeeds): an unknown command, and the errors its commands report.
+HMP_FAILURES = ("unknown command:", "Error: ")
+
+
 def cmd_qmp(args: argparse.Namespace) -> int:
     import json
 
@@ -369,6 +374,12 @@ def cmd_qmp(args: argparse.Namespace) -> int:
     reply = qmp_command(run_dir, args.vm, args.command, arguments)
     if isinstance(reply, str):  # human-monitor-command answers with the monitor's text: print it
         text = reply.replace("\r\n", "\n")  # the monitor speaks to a terminal
+        if text.startswith(HMP_FAILURES):  # QMP says success: the monitor's failure is only text
+            from vmlaunch.textsafe import printable
+
+            raise RuntimeFailure(f"{args.vm}: the monitor says: {printable(text.strip())}",
+                                 "its command `help` lists the commands: vmlaunch qmp SPEC VM "
+                                 "human-monitor-command '{\"command-line\": \"help\"}'")
         sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
         return 0
     print(json.dumps(reply, indent=2))
