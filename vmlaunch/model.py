@@ -209,6 +209,11 @@ class PciDevice:
     driver: PciDriver = PciDriver.VFIO
 
 
+class BalloonPolicy(enum.Enum):
+    MANUAL = "manual"  # the balloon moves when a user says (`vmlaunch balloon`, the API)
+    AUTO = "auto"  # the lab manager sizes the guest (balloon_policy.py)
+
+
 @attrs.frozen
 class Balloon:
     enabled: bool = True
@@ -216,6 +221,45 @@ class Balloon:
     # shows in MemFree) and may take memory back under pressure; opt in for that safety net.
     deflate_on_oom: bool = False
     free_page_reporting: bool = True  # freed guest pages go back to the host
+    policy: BalloonPolicy = BalloonPolicy.MANUAL
+    min_mib: int | None = None  # the least the manager leaves the guest; None: DEFAULT_MIN_SHARE of it
+
+
+# `balloon.min` when the spec gives none: a quarter of the VM's memory, at least 64 MiB (what a small
+# Linux guest needs to keep running while its page cache is squeezed).
+DEFAULT_MIN_SHARE = 4
+DEFAULT_MIN_FLOOR_MIB = 64
+
+
+def balloon_min_mib(vm: VmSpec) -> int:
+    """The least the lab manager may leave `vm` (`balloon.min`, or its default)."""
+    if vm.balloon.min_mib is not None:
+        return vm.balloon.min_mib
+    return min(vm.memory_mib, max(DEFAULT_MIN_FLOOR_MIB, vm.memory_mib // DEFAULT_MIN_SHARE))
+
+
+class HugepageSize(enum.Enum):
+    """Guest RAM from the host's hugepages of this size (hugetlbfs through a memfd)."""
+
+    SIZE_2M = "2M"
+    SIZE_1G = "1G"
+
+    @property
+    def kib(self) -> int:
+        return {"2M": 2048, "1G": 1048576}[self.value]
+
+
+@attrs.frozen
+class LabMemory:
+    """`[lab.memory]`: what the lab's guests may hold together, and KSM while the lab runs."""
+
+    budget_mib: int | None = None  # None: BUDGET_SHARE of the host's memory (known at compile time)
+    ksm: bool | None = None  # None: on where vmlaunch may turn it on (root), else left as it is
+    ksm_pages_to_scan: int | None = None  # None: the default rate (resources/ksm.py)
+    ksm_sleep_ms: int | None = None
+
+
+BUDGET_SHARE = 0.8  # the KVM guide: keep guests within 80 % of the host's memory
 
 
 @attrs.frozen
@@ -243,6 +287,8 @@ class VmSpec:
     cloud_init: CloudInit | None = None  # always set when the VM has an image
     shares: tuple[Share, ...] = ()
     ssh: bool = False  # a management NIC with a 127.0.0.1 port forwarded to 22, and `vmlaunch ssh`
+    hugepages: HugepageSize | None = None  # guest RAM from hugepages of this size
+    reserve_hugepages: bool = False  # vmlaunch raises nr_hugepages for it, and gives them back
 
 
 @attrs.frozen
@@ -256,6 +302,7 @@ class LabSpec:
     vms: tuple[VmSpec, ...] = ()
     mac_prefix: str = DEFAULT_MAC_PREFIX
     images: tuple[Image, ...] = ()
+    memory: LabMemory = LabMemory()
 
     def image(self, name: str) -> Image:
         for image in self.images:

@@ -31,6 +31,7 @@ from vmlaunch.model import (
     Accel,
     Aio,
     Balloon,
+    BalloonPolicy,
     BridgeNetwork,
     CacheMode,
     CloudInit,
@@ -38,7 +39,9 @@ from vmlaunch.model import (
     DiskBus,
     DiskFormat,
     Firmware,
+    HugepageSize,
     Image,
+    LabMemory,
     LabSpec,
     Network,
     Nic,
@@ -49,6 +52,7 @@ from vmlaunch.model import (
     SocketNetwork,
     UserNetwork,
     VmSpec,
+    balloon_min_mib,
     default_of,
 )
 from vmlaunch.naming import (
@@ -624,8 +628,9 @@ class _Builder:
         self.forwarding_or_user = {net.name for net in networks if isinstance(net, UserNetwork)}
         broken = {key for key in self.table(("network",)) if key not in known}
         vms = self.with_addresses(tuple(self.vms(known, broken)))
+        memory = self.lab_memory(vms)
         return LabSpec(name=name, file=self.file, source=self.source, networks=networks, vms=vms,
-                       mac_prefix=prefix.lower(), images=images)
+                       mac_prefix=prefix.lower(), images=images, memory=memory)
 
     def images(self) -> Iterator[Image]:
         for image_name, raw in self.table(("image",)).items():
@@ -805,8 +810,76 @@ class _Builder:
         if "initrd" in raw:
             given["initrd"] = self.path_of(raw["initrd"])
         given.update(guest)
+        balloon = self.balloon(path, raw, memory)
+        hugepages = self.hugepages(path, raw, memory)
+        if balloon is None or hugepages is None:
+            return None
         return VmSpec(name=name, memory_mib=memory or 1, kernel=kernel, disks=disks, nics=nics, pci=pci,
-                      balloon=Balloon(**raw.get("balloon", {})), **given)
+                      balloon=balloon, **hugepages, **given)
+
+    def balloon(self, vm_path: KeyPath, raw: Doc, memory_mib: int) -> Balloon | None:
+        path = (*vm_path, "balloon")
+        table = dict(self.table(path)) if "balloon" in raw else {}
+        switches = ("enabled", "deflate_on_oom", "free_page_reporting")
+        given: dict[str, Any] = {key: table[key] for key in switches if key in table}
+        ok = True
+        if "policy" in table:
+            given["policy"] = BalloonPolicy(table["policy"])
+        if "min" in table:
+            least = self.memory_mib((*path, "min"), table["min"], floor=False)
+            if least is None:
+                ok = False
+            elif least > memory_mib:
+                self.problems.add((*path, "min"), f"{format_size(least << 20)} is above the VM's memory "
+                                  f"({format_size(memory_mib << 20)})", "min is the least the guest keeps")
+                ok = False
+            else:
+                given["min_mib"] = least
+        if given.get("policy") is BalloonPolicy.AUTO:
+            if given.get("enabled") is False:
+                self.problems.add((*path, "policy"), "policy = \"auto\" needs the balloon",
+                                  "remove enabled = false, or use policy = \"manual\"")
+                ok = False
+            if raw.get("hugepages"):
+                self.problems.add((*path, "policy"), "a VM on hugepages cannot give memory back through "
+                                  "its balloon (the host frees whole hugepages only)",
+                                  "use policy = \"manual\", or leave hugepages out")
+                ok = False
+        return Balloon(**given) if ok else None
+
+    def hugepages(self, path: KeyPath, raw: Doc, memory_mib: int) -> dict[str, Any] | None:
+        if "hugepages" not in raw:
+            if raw.get("reserve_hugepages"):
+                self.problems.add((*path, "reserve_hugepages"), "reserve_hugepages needs hugepages",
+                                  "add hugepages = \"2M\" (or \"1G\")")
+                return None
+            return {}
+        size = HugepageSize(raw["hugepages"])
+        if (memory_mib << 10) % size.kib:
+            self.problems.add((*path, "memory"), f"{format_size(memory_mib << 20)} is not a whole number "
+                              f"of {size.value} hugepages", f"make memory a multiple of {size.value}")
+            return None
+        return {"hugepages": size, "reserve_hugepages": bool(raw.get("reserve_hugepages", False))}
+
+    def lab_memory(self, vms: tuple[VmSpec, ...]) -> LabMemory:
+        path: KeyPath = ("lab", "memory")
+        table = self.table(path)
+        if not table or not self.is_valid(path):
+            return LabMemory()
+        given: dict[str, Any] = {key: table[key] for key in ("ksm", "ksm_pages_to_scan", "ksm_sleep_ms")
+                                 if key in table}
+        if "budget" in table:
+            budget = self.memory_mib((*path, "budget"), table["budget"], floor=False, most=None)
+            if budget is not None:
+                given["budget_mib"] = budget
+                floors = sum(balloon_min_mib(vm) if vm.balloon.policy is BalloonPolicy.AUTO else vm.memory_mib
+                             for vm in vms)
+                if vms and floors > budget:
+                    self.problems.add((*path, "budget"), f"{format_size(budget << 20)} is below what the VMs "
+                                      f"keep at least ({format_size(floors << 20)}: the balloon.min of VMs "
+                                      "with policy = \"auto\", the memory of the others)",
+                                      "raise the budget, or lower the VMs' balloon.min")
+        return LabMemory(**given)
 
     def name_files(self, path: KeyPath, raw: Doc) -> None:
         """Note each file this VM's table names (where the key itself is right), for `files=True`."""
@@ -928,7 +1001,8 @@ class _Builder:
         # Absolute, so no spec value can look like an option ("-x", "help") or a protocol ("a:b").
         return self.base / os.path.expanduser(value)
 
-    def memory_mib(self, path: KeyPath, value: str | int) -> int | None:
+    def memory_mib(self, path: KeyPath, value: str | int, *, floor: bool = True,
+                   most: int | None = MAX_MEMORY) -> int | None:
         try:
             size = parse_size(value, default_unit="M")
         except ValueError as exc:
@@ -937,10 +1011,10 @@ class _Builder:
         if size % (1 << 20):
             self.problems.add(path, f"{_shown(value)} is not a whole number of MiB")
             return None
-        if size < 16 << 20:
+        if floor and size < 16 << 20:
             self.problems.add(path, f"{_shown(value)} is too little memory", "at least 16M")
             return None
-        if size > MAX_MEMORY:
+        if most is not None and size > most:
             self.problems.add(path, f"{_shown(value)} is more memory than a VM can have",
                               f"at most {format_size(MAX_MEMORY)}")
             return None
