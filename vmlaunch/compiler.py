@@ -39,6 +39,7 @@ from vmlaunch.resources.image import Image
 from vmlaunch.resources.pci import PciBind
 from vmlaunch.resources.tap import Tap
 from vmlaunch.rundir import RunDir
+from vmlaunch.units import format_size
 
 # The CPU under TCG when the spec names none: QEMU's default model (qemu64) plus what x86-64-v2 adds
 # to it (SSSE3, SSE4.1, SSE4.2, POPCNT), the level RHEL 9 and its rebuilds are built for. Measured by
@@ -145,6 +146,9 @@ class _Compiler:
                                 "set VMLAUNCH_RUN_DIR to a shorter directory")
         cpu = vm.cpu_model or ("host" if accel.accel is Accel.KVM else TCG_CPU)
         firmware, machine = self.firmware(path, vm)
+        memory = self.memory_backend(path, vm)
+        if memory:
+            machine["memory-backend"] = "ram"
         argv = [
             self.host.qemu.binary,
             "-name", opts("", guest=vm.name, process=process_name(vm.name), debug_threads=True),
@@ -166,6 +170,7 @@ class _Compiler:
             # QEMU's own messages for its whole life (without -D, -daemonize sends them to /dev/null)
             "-D", str(files.qemu_log),
         ]
+        argv += memory
         if vm.kernel is not None:
             argv += ["-kernel", str(vm.kernel)]
         if vm.initrd is not None:
@@ -185,11 +190,28 @@ class _Compiler:
                 "driver": "virtio-balloon-pci",
                 "id": "balloon0",
                 "deflate-on-oom": vm.balloon.deflate_on_oom,
-                "free-page-reporting": vm.balloon.free_page_reporting,
+                "free-page-reporting": vm.balloon.free_page_reporting and vm.hugepages is None,
             })]
         return VmPlan(name=vm.name, argv=tuple(argv), accel=accel, files=files, notes=tuple(self.notes(vm)),
                       ssh_user=(vm.cloud_init.user if vm.cloud_init else DEFAULT_CLOUD_USER) if vm.ssh
                       else None)
+
+    def memory_backend(self, path: KeyPath, vm: VmSpec) -> list[str]:
+        """Guest RAM from hugepages: a memfd on hugetlbfs, allocated whole when QEMU starts. Allocated
+        then, a pool too small fails `up` with QEMU's message; allocated as the guest touches it, it
+        would kill a running guest with SIGBUS instead."""
+        if vm.hugepages is None:
+            return []
+        offered = self.host.hugepage_sizes_kib
+        if vm.hugepages.kib not in offered:
+            sizes = ", ".join(format_size(kib << 10) for kib in sorted(offered)) or "none"
+            raise self.fail((*path, "hugepages"), f"this host has no {vm.hugepages.value} hugepages "
+                            f"(it offers: {sizes})",
+                            "use a size it offers, or boot the kernel with hugepagesz=1G hugepages=N")
+        return ["-object", json_arg({"qom-type": "memory-backend-memfd", "id": "ram",
+                                     "size": vm.memory_mib << 20, "hugetlb": True,
+                                     "hugetlbsize": vm.hugepages.kib << 10, "prealloc": True,
+                                     "prealloc-threads": vm.cpus})]
 
     def firmware(self, path: KeyPath, vm: VmSpec) -> tuple[list[str], dict[str, str]]:
         """UEFI: OVMF's code read-only and shared, the VM's own copy of the variables, as the two

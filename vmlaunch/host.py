@@ -59,6 +59,7 @@ class Host:
     memory_mib: int = 1024
     run_root: Path = Path("/run/vmlaunch")
     ovmf: Ovmf | None = None  # UEFI firmware, for firmware = "uefi"
+    hugepage_sizes_kib: frozenset[int] = frozenset()  # the hugepage sizes the kernel offers, in KiB
 
 
 @attrs.frozen
@@ -83,7 +84,21 @@ def detect_host() -> Host:
         memory_mib=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20,
         run_root=run_root(),
         ovmf=find_ovmf(),
+        hugepage_sizes_kib=hugepage_sizes_kib(),
     )
+
+
+def hugepage_sizes_kib() -> frozenset[int]:
+    """The hugepage sizes the kernel offers (`kernel/mm/hugepages/hugepages-NkB` in sysfs), in KiB."""
+    from vmlaunch.pci import sysfs_root
+
+    try:
+        names = os.listdir(sysfs_root() / "kernel" / "mm" / "hugepages")
+    except OSError:
+        return frozenset()
+    return frozenset(int(name[len("hugepages-"):-len("kB")]) for name in names
+                     if name.startswith("hugepages-") and name.endswith("kB")
+                     and name[len("hugepages-"):-len("kB")].isdigit())
 
 
 # Where QEMU's firmware descriptors live (docs/interop/firmware.json), lowest priority first: a file of
