@@ -35,6 +35,7 @@ from vmlaunch.qemuopts import json_arg, opts
 from vmlaunch.resources.base import Resource
 from vmlaunch.resources.bridge import Bridge
 from vmlaunch.resources.guest import LabDirResource, Nvram, Overlay, Seed
+from vmlaunch.resources.hugepages import Hugepages
 from vmlaunch.resources.image import Image
 from vmlaunch.resources.pci import PciBind
 from vmlaunch.resources.tap import Tap
@@ -92,6 +93,10 @@ def host_resources(lab: LabSpec, vms: Sequence[VmSpec], host: Host | None = None
     lab_dir = LabDir.of(lab.file, lab.name)
     if any(needs_lab_dir(vm) for vm in vms):
         yield LabDirResource(lab_dir)
+    for vm in vms:
+        if vm.hugepages is not None:
+            yield Hugepages(vm=vm.name, size_kib=vm.hugepages.kib,
+                            pages=(vm.memory_mib << 10) // vm.hugepages.kib, reserve=vm.reserve_hugepages)
     for vm in vms:
         vm_dir = lab_dir.vm(vm.name)
         if vm.firmware is Firmware.UEFI and host is not None and host.ovmf is not None:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from vmlaunch.resources.base import Context, Record
 from vmlaunch.resources.bridge import BridgeRecord, release_unjournaled_bridges
 from vmlaunch.resources.guest import LabDirRecord, VmFileRecord
+from vmlaunch.resources.hugepages import HugepagesRecord
 from vmlaunch.resources.image import ImageRecord
 from vmlaunch.resources.pci import PciRecord
 from vmlaunch.resources.tap import TapRecord
@@ -18,6 +19,7 @@ RECORDS: dict[str, type[Record]] = {record.kind: record for record in (
     PciRecord,
     LabDirRecord,
     VmFileRecord,
+    HugepagesRecord,
 )}
 
 # Kinds that keep claims outside the journal (a bridge shared between labs: bridge_registry.py), each a
