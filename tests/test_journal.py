@@ -12,6 +12,7 @@ import pytest
 from vmlaunch.journal import JOURNAL_VERSION, Entry, Journal, JournalError, VmEntry
 from vmlaunch.resources.bridge import BridgeRecord
 from vmlaunch.resources.guest import LabDirRecord, VmFileRecord
+from vmlaunch.resources.hugepages import HugepagesRecord
 from vmlaunch.resources.image import ImageRecord
 from vmlaunch.resources.pci import PciRecord
 from vmlaunch.resources.registry import RECORDS
@@ -28,6 +29,8 @@ SAMPLES = [
     Entry("labdir", "/l/.vmlaunch/lab", None, LabDirRecord(Path("/l/.vmlaunch/lab"), created=True)),
     Entry("vmfile", "/l/.vmlaunch/lab/a/disk.qcow2", "a",
           VmFileRecord(Path("/l/.vmlaunch/lab/a/disk.qcow2"), created=False, what="overlay")),
+    Entry("hugepages", "a", "a", HugepagesRecord("a", 2048, 64)),
+    Entry("hugepages", "b", "b", HugepagesRecord("b", 1048576, 0, Path("/fake/sys"))),
 ]
 
 
@@ -48,7 +51,7 @@ def good(resources: list[Any] | None = None, **changes: Any) -> dict[str, Any]:
 
 
 def test_registry_covers_every_record_kind() -> None:
-    assert set(RECORDS) == {"image", "bridge", "tap", "pci", "labdir", "vmfile"}
+    assert set(RECORDS) == {"image", "bridge", "tap", "pci", "labdir", "vmfile", "hugepages"}
     assert {e.kind for e in SAMPLES} == set(RECORDS)
 
 
