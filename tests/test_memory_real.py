@@ -18,7 +18,8 @@ READY = "VMLAUNCH-GUEST-READY"
 def spec(tmp_path: Path, guest: Path, extra: str = "", second: str = "") -> Path:
     path = tmp_path / "lab.toml"
     path.write_text(f'[lab]\nname = "huge"\n[vm.a]\nmemory = "128M"\naccel = "tcg"\n'
-                    f'kernel = "{guest}/vmlinuz"\ninitrd = "{guest}/initrd.gz"\nhugepages = "2M"\n{extra}{second}')
+                    f'kernel = "{guest}/vmlinuz"\ninitrd = "{guest}/initrd.gz"\nhugepages = "2M"\n'
+                    f'{extra}{second}')
     return path
 
 
