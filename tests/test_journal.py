@@ -14,6 +14,7 @@ from vmlaunch.resources.bridge import BridgeRecord
 from vmlaunch.resources.guest import LabDirRecord, VmFileRecord
 from vmlaunch.resources.hugepages import HugepagesRecord
 from vmlaunch.resources.image import ImageRecord
+from vmlaunch.resources.manager import ManagerRecord
 from vmlaunch.resources.pci import PciRecord
 from vmlaunch.resources.registry import RECORDS
 from vmlaunch.resources.tap import TapRecord
@@ -31,6 +32,7 @@ SAMPLES = [
           VmFileRecord(Path("/l/.vmlaunch/lab/a/disk.qcow2"), created=False, what="overlay")),
     Entry("hugepages", "a", "a", HugepagesRecord("a", 2048, 64)),
     Entry("hugepages", "b", "b", HugepagesRecord("b", 1048576, 0, Path("/fake/sys"))),
+    Entry("manager", "lab", None, ManagerRecord(4242, 123456, "/run/vmlaunch/lab")),
 ]
 
 
@@ -51,7 +53,8 @@ def good(resources: list[Any] | None = None, **changes: Any) -> dict[str, Any]:
 
 
 def test_registry_covers_every_record_kind() -> None:
-    assert set(RECORDS) == {"image", "bridge", "tap", "pci", "labdir", "vmfile", "hugepages"}
+    assert set(RECORDS) == {"image", "bridge", "tap", "pci", "labdir", "vmfile", "hugepages",
+                            "manager"}
     assert {e.kind for e in SAMPLES} == set(RECORDS)
 
 

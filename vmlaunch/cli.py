@@ -177,11 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
                                "`down`, what it printed in its last run (kept in "
                                "/var/log/vmlaunch/LAB as root, else ~/.local/state/vmlaunch/logs/LAB).")
     logs.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
-    logs.add_argument("vm", metavar="VM")
+    logs.add_argument("vm", metavar="VM", nargs="?")
     logs.add_argument("-f", "--follow", action="store_true",
                       help="keep printing as it grows, until the VM stops or Ctrl-C")
     logs.add_argument("--qemu", action="store_true",
                       help="QEMU's own messages (its standard error) instead of the console")
+    logs.add_argument("--manager", action="store_true",
+                      help="the lab manager's log (balloon decisions and their reasons) instead of a VM's")
     logs.set_defaults(run=cmd_logs)
 
     console = commands.add_parser("console", help="attach to a VM's serial console",
@@ -267,22 +269,36 @@ def cmd_status(args: argparse.Namespace) -> int:
     import json
 
     from vmlaunch.control import status
-    from vmlaunch.units import format_size
+    from vmlaunch.units import human_size
 
     run_dir, lab = _lab_vm(args.spec)
     rows = status(run_dir, [vm.name for vm in lab.vms], lab)
     if args.json:
         print(json.dumps({row.name: row.to_json() for row in rows}, indent=2))
         return 0
-    print(f"{'VM':<16} {'STATE':<8} {'PID':>8} {'ACCEL':<5} {'BALLOON':>8} {'UPTIME':>8}")
+    def size(value: int | None) -> str:
+        return human_size(value) if value is not None else "-"
+
+    print(f"{'VM':<16} {'STATE':<8} {'PID':>8} {'ACCEL':<5} {'BALLOON':>8} {'UPTIME':>8} {'MAX':>6} "
+          f"{'TARGET':>7} {'FREE':>6}")
     for row in rows:
-        balloon = format_size(row.balloon_bytes) if row.balloon_bytes is not None else "-"
         uptime = f"{row.uptime:.0f}s" if row.uptime is not None else "-"
         ssh = f"  ssh 127.0.0.1:{row.ssh_port}" if row.ssh_port else ""
-        print(f"{row.name:<16} {row.state:<8} {row.pid or '-':>8} {row.accel or '-':<5} {balloon:>8} "
-              f"{uptime:>8}{ssh}")
+        memory = row.memory
+        target = "-" if memory is None else size(memory.target) if memory.policy == "auto" else \
+            (memory.policy or "-")
+        most, free = (memory.max, memory.guest_free) if memory else (None, None)
+        print(f"{row.name:<16} {row.state:<8} {row.pid or '-':>8} {row.accel or '-':<5} "
+              f"{size(row.balloon_bytes):>8} {uptime:>8} {size(most):>6} {target:>7} {size(free):>6}{ssh}")
         for nic in row.nics:
             print(f"  nic{nic.index} {nic.describe()}")
+    lab_memory = rows[0].lab_memory if rows else None
+    if lab_memory is not None:
+        ksm = lab_memory.ksm
+        shared = ("KSM off" if not ksm or not ksm["run"] else
+                  f"KSM: {ksm['pages_sharing']} pages shared, {size(ksm['saved'])} saved")
+        print(f"memory: the guests hold {size(lab_memory.actual)} of a budget of {size(lab_memory.budget)}; "
+              f"{shared} (host-wide); lab manager: {lab_memory.manager}")
     return 0
 
 
@@ -314,8 +330,23 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_logs(args: argparse.Namespace) -> int:
     from vmlaunch import lastrun
-    from vmlaunch.control import follow_log, is_up, read_log
+    from vmlaunch.control import follow_log, follow_manager_log, is_up, read_log, read_manager_log
 
+    if args.manager:
+        if args.vm is not None or args.qemu:
+            raise UsageError("--manager shows the lab manager's log: no VM and no --qemu with it")
+        run_dir, _ = _lab_vm(args.spec)
+        text, running = read_manager_log(run_dir)
+        if not running:
+            log.info("the lab manager of %s does not run: this is its last run's log", run_dir.lab)
+        sys.stdout.write(text)
+        if args.follow and running:
+            for chunk in follow_manager_log(run_dir, len(text.encode())):
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+        return 0
+    if args.vm is None:
+        raise UsageError("name a VM, or --manager for the lab manager's log")
     run_dir, _ = _lab_vm(args.spec, args.vm)
     text = read_log(run_dir, args.vm, qemu_messages=args.qemu)
     if not is_up(run_dir, args.vm):

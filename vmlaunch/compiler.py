@@ -13,9 +13,11 @@ from vmlaunch.errors import HostError, KeyPath, Location
 from vmlaunch.host import Host
 from vmlaunch.labdir import LabDir
 from vmlaunch.model import (
+    BUDGET_SHARE,
     DEFAULT_CLOUD_USER,
     Accel,
     Aio,
+    BalloonPolicy,
     BridgeNetwork,
     Disk,
     DiskBus,
@@ -28,6 +30,7 @@ from vmlaunch.model import (
     SocketNetwork,
     UserNetwork,
     VmSpec,
+    balloon_min_mib,
 )
 from vmlaunch.naming import management_mac, process_name, tap_name
 from vmlaunch.plan import AccelChoice, Plan, VmPlan
@@ -37,6 +40,7 @@ from vmlaunch.resources.bridge import Bridge
 from vmlaunch.resources.guest import LabDirResource, Nvram, Overlay, Seed
 from vmlaunch.resources.hugepages import Hugepages
 from vmlaunch.resources.image import Image
+from vmlaunch.resources.manager import LabManager, ManagedVm, ManagerConfig
 from vmlaunch.resources.pci import PciBind
 from vmlaunch.resources.tap import Tap
 from vmlaunch.rundir import RunDir
@@ -67,8 +71,28 @@ def compile_lab(lab: LabSpec, host: Host, only: Sequence[str] = ()) -> Plan:
     run_dir = RunDir.of(host.run_root, lab.name)
     compiler = _Compiler(lab, host, run_dir)
     plans = tuple(compiler.vm(vm) for vm in vms)
-    return Plan(lab=lab.name, run_dir=run_dir, resources=tuple(host_resources(lab, vms, host)),
-                vms=plans, notes=tuple(memory_notes(vms, host)), lab_dir=compiler.lab_dir)
+    resources = (*host_resources(lab, vms, host), *manager_resources(lab, host, run_dir))
+    return Plan(lab=lab.name, run_dir=run_dir, resources=resources, vms=plans,
+                notes=tuple(memory_notes(vms, host)), lab_dir=compiler.lab_dir)
+
+
+def has_manager(lab: LabSpec) -> bool:
+    """A lab manager runs while the lab is up when a VM's balloon is sized by it."""
+    return any(vm.balloon.enabled and vm.balloon.policy is BalloonPolicy.AUTO for vm in lab.vms)
+
+
+def manager_resources(lab: LabSpec, host: Host, run_dir: RunDir) -> Iterator[Resource]:
+    """The lab manager, watching every VM of the lab (those `up` starts later too)."""
+    if not has_manager(lab):
+        return
+    budget = lab.memory.budget_mib or int(host.memory_mib * BUDGET_SHARE)
+    vms = tuple(ManagedVm(name=vm.name, maximum_mib=vm.memory_mib,
+                          minimum_mib=balloon_min_mib(vm) if vm.balloon.policy is BalloonPolicy.AUTO
+                          else vm.memory_mib,
+                          auto=vm.balloon.enabled and vm.balloon.policy is BalloonPolicy.AUTO,
+                          balloon=vm.balloon.enabled)
+                for vm in lab.vms)
+    yield LabManager(run_dir=run_dir, config=ManagerConfig(lab=lab.name, budget_mib=budget, vms=vms))
 
 
 def needs_lab_dir(vm: VmSpec) -> bool:
@@ -145,7 +169,8 @@ class _Compiler:
         path: KeyPath = ("vm", vm.name)
         accel = self.accel(vm)
         files = self.run_dir.vm(vm.name)
-        for sock in files.sockets:
+        managed = has_manager(self.lab)
+        for sock in files.sockets if managed else (files.qmp, files.console):
             if len(str(sock).encode()) > UNIX_PATH_MAX:
                 raise HostError(f"socket path {sock} is longer than {UNIX_PATH_MAX} bytes",
                                 "set VMLAUNCH_RUN_DIR to a shorter directory")
@@ -168,6 +193,12 @@ class _Compiler:
             "-msg", "timestamp=on",
             "-chardev", opts("socket", id="qmp", path=str(files.qmp), server=True, wait=False),
             "-mon", "chardev=qmp,mode=control",
+        ]
+        if managed:  # the lab manager's own monitor: QMP serves one client at a time
+            argv += ["-chardev", opts("socket", id="manager", path=str(files.manager_qmp), server=True,
+                                      wait=False),
+                     "-mon", "chardev=manager,mode=control"]
+        argv += [
             "-chardev", opts("socket", id="console", path=str(files.console), server=True,
                              wait=False, logfile=str(files.serial_log)),  # a fresh log per boot
             "-serial", "chardev:console",

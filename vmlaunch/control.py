@@ -52,6 +52,30 @@ class NicStatus:
 
 
 @attrs.frozen
+class MemoryStatus:
+    """A VM's memory, in bytes: what the spec allows, where the balloon is going and is, what the
+    guest has free (from the balloon's statistics, None until the guest reports them)."""
+
+    max: int  # `memory`
+    policy: str | None  # "auto" (the lab manager sizes it), "manual"; None: no balloon
+    min: int | None = None  # `balloon.min`, for policy auto
+    target: int | None = None  # the target the lab manager set last (auto)
+    actual: int | None = None  # the balloon's actual size: what the guest has
+    guest_free: int | None = None  # stat-free-memory
+    guest_available: int | None = None  # stat-available-memory
+
+
+@attrs.frozen
+class LabMemoryStatus:
+    """The lab's memory: its budget, what its guests hold, what KSM saves on the host, its manager."""
+
+    budget: int  # bytes: `lab.memory.budget`, else 80 % of the host's memory
+    actual: int  # bytes: the sum of the running VMs' actual sizes
+    manager: str  # "running (pid N)", "gone (`up` starts it again)", "none"
+    ksm: dict[str, int] | None = None  # the host's KSM counters (run, pages_shared, pages_sharing, saved)
+
+
+@attrs.frozen
 class VmStatus:
     name: str
     state: str  # running | stopped (not up) | off (up, the guest powered itself off) | crashed
@@ -61,6 +85,9 @@ class VmStatus:
     uptime: float | None = None
     nics: tuple[NicStatus, ...] = ()  # when the lab's spec was given
     ssh_port: int | None = None  # 127.0.0.1's port forwarded to the guest's SSH (`vmlaunch ssh`)
+    memory: MemoryStatus | None = None  # when the lab's spec was given
+    lab_memory: LabMemoryStatus | None = None  # the same for every VM of the lab: `status --json` stays
+    # keyed by VM name
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -89,26 +116,92 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
     """Each VM of the lab: running, stopped (not up) or crashed (up, but its QEMU is gone); with the
     lab's spec, also each VM's NICs."""
     journal = Journal.load(run_dir)
-    result = []
+    vms_managed = manager_state(run_dir).get("vms")
+    managed: dict[str, Any] = vms_managed if isinstance(vms_managed, dict) else {}
+    result: list[VmStatus] = []
     for name in names:
         nics = nics_of(lab, lab.vm(name)) if lab is not None else ()
         vm = journal.vms.get(name)
+        spec_memory = memory_of(lab.vm(name), managed.get(name)) if lab is not None else None
         if vm is None:
-            result.append(VmStatus(name, "stopped", nics=nics))
+            result.append(VmStatus(name, "stopped", nics=nics, memory=spec_memory))
             continue
         pid = qemu.find_pid(run_dir.vm(name), vm.pid)
         if pid is None:
-            result.append(VmStatus(name, gone_state(run_dir.vm(name)), vm.pid, vm.accel, nics=nics))
+            result.append(VmStatus(name, gone_state(run_dir.vm(name)), vm.pid, vm.accel, nics=nics,
+                                   memory=spec_memory))
             continue
-        balloon = None
+        balloon, stats = None, {}
         try:
             with QuickQmp(run_dir.vm(name).qmp, timeout=1) as qmp:
                 balloon = int(qmp.cmd("query-balloon")["actual"])
+                stats = guest_stats(qmp.cmd("qom-get", path=BALLOON, property="guest-stats"))
         except QmpError:
             pass  # no balloon device, or QMP busy: the rest of the status still holds
+        memory = None
+        if spec_memory is not None:
+            memory = attrs.evolve(spec_memory, actual=balloon, guest_free=stats.get("stat-free-memory"),
+                                  guest_available=stats.get("stat-available-memory"))
         result.append(VmStatus(name, "running", pid, vm.accel, balloon, time.time() - vm.started, nics,
-                               vm.ssh_port))
+                               vm.ssh_port, memory))
+    if lab is not None:
+        lab_memory = lab_memory_status(run_dir, lab, result)
+        result = [attrs.evolve(row, lab_memory=lab_memory) for row in result]
     return result
+
+
+BALLOON = "/machine/peripheral/balloon0"  # the balloon's QOM path (its id is balloon0)
+
+
+def guest_stats(reply: Any) -> dict[str, int]:
+    """The statistics the guest reported (QEMU shows one it never sent as (uint64) -1); none before
+    its first report."""
+    if not isinstance(reply, dict) or not reply.get("last-update"):
+        return {}
+    if not isinstance(reply.get("stats"), dict):
+        return {}
+    return {key: value for key, value in reply["stats"].items()
+            if isinstance(value, int) and 0 <= value < 1 << 63}
+
+
+def memory_of(vm: VmSpec, managed: dict[str, Any] | None) -> MemoryStatus:
+    from vmlaunch.model import BalloonPolicy, balloon_min_mib
+
+    if not vm.balloon.enabled:
+        return MemoryStatus(max=vm.memory_mib << 20, policy=None)
+    auto = vm.balloon.policy is BalloonPolicy.AUTO
+    target = managed.get("target") if auto and managed else None
+    return MemoryStatus(max=vm.memory_mib << 20, policy=vm.balloon.policy.value,
+                        min=balloon_min_mib(vm) << 20 if auto else None,
+                        target=target if isinstance(target, int) else None)
+
+
+def manager_state(run_dir: RunDir) -> dict[str, Any]:
+    """What the lab manager saw and set last (`manager.state.json`), {} when there is none."""
+    import json
+
+    try:
+        doc = json.loads(qemu.read_text(run_dir.manager_state) or "{}")
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def lab_memory_status(run_dir: RunDir, lab: LabSpec, rows: Sequence[VmStatus]) -> LabMemoryStatus:
+    from vmlaunch.hostmem import ksm_counters
+    from vmlaunch.model import BUDGET_SHARE
+
+    budget = lab.memory.budget_mib
+    if budget is None:
+        budget = int((os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >> 20) * BUDGET_SHARE)
+    actual = sum(row.memory.actual if row.memory.actual is not None else row.memory.max
+                 for row in rows if row.state == "running" and row.memory is not None)
+    record = manager_record(run_dir)
+    manager = ("none" if record is None else f"running (pid {record.pid})" if record.running()
+               else "gone (`vmlaunch up SPEC` starts it again)")
+    ksm = ksm_counters()
+    return LabMemoryStatus(budget=budget << 20, actual=actual, manager=manager,
+                           ksm=ksm.to_json() if ksm is not None else None)
 
 
 @attrs.frozen
@@ -284,6 +377,38 @@ def read_log(run_dir: RunDir, name: str, *, qemu_messages: bool = False) -> str:
         raise RuntimeFailure(f"VM {name} has no {what}: it is not up, and no earlier run was kept",
                              f"bring it up with `vmlaunch up SPEC {name}`")
     return kept
+
+
+def manager_record(run_dir: RunDir) -> Any:
+    """The journaled lab manager (a ManagerRecord), None when the lab has none up."""
+    entry = Journal.load(run_dir).entry("manager", "lab")
+    return entry.record if entry is not None else None
+
+
+def read_manager_log(run_dir: RunDir) -> tuple[str, bool]:
+    """The lab manager's log and whether it runs: of the manager that is up, else of the last one."""
+    record = manager_record(run_dir)
+    if record is not None:
+        return qemu.read_text(run_dir.manager_log), record.running()
+    kept = lastrun.read_manager(run_dir.lab)
+    if kept is None:
+        raise RuntimeFailure(f"lab {run_dir.lab} has no lab manager log: its manager is not up, and no "
+                             "earlier run was kept", 'a lab has a manager when a VM has balloon.policy = '
+                             '"auto"')
+    return kept, False
+
+
+def follow_manager_log(run_dir: RunDir, offset: int) -> Iterator[str]:
+    """The manager's log as it grows from `offset`, until the manager stops."""
+    record = manager_record(run_dir)
+    with os.fdopen(open_in_run_dir(run_dir.manager_log, os.O_RDONLY), "rb") as log:
+        log.seek(offset)
+        while True:
+            chunk = wait_until(lambda: log.read() or (None if record.running() else b""), math.inf,
+                               interval=0.2)
+            if not chunk:
+                return
+            yield chunk.decode(errors="replace")
 
 
 def follow_log(run_dir: RunDir, name: str) -> Iterator[str]:

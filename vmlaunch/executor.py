@@ -120,7 +120,13 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
             for name in already:
                 log.warning("%s runs already: not started afresh (down it first)", name)
             _reset(plan.lab_dir, [vm.name for vm in to_start])
+        revived = _revive(plan, ctx, journal)
         if not to_start:
+            if revived:
+                with contextlib.ExitStack() as stack:
+                    for resource in revived:
+                        _apply(resource, ctx, journal, stack)
+                    stack.pop_all()
             log.info("lab %s: every VM already runs", plan.lab)
             return already
         wanted = {vm.name for vm in to_start}
@@ -177,6 +183,26 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
             raise
         stack.pop_all()  # success: keep everything for `down`
         return {**already, **pids}
+
+
+def _revive(plan: Plan, ctx: Context, journal: Journal) -> list[Resource]:
+    """The lab's journaled processes (the lab manager) that are gone, to start again: their records
+    are dropped from the journal. Those that run are given this plan's settings (`refresh`)."""
+    revived = []
+    for resource in plan.resources:
+        entry = journal.entry(resource.kind, resource.key)
+        if entry is None:
+            continue
+        alive = getattr(entry.record, "alive", None)
+        if alive is not None and not alive():
+            log.warning("%s: gone, started again", entry.record.describe())
+            journal.drop(entry)
+            revived.append(resource)
+            continue
+        refresh = getattr(resource, "refresh", None)
+        if refresh is not None:
+            refresh(ctx)
+    return revived
 
 
 def ssh_port(vm: VmPlan) -> int:

@@ -256,7 +256,10 @@ class Journal:
         self.save()
 
     def has(self, kind: str, key: str) -> bool:
-        return any(e.kind == kind and e.key == key for e in self.resources)
+        return self.entry(kind, key) is not None
+
+    def entry(self, kind: str, key: str) -> Entry | None:
+        return next((e for e in self.resources if e.kind == kind and e.key == key), None)
 
 
 # --- the lock ----------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 
     log_root/LAB/V.serial.log   what the guest printed on its serial console
     log_root/LAB/V.qemu.log     what QEMU said (while starting, then its -D log)
+    log_root/LAB/manager.log    what the lab manager did (kept when it stops)
 
 `dirs.log_root()` is /var/log/vmlaunch as root, else ~/.local/state/vmlaunch/logs (VMLAUNCH_LOG_DIR
 overrides). Each run replaces the VM's previous logs; the last MAX_BYTES of each are kept. Keeping them
@@ -59,10 +60,35 @@ def keep(run_dir: RunDir, vms: Iterable[str]) -> None:
                 log.warning("%s: its %s log is not kept: %s", vm, kind, exc.strerror or exc)
 
 
+MANAGER_LOG = "manager.log"  # no VM's log is called that: theirs are V.serial.log and V.qemu.log
+
+
+def keep_manager(run_dir: RunDir) -> None:
+    """Copy the lab manager's log out of the run dir, replacing the previous run's."""
+    from vmlaunch.dirs import UnsafeDirectory, log_root, secure_dir
+
+    data = _tail(run_dir.manager_log)
+    if data is None:
+        return
+    try:
+        secure_dir(folder(run_dir.lab), top=log_root(), create=True, setting="VMLAUNCH_LOG_DIR")
+        _replace(folder(run_dir.lab) / MANAGER_LOG, data[-MAX_BYTES:])
+    except (UnsafeDirectory, OSError) as exc:
+        log.warning("the lab manager's log of lab %s is not kept: %s", run_dir.lab, exc)
+
+
+def read_manager(lab: str) -> str | None:
+    return _read(folder(lab) / MANAGER_LOG)
+
+
 def read(lab: str, vm: str, kind: str) -> str | None:
     """The kept log, or None when there is none."""
+    return _read(path_of(lab, vm, kind))
+
+
+def _read(path: Path) -> str | None:
     try:
-        fd = os.open(path_of(lab, vm, kind), os.O_RDONLY | os.O_NONBLOCK | NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | NOFOLLOW)
     except OSError:
         return None
     with os.fdopen(fd, "rb") as f:

@@ -218,7 +218,8 @@ class BalloonPolicy(enum.Enum):
 class Balloon:
     enabled: bool = True
     # Off, as in libvirt: with it on, Linux guests keep ballooned pages in MemTotal (the balloon only
-    # shows in MemFree) and may take memory back under pressure; opt in for that safety net.
+    # shows in MemFree) and may take memory back under pressure; opt in for that safety net. With policy
+    # "auto" it is on unless the spec says otherwise (spec.py).
     deflate_on_oom: bool = False
     free_page_reporting: bool = True  # freed guest pages go back to the host
     policy: BalloonPolicy = BalloonPolicy.MANUAL

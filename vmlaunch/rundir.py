@@ -4,11 +4,15 @@
         .vmlaunch-run-dir      vmlaunch's mark: only a run dir that has it is ever removed
         state.json             the journal of what `up` did (`journal.py`)
         V.qmp  V.console       QMP and serial console sockets of VM V
+        V.manager.qmp          the lab manager's own QMP monitor of VM V (labs with a manager)
         V.pid                  QEMU's pidfile
         V.stderr.log           QEMU's messages while it starts (before it opens V.qemu.log)
         V.qemu.log             QEMU's messages from then on (-D), kept by `down` (`lastrun.py`)
         V.serial.log           what the guest printed on its serial console
         V.console.lock         held while a `vmlaunch console` is attached
+        manager.log            what the lab manager did and why (`manager.py`), kept by `down`
+        manager.json           the lab manager's settings, written by `up` (`resources/manager.py`)
+        manager.state.json     what the lab manager saw and set last, read by `status`
     run_root/.LAB.lock         serialises `up` and `down` of the lab (beside the run dir: `down`
                                removes the run dir while holding it)
 """
@@ -27,7 +31,12 @@ from vmlaunch.fsutil import is_temp_of
 
 MARK = ".vmlaunch-run-dir"
 STATE = "state.json"
-VM_SUFFIXES = (".qmp", ".console", ".console.lock", ".serial.log", ".pid", ".stderr.log", ".qemu.log")
+VM_SUFFIXES = (".qmp", ".manager.qmp", ".console", ".console.lock", ".serial.log", ".pid", ".stderr.log",
+               ".qemu.log")
+MANAGER_LOG = "manager.log"
+MANAGER_CONFIG = "manager.json"
+MANAGER_STATE = "manager.state.json"
+LAB_FILES = (MANAGER_LOG, MANAGER_CONFIG, MANAGER_STATE)
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -59,6 +68,11 @@ class VmFiles:
         return self._file(".qmp")
 
     @property
+    def manager_qmp(self) -> Path:
+        """A second QMP monitor for the lab manager: the first one stays free for users."""
+        return self._file(".manager.qmp")
+
+    @property
     def console(self) -> Path:
         return self._file(".console")
 
@@ -84,7 +98,7 @@ class VmFiles:
 
     @property
     def sockets(self) -> tuple[Path, ...]:
-        return (self.qmp, self.console)
+        return (self.qmp, self.manager_qmp, self.console)
 
     @property
     def every(self) -> tuple[Path, ...]:
@@ -93,12 +107,12 @@ class VmFiles:
     @property
     def stale(self) -> tuple[Path, ...]:
         """What a crashed QEMU leaves that would make the next one fail to bind or be found."""
-        return (self.qmp, self.console, self.pidfile)
+        return (self.qmp, self.manager_qmp, self.console, self.pidfile)
 
     @property
     def private(self) -> tuple[Path, ...]:
         """What QEMU creates under its own umask (027) and vmlaunch narrows to the owner."""
-        return (self.qmp, self.console, self.serial_log, self.qemu_log)
+        return (self.qmp, self.manager_qmp, self.console, self.serial_log, self.qemu_log)
 
 
 @attrs.frozen
@@ -122,6 +136,18 @@ class RunDir:
     @property
     def mark(self) -> Path:
         return self.path / MARK
+
+    @property
+    def manager_log(self) -> Path:
+        return self.path / MANAGER_LOG
+
+    @property
+    def manager_config(self) -> Path:
+        return self.path / MANAGER_CONFIG
+
+    @property
+    def manager_state(self) -> Path:
+        return self.path / MANAGER_STATE
 
     def secure(self, *, create: bool = False) -> bool:
         """Check the run root and this run dir against the ownership rule (`dirs.secure_dir`); with
@@ -154,7 +180,7 @@ class RunDir:
         """Remove the run dir if it is vmlaunch's (marked) and holds only what vmlaunch puts there
         (the journal, the files of the VMs named); else leave it and return why. Files are removed
         one by one, never through a link."""
-        known = {MARK, STATE} | {f"{vm}{suffix}" for vm in vms for suffix in VM_SUFFIXES}
+        known = {MARK, STATE, *LAB_FILES} | {f"{vm}{suffix}" for vm in vms for suffix in VM_SUFFIXES}
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW)
         except FileNotFoundError:
@@ -165,7 +191,8 @@ class RunDir:
             names = os.listdir(fd)
             if MARK not in names:
                 return f"it has no {MARK} mark, so vmlaunch did not make it"
-            strangers = [n for n in names if not (n in known or is_temp_of(n, STATE))
+            temps = (STATE, MANAGER_CONFIG, MANAGER_STATE)  # what write_atomic writes
+            strangers = [n for n in names if not (n in known or any(is_temp_of(n, f) for f in temps))
                          or stat.S_ISDIR(os.lstat(n, dir_fd=fd).st_mode)]
             if strangers:
                 return f"it holds what vmlaunch did not put there: {', '.join(sorted(strangers)[:5])}"

@@ -836,6 +836,9 @@ class _Builder:
             else:
                 given["min_mib"] = least
         if given.get("policy") is BalloonPolicy.AUTO:
+            # The manager grows a short guest within a round or two; a burst of allocations faster than
+            # that takes pages back from the balloon (the guest's OOM notifier) instead of killing.
+            given.setdefault("deflate_on_oom", True)
             if given.get("enabled") is False:
                 self.problems.add((*path, "policy"), "policy = \"auto\" needs the balloon",
                                   "remove enabled = false, or use policy = \"manual\"")

@@ -58,3 +58,11 @@ def format_size(size: int) -> str:
         if size and size % _FACTOR[unit] == 0:
             return f"{size // _FACTOR[unit]}{unit}"
     return str(size)
+
+
+def human_size(size: int) -> str:
+    """To the nearest MiB, or tenth of a GiB from 10G on, for a table: 123456789 -> "118M"."""
+    if size >= 10 << 30:
+        return f"{size / (1 << 30):.1f}G"
+    mib = round(size / (1 << 20))
+    return format_size(mib << 20) if mib else "0M" if size == 0 else "<1M"

@@ -9,6 +9,7 @@ from vmlaunch.resources.bridge import BridgeRecord, release_unjournaled_bridges
 from vmlaunch.resources.guest import LabDirRecord, VmFileRecord
 from vmlaunch.resources.hugepages import HugepagesRecord
 from vmlaunch.resources.image import ImageRecord
+from vmlaunch.resources.manager import ManagerRecord
 from vmlaunch.resources.pci import PciRecord
 from vmlaunch.resources.tap import TapRecord
 
@@ -20,6 +21,7 @@ RECORDS: dict[str, type[Record]] = {record.kind: record for record in (
     LabDirRecord,
     VmFileRecord,
     HugepagesRecord,
+    ManagerRecord,
 )}
 
 # Kinds that keep claims outside the journal (a bridge shared between labs: bridge_registry.py), each a

@@ -1,0 +1,68 @@
+"""The host's memory as the kernel reports it: /proc/meminfo and the KSM counters, through the one
+proc root (`VMLAUNCH_PROC`, else /proc) and the one sysfs root (`VMLAUNCH_SYSFS`, else /sys), so
+tests can show vmlaunch any host."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import attrs
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def proc_root() -> Path:
+    """Where procfs is: `VMLAUNCH_PROC` (tests build a fake tree there), else `/proc`."""
+    return Path(os.environ.get("VMLAUNCH_PROC") or "/proc")
+
+
+@attrs.frozen
+class MemInfo:
+    total: int  # bytes: MemTotal
+    available: int  # bytes: MemAvailable
+
+
+def meminfo() -> MemInfo | None:
+    """MemTotal and MemAvailable, None when /proc/meminfo cannot be read."""
+    values: dict[str, int] = {}
+    try:
+        for line in (proc_root() / "meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if key in ("MemTotal", "MemAvailable") and parts and parts[0].isdigit():
+                values[key] = int(parts[0]) << 10  # kB
+    except OSError:
+        return None
+    if len(values) < 2:
+        return None
+    return MemInfo(total=values["MemTotal"], available=values["MemAvailable"])
+
+
+@attrs.frozen
+class KsmCounters:
+    run: int  # 0 off, 1 merging, 2 unmerging
+    pages_shared: int  # pages KSM keeps, each standing for several
+    pages_sharing: int  # the pages that point at them: the pages saved
+    pages_unshared: int
+
+    @property
+    def saved(self) -> int:
+        """Bytes the host does not spend thanks to KSM."""
+        return self.pages_sharing * PAGE
+
+    def to_json(self) -> dict[str, int]:
+        return {**attrs.asdict(self), "saved": self.saved}
+
+
+def ksm_counters() -> KsmCounters | None:
+    """The KSM counters, None when the kernel has no KSM (or they cannot be read)."""
+    from vmlaunch.pci import sysfs_root
+
+    folder = sysfs_root() / "kernel" / "mm" / "ksm"
+    try:
+        read = {name: int((folder / name).read_text().split()[0])
+                for name in ("run", "pages_shared", "pages_sharing", "pages_unshared")}
+    except (OSError, ValueError, IndexError):
+        return None
+    return KsmCounters(**read)

@@ -1,0 +1,224 @@
+"""The lab manager as a resource: `up` starts it (one process per lab, `vmlaunch/manager.py`), the
+journal records which process it is, and `down` stops it.
+
+It is started when a VM's balloon has `policy = "auto"`, before the VMs (it finds them through the
+journal as they come, and goes on when they go). Its settings are `manager.json` in the run dir,
+written by every `up` (a VM added by `up VM` is in the spec it was compiled from), read by the manager
+every round. An `up` that finds the journaled manager gone starts it again (`alive`); the new one
+rebuilds its view from the journal, QMP and `manager.state.json`.
+
+A process is known by its pid and its start time (field 22 of /proc/PID/stat, in clock ticks since
+boot): a pid reused by another process is never signalled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import attrs
+
+from vmlaunch.errors import RuntimeFailure
+from vmlaunch.fsutil import write_atomic
+from vmlaunch.resources.base import Context
+from vmlaunch.rundir import RunDir, open_in_run_dir
+from vmlaunch.textsafe import printable
+
+log = logging.getLogger(__name__)
+
+# Seconds between the manager's rounds, and the guests' balloon statistics period: a guest allocating
+# 4 MiB/s from 16 MiB free has 4 s before its OOM killer runs; the manager sees it a round later and
+# grows it one round after that. A round costs two QMP exchanges per VM.
+INTERVAL = 1.0
+READY_TIMEOUT = 15.0  # seconds a starting manager has to say it runs (Python start-up on a busy host)
+STOP_TIMEOUT = 5.0
+
+
+@attrs.frozen
+class ManagedVm:
+    """One VM of the lab as the manager sees it; sizes in MiB."""
+
+    name: str
+    maximum_mib: int  # `memory`
+    minimum_mib: int  # `balloon.min` (auto), else its memory: a manual VM holds what it holds
+    auto: bool  # the manager sets its balloon target
+    balloon: bool  # it has a balloon device (and statistics)
+
+
+@attrs.frozen
+class ManagerConfig:
+    lab: str
+    budget_mib: int
+    vms: tuple[ManagedVm, ...]
+    interval: float = INTERVAL
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: Any) -> ManagerConfig:
+        """Raises ValueError for anything that is not a config `up` wrote."""
+        try:
+            vms = tuple(ManagedVm(name=str(vm["name"]), maximum_mib=int(vm["maximum_mib"]),
+                                  minimum_mib=int(vm["minimum_mib"]), auto=bool(vm["auto"]),
+                                  balloon=bool(vm["balloon"])) for vm in doc["vms"])
+            return cls(lab=str(doc["lab"]), budget_mib=int(doc["budget_mib"]), vms=vms,
+                       interval=float(doc.get("interval", INTERVAL)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a lab manager config: {exc}") from None
+
+
+def write_config(run_dir: RunDir, config: ManagerConfig) -> None:
+    write_atomic(run_dir.manager_config, json.dumps(config.to_json(), indent=1) + "\n", durable=False)
+
+
+def read_config(run_dir: RunDir) -> ManagerConfig:
+    fd = open_in_run_dir(run_dir.manager_config, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        return ManagerConfig.from_json(json.loads(f.read(1 << 20)))
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()
+        return None if fields[0] == "Z" else int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@attrs.frozen
+class ManagerRecord:
+    kind: ClassVar[str] = "manager"
+
+    pid: int
+    started: int  # start_time(pid) when it was started
+    run_dir: str
+
+    def running(self) -> bool:
+        return start_time(self.pid) == self.started
+
+    def alive(self) -> bool:
+        """For `up`: False when the manager is gone and should be started again."""
+        return self.running()
+
+    def undo(self, ctx: Context, *, rollback: bool) -> None:
+        if self.running():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_TIMEOUT
+            while self.running() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self.running():
+                log.warning("the lab manager (pid %d) did not stop within %g s: killed", self.pid,
+                            STOP_TIMEOUT)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
+        from vmlaunch import lastrun
+
+        run_dir = RunDir(Path(self.run_dir))
+        lastrun.keep_manager(run_dir)
+        for path in (run_dir.manager_state, run_dir.manager_config):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    def describe(self) -> str:
+        return f"lab manager, pid {self.pid} (stopped by down)"
+
+
+@attrs.frozen
+class LabManager:
+    """The lab's manager process."""
+
+    kind: ClassVar[str] = "manager"
+
+    run_dir: RunDir
+    config: ManagerConfig
+
+    @property
+    def key(self) -> str:
+        return "lab"
+
+    @property
+    def owner(self) -> str | None:
+        return None
+
+    def describe(self) -> str:
+        auto = [vm.name for vm in self.config.vms if vm.auto]
+        return (f"lab manager: balloons of {', '.join(auto)} sized within a budget of "
+                f"{self.config.budget_mib} MiB, every {self.config.interval:g} s "
+                f"(log: {self.run_dir.manager_log})")
+
+    def found(self) -> str | None:
+        return None
+
+    def refresh(self, ctx: Context) -> None:
+        """For an `up` that finds the manager running: its settings as this spec has them."""
+        write_config(self.run_dir, self.config)
+
+    def apply(self, ctx: Context) -> ManagerRecord:
+        write_config(self.run_dir, self.config)
+        logfile = open_in_run_dir(self.run_dir.manager_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        ready_r, ready_w = os.pipe()
+        try:
+            # The manager forks once more and its first process exits at once: the manager is nobody's
+            # child, and no caller of `up` (the API, a test) is left with a zombie.
+            child = subprocess.Popen(
+                [sys.executable, "-m", "vmlaunch.manager", str(self.run_dir.path), "--ready-fd",
+                 str(ready_w)], stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile,
+                pass_fds=(ready_w,), start_new_session=True, umask=0o077)
+        finally:
+            os.close(logfile)
+            os.close(ready_w)
+        try:
+            child.wait(READY_TIMEOUT)
+            pid = _read_ready(ready_r, READY_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            pid = None
+        finally:
+            os.close(ready_r)
+        started = start_time(pid) if pid is not None else None
+        if pid is None or started is None:
+            tail = printable(_tail(self.run_dir.manager_log)).strip()
+            raise RuntimeFailure("the lab manager did not start" + (f": {tail}" if tail else ""),
+                                 f"its log is {self.run_dir.manager_log}")
+        return ManagerRecord(pid=pid, started=started, run_dir=str(self.run_dir.path))
+
+
+def _read_ready(fd: int, timeout: float) -> int | None:
+    """The pid the manager writes on the pipe once it runs; None when it exits first."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    while b"\n" not in data:
+        wait = deadline - time.monotonic()
+        if wait <= 0 or not select.select([fd], [], [], wait)[0]:
+            return None
+        chunk = os.read(fd, 64)
+        if not chunk:
+            return None
+        data += chunk
+    line = data.split(b"\n")[0]
+    return int(line) if line.isdigit() else None
+
+
+def _tail(path: Path, size: int = 2000) -> str:
+    try:
+        fd = open_in_run_dir(path, os.O_RDONLY | os.O_NONBLOCK)
+    except (OSError, RuntimeFailure):
+        return ""
+    with os.fdopen(fd, "rb") as f:
+        with contextlib.suppress(OSError):
+            f.seek(-size, os.SEEK_END)
+        return f.read().decode(errors="replace")
