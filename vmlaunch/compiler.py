@@ -179,6 +179,8 @@ class _Compiler:
         memory = self.memory_backend(path, vm)
         if memory:
             machine["memory-backend"] = "ram"
+        if self.lab.memory.ksm is False:  # not merged even while another lab has KSM on
+            machine["mem-merge"] = "off"
         argv = [
             self.host.qemu.binary,
             "-name", opts("", guest=vm.name, process=process_name(vm.name), debug_threads=True),

@@ -1,0 +1,118 @@
+"""The lab manager without QEMU: when the compiler plans it and what it gives it, its settings file,
+the guest statistics as QEMU reports them, and the `logs --manager` usage (the manager's rounds run
+for real in test_manager_real.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import fake_host, write_spec
+from vmlaunch.cli import main
+from vmlaunch.compiler import compile_lab
+from vmlaunch.control import guest_stats
+from vmlaunch.resources.manager import LabManager, ManagedVm, ManagerConfig, read_config, write_config
+from vmlaunch.rundir import RunDir
+from vmlaunch.spec import load_lab
+from vmlaunch.units import human_size
+
+M = 1 << 20
+VM = '[vm.{name}]\nmemory = "{memory}"\nkernel = "/k"\n'
+
+
+def lab_text(*vms: str, memory: str = "") -> str:
+    return f'[lab]\nname = "t"\n{memory}' + "".join(vms)
+
+
+def auto(name: str, memory: str = "512M", minimum: str | None = None) -> str:
+    text = VM.format(name=name, memory=memory) + f'[vm.{name}.balloon]\npolicy = "auto"\n'
+    return text + (f'min = "{minimum}"\n' if minimum else "")
+
+
+def test_a_lab_with_an_auto_balloon_gets_a_manager_and_every_vm_its_monitor(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, lab_text(auto("a", minimum="128M"), VM.format(name="b", memory="1G"),
+                                         memory='[lab.memory]\nbudget = "1280M"\n'))
+    plan = compile_lab(load_lab(spec), fake_host())
+    managers = [r for r in plan.resources if isinstance(r, LabManager)]
+    assert len(managers) == 1
+    assert managers[0].config == ManagerConfig(lab="t", budget_mib=1280, vms=(
+        ManagedVm("a", 512, 128, auto=True, balloon=True),
+        ManagedVm("b", 1024, 1024, auto=False, balloon=True)))
+    for vm in plan.vms:
+        assert f"path={plan.run_dir.vm(vm.name).manager_qmp},server=on,wait=off" in " ".join(vm.argv)
+        assert "chardev=manager,mode=control" in vm.argv
+    # `up b` alone still starts the manager, which watches every VM of the lab
+    only_b = compile_lab(load_lab(spec), fake_host(), ["b"])
+    assert [r for r in only_b.resources if isinstance(r, LabManager)] == managers
+
+
+def test_the_default_budget_is_80_percent_of_the_host_and_min_a_quarter(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, lab_text(auto("a", memory="1G")))
+    plan = compile_lab(load_lab(spec), fake_host(memory_mib=10000))
+    (manager,) = [r for r in plan.resources if isinstance(r, LabManager)]
+    assert manager.config.budget_mib == 8000
+    assert manager.config.vms == (ManagedVm("a", 1024, 256, auto=True, balloon=True),)
+    assert '"deflate-on-oom":true' in " ".join(plan.vms[0].argv)  # on with auto, unless said otherwise
+
+
+def test_no_manager_without_an_auto_balloon(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, lab_text(VM.format(name="a", memory="512M")))
+    plan = compile_lab(load_lab(spec), fake_host())
+    assert not [r for r in plan.resources if isinstance(r, LabManager)]
+    assert "chardev=manager,mode=control" not in plan.vms[0].argv
+    assert '"deflate-on-oom":false' in " ".join(plan.vms[0].argv)
+
+
+def test_ksm_false_keeps_the_labs_memory_from_being_merged(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, lab_text(VM.format(name="a", memory="512M"),
+                                         memory="[lab.memory]\nksm = false\n"))
+    machine = compile_lab(load_lab(spec), fake_host()).vms[0].argv
+    assert "mem-merge=off" in machine[machine.index("-machine") + 1]
+
+
+def test_the_settings_file_round_trips_and_refuses_what_up_did_not_write(tmp_path: Path) -> None:
+    run_dir = RunDir(tmp_path)
+    config = ManagerConfig(lab="t", budget_mib=640, vms=(ManagedVm("a", 256, 96, True, True),))
+    write_config(run_dir, config)
+    assert read_config(run_dir) == config
+    run_dir.manager_config.write_text(json.dumps({"lab": "t", "vms": [{"name": "a"}]}))
+    with pytest.raises(ValueError, match="not a lab manager config"):
+        read_config(run_dir)
+
+
+@pytest.mark.parametrize(("reply", "expected"), [
+    ({"stats": {"stat-free-memory": 5 * M}, "last-update": 0}, {}),  # before the guest's first report
+    ({"stats": {"stat-free-memory": 5 * M, "stat-swap-in": 2**64 - 1}, "last-update": 17},
+     {"stat-free-memory": 5 * M}),  # (uint64) -1: not reported
+    ({"stats": "nonsense", "last-update": 17}, {}),
+    (None, {}),
+])
+def test_guest_stats(reply: object, expected: dict[str, int]) -> None:
+    assert guest_stats(reply) == expected
+
+
+@pytest.mark.parametrize(("size", "shown"), [(0, "0M"), (1000, "<1M"), (123456789, "118M"),
+                                             (1 << 30, "1G"), (15 << 30, "15.0G")])
+def test_human_size(size: int, shown: str) -> None:
+    assert human_size(size) == shown
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["a", "--manager"], "no VM and no --qemu"),
+    (["--manager", "--qemu"], "no VM and no --qemu"),
+    ([], "name a VM, or --manager"),
+])
+def test_logs_usage(tmp_path: Path, run_dir: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
+                    message: str) -> None:
+    spec = write_spec(tmp_path, lab_text(auto("a")))
+    assert main(["logs", str(spec), *argv]) == 64  # a usage error
+    assert message in capsys.readouterr().err
+
+
+def test_logs_of_a_lab_whose_manager_never_ran(tmp_path: Path, run_dir: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    spec = write_spec(tmp_path, lab_text(auto("a")))
+    assert main(["logs", str(spec), "--manager"]) == 4
+    assert "has no lab manager log" in capsys.readouterr().err
