@@ -73,7 +73,7 @@ def compile_lab(lab: LabSpec, host: Host, only: Sequence[str] = ()) -> Plan:
     plans = tuple(compiler.vm(vm) for vm in vms)
     resources = (*host_resources(lab, vms, host), *manager_resources(lab, host, run_dir))
     return Plan(lab=lab.name, run_dir=run_dir, resources=resources, vms=plans,
-                notes=tuple(memory_notes(vms, host)), lab_dir=compiler.lab_dir)
+                notes=tuple(memory_notes(vms, host, lab)), lab_dir=compiler.lab_dir)
 
 
 def has_manager(lab: LabSpec) -> bool:
@@ -100,8 +100,22 @@ def needs_lab_dir(vm: VmSpec) -> bool:
     return vm.image is not None or vm.cloud_init is not None or vm.firmware is Firmware.UEFI
 
 
-def memory_notes(vms: Sequence[VmSpec], host: Host) -> Iterator[str]:
-    """The KVM guide's over-commit target: guests together use at most 80 % of host memory."""
+def memory_notes(vms: Sequence[VmSpec], host: Host, lab: LabSpec | None = None) -> Iterator[str]:
+    """The KVM guide's over-commit target: guests together use at most 80 % of host memory. A lab
+    manager keeps the guests within the lab's budget: then the budget is what is weighed."""
+    if lab is not None and has_manager(lab):
+        budget = lab.memory.budget_mib
+        target = int(host.memory_mib * BUDGET_SHARE)
+        if budget is not None and budget > target:
+            yield (f"the lab's memory budget ({budget} MiB) is more than {BUDGET_SHARE:.0%} of the host's "
+                   f"{host.memory_mib} MiB: the host may swap, which hurts every guest")
+        floors = sum(balloon_min_mib(vm) if vm.balloon.policy is BalloonPolicy.AUTO else vm.memory_mib
+                     for vm in lab.vms)
+        if budget is None and floors > target:
+            yield (f"the VMs keep at least {floors} MiB (balloon.min of the auto ones, memory of the "
+                   f"others), more than the default budget of {target} MiB ({BUDGET_SHARE:.0%} of the "
+                   "host): the lab manager holds them at their minimums")
+        return
     total = sum(vm.memory_mib for vm in vms)
     if total > host.memory_mib * MEMORY_TARGET:
         yield (f"the VMs ask for {total} MiB, more than {MEMORY_TARGET:.0%} of the host's "
