@@ -5,12 +5,16 @@ The pool is `kernel/mm/hugepages/hugepages-NkB/nr_hugepages` under the one sysfs
 (`VMLAUNCH_SYSFS`, else /sys); `free_hugepages` beside it says how many are unused. A reservation
 raises `nr_hugepages` by the VM's pages, whatever is free already (those may be someone else's), and
 its record lowers it by as many again: pages QEMU still holds then become surplus pages, which the
-kernel frees when QEMU lets them go.
+kernel frees when QEMU lets them go. Each change reads and writes `nr_hugepages` under an flock of
+that file itself, so two labs coming up at once do not undo each other's reservations, and nothing is
+left behind for the lock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -44,6 +48,30 @@ def _write(path: Path, value: int) -> None:
         raise HostError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
+@contextlib.contextmanager
+def _locked(nr: Path) -> Iterator[None]:
+    """`nr_hugepages` flocked for a read and a write (other vmlaunch runs wait; they hold it briefly)."""
+    import fcntl
+
+    try:
+        fd = os.open(nr, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise HostError(f"cannot open {nr}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _add(nr: Path, pages: int) -> tuple[int, int]:
+    """Add `pages` (or take them away) to the pool under its lock; (before, after) as the kernel says."""
+    with _locked(nr):
+        before = _read(nr)
+        _write(nr, max(0, before + pages))
+        return before, _read(nr)
+
+
 @attrs.frozen
 class HugepagesRecord:
     kind: ClassVar[str] = "hugepages"
@@ -56,8 +84,7 @@ class HugepagesRecord:
     def undo(self, ctx: Context, *, rollback: bool) -> None:
         if not self.added:
             return
-        nr = pool(self.sysfs or ctx.sysfs, self.size_kib) / "nr_hugepages"
-        _write(nr, max(0, _read(nr) - self.added))
+        _add(pool(self.sysfs or ctx.sysfs, self.size_kib) / "nr_hugepages", -self.added)
 
     def describe(self) -> str:
         size = format_size(self.size_kib << 10)
@@ -117,11 +144,9 @@ class Hugepages:
         if not self.reserve:
             return HugepagesRecord(self.vm, self.size_kib, 0, ctx.sysfs)
         nr = pool(ctx.sysfs, self.size_kib) / "nr_hugepages"
-        before = _read(nr)
-        _write(nr, before + self.pages)
-        got = _read(nr)
+        before, got = _add(nr, self.pages)
         if got < before + self.pages:  # the kernel found too few free contiguous pages
-            _write(nr, before)
+            _add(nr, before - got)
             size = format_size(self.size_kib << 10)
             raise HostError(f"the kernel could add only {got - before} of {self.pages} {size} hugepages for "
                             f"VM {self.vm} (its free memory is too fragmented or too little)",
