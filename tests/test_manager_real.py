@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from vmlaunch.api import Lab
 from vmlaunch.cli import main
 from vmlaunch.journal import Journal
 from vmlaunch.qemu import alive
@@ -149,6 +150,11 @@ def test_the_manager_outlives_vms_and_itself(
     assert second != first
     wait_until(lambda: set(actuals(run_dir)) == {"a", "b", "c"} and
                json.loads(run_dir.manager_state.read_text())["pid"] == second, 30, interval=0.5)
+    api = Lab(path)  # the Python API sees the same
+    assert f"lab manager of mgr started (pid {second})" in api.manager_log()
+    row = api.status()["a"]
+    assert row.memory is not None and row.memory.max == 256 * M and row.memory.policy == "auto"
+    assert row.lab_memory is not None and row.lab_memory.budget == 640 * M
     # `down` stops it; its log is kept.
     assert main(["down", str(path)]) == 0
     assert not alive(second)  # gone, or a zombie its new parent has not reaped yet

@@ -113,8 +113,14 @@ class Lab:
 
     def status(self) -> dict[str, VmStatus]:
         """Each VM's status by name: running, stopped or crashed, with pid, accelerator, balloon
-        size and uptime when running, and its NICs (as `vmlaunch status`)."""
+        size and uptime when running, its NICs, its memory (`memory`: max, policy, the lab manager's
+        target, actual, guest free) and the lab's (`lab_memory`: budget, actual, manager, KSM), as
+        `vmlaunch status`."""
         return {row.name: row for row in control.status(self.run_dir, list(self.vms), self.model)}
+
+    def manager_log(self) -> str:
+        """The lab manager's log: every balloon target it set and why (`vmlaunch logs --manager`)."""
+        return control.read_manager_log(self.run_dir)[0]
 
     def __enter__(self) -> Lab:
         """`up()`, then the lab."""
