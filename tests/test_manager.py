@@ -5,6 +5,7 @@ for real in test_manager_real.py)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,32 @@ def test_notes_weigh_the_budget_when_a_manager_keeps_to_it(tmp_path: Path) -> No
     floors = write_spec(tmp_path, lab_text(auto("a", memory="16G", minimum="9G")), name="floors.toml")
     assert any("holds them at their minimums" in note
                for note in compile_lab(load_lab(floors), fake_host(memory_mib=10240)).notes)
+
+
+def test_a_manager_missing_from_its_journal_stops_itself(tmp_path: Path) -> None:
+    """Started by an `up` killed before it journaled the manager (or taken out of the journal): nothing
+    would stop it, so after a grace period it stops itself; one that is journaled goes on."""
+    import asyncio
+
+    from vmlaunch.journal import Entry, Journal
+    from vmlaunch.manager import ORPHAN_AFTER, Manager
+    from vmlaunch.resources.manager import ManagerRecord
+
+    run_dir = RunDir(tmp_path / "t")
+    run_dir.create()
+    write_config(run_dir, ManagerConfig(lab="t", budget_mib=640, vms=()))
+
+    async def rounds(journaled: bool) -> bool:
+        manager = Manager(run_dir)
+        if journaled:
+            journal = Journal(run_dir, spec="/l/lab.toml")
+            journal.add(Entry("manager", "lab", None, ManagerRecord(os.getpid(), 1, str(run_dir.path))))
+        await manager.round()
+        assert not manager.stopping.is_set()  # in its grace period
+        manager.started -= ORPHAN_AFTER + 1
+        await manager.round()
+        return manager.stopping.is_set()
+
+    assert asyncio.run(rounds(journaled=True)) is False
+    run_dir.state.unlink()
+    assert asyncio.run(rounds(journaled=False)) is True

@@ -47,6 +47,7 @@ log = logging.getLogger("vmlaunch.manager")
 BALLOON = "/machine/peripheral/balloon0"
 MIB = 1 << 20
 UNKNOWN = 1 << 63  # QEMU reports a statistic the guest did not send as (uint64) -1
+ORPHAN_AFTER = 60.0  # seconds a manager not in its lab's journal runs before it takes itself for orphaned
 
 
 @attrs.define
@@ -73,6 +74,8 @@ class Manager:
         self.stopping = asyncio.Event()
         self.config: ManagerConfig | None = None
         self.saved_targets = self._saved_targets()
+        self.started = time.monotonic()
+        self.journaled = False  # seen in the lab's journal: from then on it must stay there
 
     def _saved_targets(self) -> dict[str, tuple[int, int]]:
         """name -> (QEMU pid, target) from the state file a previous manager of this lab left."""
@@ -123,6 +126,15 @@ class Manager:
         except VmlaunchError as exc:
             log.warning("cannot read the journal: %s", exc)
             return {name: vm.pid for name, vm in self.watched.items()}
+        mine = journal.entry("manager", "lab")
+        if mine is not None and getattr(mine.record, "pid", None) == os.getpid():
+            self.journaled = True
+        elif self.journaled or time.monotonic() - self.started > ORPHAN_AFTER:
+            # Taken out of the journal (down could not stop it), or never put in (the `up` that started
+            # it was killed before it could): nobody would ever stop it.
+            log.info("not in the lab's journal (any more): nothing would stop this manager, so it stops")
+            self.stopping.set()
+            return {}
         found = {}
         for name, entry in journal.vms.items():
             if entry.pid is None:
@@ -138,6 +150,8 @@ class Manager:
             return
         config = self.config
         running = self._running()
+        if self.stopping.is_set():
+            return
         wanted = {vm.name: vm for vm in config.vms if vm.name in running}
         for name in [name for name, vm in self.watched.items()
                      if name not in wanted or running.get(name) != vm.pid]:

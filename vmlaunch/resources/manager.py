@@ -180,13 +180,18 @@ class LabManager:
         finally:
             os.close(logfile)
             os.close(ready_w)
+        pid = None
         try:
             child.wait(READY_TIMEOUT)
             pid = _read_ready(ready_r, READY_TIMEOUT)
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
-            pid = None
+        except BaseException:  # Ctrl-C before the record is journaled: nothing would stop it
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            raise
         finally:
             os.close(ready_r)
         started = start_time(pid) if pid is not None else None
