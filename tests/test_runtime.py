@@ -150,14 +150,14 @@ def test_down_force_removes_what_it_recognises(lab: Plan, tmp_path: Path,
                                                caplog: pytest.LogCaptureFixture) -> None:
     pids = executor.up(lab, spec=tmp_path / "lab.toml", timeout=60)
     doc = json.loads(lab.run_dir.state.read_text())
-    doc["resources"].append({"kind": "hugepages", "key": "2M", "vm": None, "record": {"pages": 4}})
+    doc["resources"].append({"kind": "teleporter", "key": "2M", "vm": None, "record": {"pages": 4}})
     lab.run_dir.state.write_text(json.dumps(doc))
-    with pytest.raises(JournalError, match="unknown kind 'hugepages'"):
+    with pytest.raises(JournalError, match="unknown kind 'teleporter'"):
         executor.down(lab.run_dir, timeout=1)
     assert all(qemu.alive(pid) for pid in pids.values())  # refused before anything changed
     assert executor.down(lab.run_dir, timeout=1, force=True)
     assert not any(qemu.alive(pid) for pid in pids.values()) and not lab.run_dir.path.exists()
-    assert "not recognised, so not undone" in caplog.text and "hugepages" in caplog.text
+    assert "not recognised, so not undone" in caplog.text and "teleporter" in caplog.text
 
 
 def test_wait_for_times_out_with_the_console_tail(tmp_path: Path, run_dir: Path,
