@@ -8,7 +8,7 @@ VENV := .venv
 VMLAUNCH := $(VENV)/bin/vmlaunch
 PYTEST := $(VENV)/bin/python -m pytest
 
-.PHONY: setup demo test lint bench bench-boot clean install uninstall
+.PHONY: setup demo test lint bench bench-boot bench-density clean install uninstall
 
 setup:
 	@tools/setup.sh
@@ -40,6 +40,12 @@ bench: setup
 # A real Debian guest booted 3 times each way (~15 minutes; installs libvirt's Debian packages)
 bench-boot: setup
 	$(VENV)/bin/python bench/boot.py
+
+# Eight idle guests started the plain way and vmlaunch's way: the host memory they take and their
+# throughput (~10 minutes; root, for KSM; draws bench/results/density.png with matplotlib)
+bench-density: setup
+	$(VENV)/bin/python -m pip install -q -e '.[bench]' --config-settings editable_mode=compat
+	$(VENV)/bin/python bench/density.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info examples/guest
