@@ -195,7 +195,7 @@ def _revive(plan: Plan, ctx: Context, journal: Journal) -> list[Resource]:
             continue
         alive = getattr(entry.record, "alive", None)
         if alive is not None and not alive():
-            log.warning("%s: gone, started again", entry.record.describe())
+            log.warning("%s is gone: starting it again", entry.record.describe())
             journal.drop(entry)
             revived.append(resource)
             continue

@@ -9,7 +9,12 @@ calls:
 - `claim(ctx) -> Resource | None`: a resource applied and journaled before `apply` runs, for a change
   that takes a while (an image qemu-img writes): a crash leaves a journaled claim `down` can undo;
 - `check_opened(pid)`: once the QEMUs run paused, check what this VM's QEMU opened (the disk file the
-  path named when it was checked), before any guest runs.
+  path named when it was checked), before any guest runs;
+- `refresh(ctx)`: for an `up` that finds the resource journaled already, bring what it keeps up to
+  this plan (the lab manager's settings).
+
+and a record may define `alive() -> bool`: a process that `up` starts again when it finds it gone
+(the lab manager); its record is dropped from the journal and the resource applied anew.
 """
 
 from __future__ import annotations

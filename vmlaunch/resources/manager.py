@@ -133,7 +133,7 @@ class ManagerRecord:
                 path.unlink()
 
     def describe(self) -> str:
-        return f"lab manager, pid {self.pid} (stopped by down)"
+        return f"lab manager (pid {self.pid})"
 
 
 @attrs.frozen
