@@ -103,6 +103,9 @@ def needs_lab_dir(vm: VmSpec) -> bool:
 def memory_notes(vms: Sequence[VmSpec], host: Host, lab: LabSpec | None = None) -> Iterator[str]:
     """The KVM guide's over-commit target: guests together use at most 80 % of host memory. A lab
     manager keeps the guests within the lab's budget: then the budget is what is weighed."""
+    if lab is not None and lab.memory.ksm:
+        yield ("lab.memory.ksm = true: this version of vmlaunch does not turn host KSM on yet (the guests' "
+               "memory is mergeable, as QEMU makes it by default)")
     if lab is not None and has_manager(lab):
         budget = lab.memory.budget_mib
         target = int(host.memory_mib * BUDGET_SHARE)
