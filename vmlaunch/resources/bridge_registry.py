@@ -17,41 +17,29 @@ bridge vmlaunch created removes it, and a bridge vmlaunch did not create is neve
   the lock of is gone (its run dir was removed, or a killed `up` never journaled anything): its claim
   is stale and dropped, so it never keeps a bridge alive.
 
-The file is read and replaced (atomically, `fsutil.write_atomic`) only under the flock of
-`bridges.lock` beside it; both are the owner's alone (0600) and never followed through a symlink, and
-both are removed when no bridge is left in the registry. Lock order: a lab's own lock, then this one;
-the locks of other labs are only ever tried, never waited for.
+The file and its lock are kept as every host-wide file of the run root is (`hostwide.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import re
-import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from vmlaunch.dirs import run_root, secure_dir
-from vmlaunch.errors import RuntimeFailure
-from vmlaunch.fsutil import same_file, try_lock, write_atomic
+from vmlaunch.fsutil import write_atomic
 from vmlaunch.naming import interface_name_problem
-from vmlaunch.rundir import RunDir
-from vmlaunch.wait import TimedOut, wait_until
+from vmlaunch.resources import hostwide
+from vmlaunch.resources.hostwide import LAB_NAME, LOCK_TIMEOUT, RegistryError, lab_in_use
+
+__all__ = ["REGISTRY_FILE", "REGISTRY_LOCK", "BridgeEntry", "BridgeRegistry", "RegistryError", "lab_in_use"]
 
 REGISTRY_VERSION = 1
 REGISTRY_FILE = "bridges.json"  # no lab is called that: lab names have no '.'
 REGISTRY_LOCK = "bridges.lock"  # a lab's lock is ".LAB.lock"
-LOCK_TIMEOUT = 30.0
-_LAB_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,18}[a-z0-9])?")
-
-
-class RegistryError(RuntimeFailure):
-    """The bridge registry cannot be read or locked."""
 
 
 @attrs.define
@@ -85,57 +73,19 @@ class BridgeRegistry:
     @classmethod
     @contextlib.contextmanager
     def locked(cls, root: Path | None = None, timeout: float = LOCK_TIMEOUT) -> Iterator[BridgeRegistry]:
-        """The registry, read under its lock, held for the block (which saves what it changes).
-
-        With no bridge left the file and its lock are removed, so a run root without labs is empty; a
-        waiter that then gets the lock on the removed file notices (the path names another inode, or
-        none) and locks anew.
-        """
-        root = run_root() if root is None else root
-        secure_dir(root, top=root, create=True)
-        lock = root / REGISTRY_LOCK
-
-        def take() -> int | None:
-            try:
-                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            except OSError as exc:
-                raise RegistryError(f"cannot open the bridge registry's lock {lock}: "
-                                    f"{exc.strerror or exc}") from exc
-            try:
-                _check_owner(fd, lock)
-                if try_lock(fd) and same_file(fd, lock):
-                    return fd
-            except BaseException:
-                os.close(fd)
-                raise
-            os.close(fd)
-            return None
-
-        try:
-            fd = wait_until(take, timeout)
-        except TimedOut:
-            raise RegistryError(f"the bridge registry is busy: another vmlaunch holds {lock}",
-                                "wait for it to finish") from None
-        try:
-            yield cls.load(root)
-        finally:
-            if not (root / REGISTRY_FILE).exists():
-                with contextlib.suppress(FileNotFoundError):
-                    lock.unlink()
-            os.close(fd)
+        """The registry, read under its lock, held for the block (which saves what it changes)."""
+        with hostwide.locked(REGISTRY_FILE, REGISTRY_LOCK, "bridge registry", root, timeout) as where:
+            yield cls.load(where)
 
     @classmethod
     def load(cls, root: Path) -> BridgeRegistry:
         registry = cls(root)
         try:
-            fd = os.open(registry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return registry
+            raw = hostwide.read_owned(registry.path)
         except OSError as exc:
             raise registry._damaged(exc.strerror or str(exc)) from exc
-        with os.fdopen(fd, "rb") as file:
-            _check_owner(file.fileno(), registry.path)
-            raw = file.read()
+        if raw is None:
+            return registry
         try:
             doc = json.loads(raw)
             if not isinstance(doc, dict) or doc.get("version") != REGISTRY_VERSION:
@@ -175,23 +125,6 @@ class BridgeRegistry:
         return [name for name, entry in self.bridges.items() if lab in entry.labs]
 
 
-def lab_in_use(root: Path, lab: str) -> bool:
-    """Whether a lab may still use what it claimed: it has a journal, or an `up`/`down` of it runs."""
-    run_dir = RunDir.of(root, lab)
-    if run_dir.state.exists():
-        return True
-    try:
-        fd = os.open(run_dir.lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return False  # no lock file: nothing of that lab runs
-    try:
-        if not try_lock(fd):
-            return True  # an up or down of it runs (it may not have journaled yet)
-        return run_dir.state.exists()  # it may have finished just now
-    finally:
-        os.close(fd)
-
-
 def _entry(name: str, data: Any) -> BridgeEntry:
     if interface_name_problem(name):
         raise ValueError(f"bridge {name!r}: {interface_name_problem(name)}")
@@ -202,16 +135,7 @@ def _entry(name: str, data: Any) -> BridgeEntry:
         raise ValueError(f"bridge {name}: created must be true or false, index a number or null")
     if uplink is not None and (not isinstance(uplink, str) or interface_name_problem(uplink)):
         raise ValueError(f"bridge {name}: uplink {uplink!r} is not an interface name")
-    if not isinstance(labs, list) or not all(isinstance(lab, str) and _LAB_NAME.fullmatch(lab)
+    if not isinstance(labs, list) or not all(isinstance(lab, str) and LAB_NAME.fullmatch(lab)
                                              for lab in labs):
         raise ValueError(f"bridge {name}: labs must be a list of lab names")
     return BridgeEntry(created=created, index=index, uplink=uplink, labs=list(labs))
-
-
-def _check_owner(fd: int, path: Path) -> None:
-    """Refuse a registry another user could have written: it decides which bridges are deleted."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise RegistryError(f"{path} is not a file of this user's alone; refusing to use it",
-                            f"remove it if you trust nothing in {path.parent}")
-
