@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from vmlaunch.host import Host, KvmStatus, QemuInfo
+from vmlaunch.hostmem import KsmSupport
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -25,11 +26,13 @@ FAKE_DEVICES = frozenset({
 
 
 def fake_host(**changes: Any) -> Host:
-    """A host with QEMU 7.2 at /usr/bin, io_uring, no usable KVM, no vhost-net: like this machine."""
+    """A host with QEMU 7.2 at /usr/bin, io_uring, no usable KVM, no vhost-net, KSM with its advisor
+    (as root): like this machine."""
     qemu = QemuInfo(binary="/usr/bin/qemu-system-x86_64", version=(7, 2, 0), devices=FAKE_DEVICES,
                     io_uring=True, img="/usr/bin/qemu-img")
     host = Host(qemu=qemu, kvm=KvmStatus(False, "fake: no KVM"), vhost_net=False, cpus=2,
-                memory_mib=24000, run_root=Path("/run/vmlaunch"))
+                memory_mib=24000, run_root=Path("/run/vmlaunch"),
+                ksm=KsmSupport(writable=True, advisor=True))
     return host if not changes else _evolve(host, changes)
 
 

@@ -19,6 +19,7 @@ from vmlaunch.model import Accel, DiskFormat, PciDriver
 from vmlaunch.naming import tap_name
 from vmlaunch.resources.bridge import Bridge
 from vmlaunch.resources.image import Image
+from vmlaunch.resources.ksm import Ksm, default_settings
 from vmlaunch.resources.pci import PciBind
 from vmlaunch.resources.tap import Tap
 from vmlaunch.spec import load_lab
@@ -60,6 +61,7 @@ def test_demo_plan_actions() -> None:
         Bridge(name="vlbr-demo", network="lan"),
         Tap(ifname=tap_name("demo", "alpha", 0), bridge="vlbr-demo", vm="alpha"),
         Tap(ifname=tap_name("demo", "beta", 0), bridge="vlbr-demo", vm="beta"),
+        Ksm(settings=default_settings(True, 256 + 256)),  # two VMs as root: KSM while the lab runs
     )
     assert all(len(a.ifname) <= 15 for a in plan.resources if isinstance(a, Tap))
 

@@ -14,6 +14,7 @@ from vmlaunch.resources.bridge import BridgeRecord
 from vmlaunch.resources.guest import LabDirRecord, VmFileRecord
 from vmlaunch.resources.hugepages import HugepagesRecord
 from vmlaunch.resources.image import ImageRecord
+from vmlaunch.resources.ksm import KsmRecord
 from vmlaunch.resources.manager import ManagerRecord
 from vmlaunch.resources.pci import PciRecord
 from vmlaunch.resources.registry import RECORDS
@@ -33,6 +34,8 @@ SAMPLES = [
     Entry("hugepages", "a", "a", HugepagesRecord("a", 2048, 64)),
     Entry("hugepages", "b", "b", HugepagesRecord("b", 1048576, 0, Path("/fake/sys"))),
     Entry("manager", "lab", None, ManagerRecord(4242, 123456, "/run/vmlaunch/lab")),
+    Entry("ksm", "host", None, KsmRecord({"run": "1", "advisor_mode": "scan-time"})),
+    Entry("ksm", "host", None, KsmRecord({"run": "1", "pages_to_scan": "1000"}, Path("/fake/sys"))),
 ]
 
 
@@ -54,7 +57,7 @@ def good(resources: list[Any] | None = None, **changes: Any) -> dict[str, Any]:
 
 def test_registry_covers_every_record_kind() -> None:
     assert set(RECORDS) == {"image", "bridge", "tap", "pci", "labdir", "vmfile", "hugepages",
-                            "manager"}
+                            "manager", "ksm"}
     assert {e.kind for e in SAMPLES} == set(RECORDS)
 
 
@@ -114,8 +117,8 @@ def test_a_damaged_record_names_file_and_record(run_dir: RunDir, record: Any) ->
 
 
 def test_unknown_kind_says_which(run_dir: RunDir) -> None:
-    write(run_dir, good([{"kind": "ksm", "key": "k", "vm": None, "record": {}}]))
-    with pytest.raises(JournalError, match="unknown kind 'ksm'"):
+    write(run_dir, good([{"kind": "teleporter", "key": "k", "vm": None, "record": {}}]))
+    with pytest.raises(JournalError, match="unknown kind 'teleporter'"):
         Journal.load(run_dir)
 
 
@@ -138,7 +141,7 @@ def test_not_json(run_dir: RunDir) -> None:
 def test_force_keeps_what_it_recognises(run_dir: RunDir) -> None:
     write(run_dir, good([
         {"kind": "tap", "key": "t0", "vm": "a", "record": {"name": "t0", "bridge": "br0"}},
-        {"kind": "ksm", "key": "k", "vm": None, "record": {}},
+        {"kind": "teleporter", "key": "k", "vm": None, "record": {}},
         {"kind": "bridge", "key": "br0", "vm": None, "record": {"name": "br0"}},
         # a record of version 1 carried its kind inside: still recognised with force
         {"kind": "bridge", "key": "br1", "vm": None,
@@ -147,4 +150,4 @@ def test_force_keeps_what_it_recognises(run_dir: RunDir) -> None:
     journal = Journal.load(run_dir, force=True)
     assert [e.key for e in journal.resources] == ["t0", "br1"]
     assert len(journal.unreadable) == 3  # the version, the unknown kind and the damaged bridge
-    assert any("ksm" in line for line in journal.unreadable)
+    assert any("teleporter" in line for line in journal.unreadable)

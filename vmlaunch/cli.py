@@ -295,10 +295,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     lab_memory = rows[0].lab_memory if rows else None
     if lab_memory is not None:
         ksm = lab_memory.ksm
-        shared = ("KSM off" if not ksm or not ksm["run"] else
-                  f"KSM: {ksm['pages_sharing']} pages shared, {size(ksm['saved'])} saved")
-        print(f"memory: the guests hold {size(lab_memory.actual)} of a budget of {size(lab_memory.budget)}; "
-              f"{shared} (host-wide); lab manager: {lab_memory.manager}")
+        shared = ("KSM off on the host" if not ksm or not ksm["run"] else
+                  f"KSM saves the host {size(ksm['saved'])} ({ksm['pages_sharing']} pages sharing)")
+        merged = f", {size(lab_memory.ksm_merged)} of it merged," if lab_memory.ksm_merged else ""
+        print(f"memory: the guests hold {size(lab_memory.actual)}{merged} of a budget of "
+              f"{size(lab_memory.budget)}; lab manager: {lab_memory.manager}")
+        print(f"ksm: {lab_memory.ksm_setting}; {shared}")
     return 0
 
 

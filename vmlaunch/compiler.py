@@ -40,6 +40,7 @@ from vmlaunch.resources.bridge import Bridge
 from vmlaunch.resources.guest import LabDirResource, Nvram, Overlay, Seed
 from vmlaunch.resources.hugepages import Hugepages
 from vmlaunch.resources.image import Image
+from vmlaunch.resources.ksm import Ksm, default_settings, explicit_settings
 from vmlaunch.resources.manager import LabManager, ManagedVm, ManagerConfig
 from vmlaunch.resources.pci import PciBind
 from vmlaunch.resources.tap import Tap
@@ -71,7 +72,8 @@ def compile_lab(lab: LabSpec, host: Host, only: Sequence[str] = ()) -> Plan:
     run_dir = RunDir.of(host.run_root, lab.name)
     compiler = _Compiler(lab, host, run_dir)
     plans = tuple(compiler.vm(vm) for vm in vms)
-    resources = (*host_resources(lab, vms, host), *manager_resources(lab, host, run_dir))
+    resources = (*host_resources(lab, vms, host), *ksm_resources(lab, host),
+                 *manager_resources(lab, host, run_dir))
     return Plan(lab=lab.name, run_dir=run_dir, resources=resources, vms=plans,
                 notes=tuple(memory_notes(vms, host, lab)), lab_dir=compiler.lab_dir)
 
@@ -79,6 +81,35 @@ def compile_lab(lab: LabSpec, host: Host, only: Sequence[str] = ()) -> Plan:
 def has_manager(lab: LabSpec) -> bool:
     """A lab manager runs while the lab is up when a VM's balloon is sized by it."""
     return any(vm.balloon.enabled and vm.balloon.policy is BalloonPolicy.AUTO for vm in lab.vms)
+
+
+def ksm_resources(lab: LabSpec, host: Host) -> Iterator[Resource]:
+    """Host KSM on while the lab runs: as `ksm = true` (or a rate) asks, which needs root and a kernel
+    with KSM (exit 3 otherwise); by default where vmlaunch may (as root) for a lab of two VMs or more
+    whose RAM KSM can merge (hugepages it cannot), with a rate that scales (`resources/ksm.py`)."""
+    memory = lab.memory
+    path: KeyPath = ("lab", "memory", "ksm")
+    if memory.ksm is False:
+        return
+    mergeable = [vm for vm in lab.vms if vm.hugepages is None]
+    if host.ksm is None or not host.ksm.writable:
+        if memory.ksm:
+            where = Location(lab.file, lab.source.line_of(path), path)
+            if host.ksm is None:
+                raise HostError("this kernel has no KSM (no /sys/kernel/mm/ksm)",
+                                "use a kernel built with CONFIG_KSM, or set ksm = false", where)
+            raise HostError("turning host KSM on needs root (it is one setting for the whole host)",
+                            "run vmlaunch as root, or set ksm = false (an administrator may turn KSM on "
+                            "with `echo 1 > /sys/kernel/mm/ksm/run`: the guests' memory is mergeable)",
+                            where)
+        return
+    if not mergeable or (memory.ksm is None and len(mergeable) < 2):
+        return
+    if memory.ksm_pages_to_scan is not None or memory.ksm_sleep_ms is not None:
+        yield Ksm(settings=explicit_settings(host.ksm.advisor, memory.ksm_pages_to_scan, memory.ksm_sleep_ms),
+                  explicit=True)
+    else:
+        yield Ksm(settings=default_settings(host.ksm.advisor, sum(vm.memory_mib for vm in mergeable)))
 
 
 def manager_resources(lab: LabSpec, host: Host, run_dir: RunDir) -> Iterator[Resource]:
@@ -103,9 +134,6 @@ def needs_lab_dir(vm: VmSpec) -> bool:
 def memory_notes(vms: Sequence[VmSpec], host: Host, lab: LabSpec | None = None) -> Iterator[str]:
     """The KVM guide's over-commit target: guests together use at most 80 % of host memory. A lab
     manager keeps the guests within the lab's budget: then the budget is what is weighed."""
-    if lab is not None and lab.memory.ksm:
-        yield ("lab.memory.ksm = true: this version of vmlaunch does not turn host KSM on yet (the guests' "
-               "memory is mergeable, as QEMU makes it by default)")
     if lab is not None and has_manager(lab):
         budget = lab.memory.budget_mib
         target = int(host.memory_mib * BUDGET_SHARE)

@@ -63,6 +63,7 @@ class MemoryStatus:
     actual: int | None = None  # the balloon's actual size: what the guest has
     guest_free: int | None = None  # stat-free-memory
     guest_available: int | None = None  # stat-available-memory
+    ksm_merged: int | None = None  # bytes of its RAM KSM has merged with other pages (Linux 6.1+)
 
 
 @attrs.frozen
@@ -73,6 +74,8 @@ class LabMemoryStatus:
     actual: int  # bytes: the sum of the running VMs' actual sizes
     manager: str  # "running (pid N)", "gone (`up` starts it again)", "none"
     ksm: dict[str, int] | None = None  # the host's KSM counters (run, pages_shared, pages_sharing, saved)
+    ksm_merged: int | None = None  # bytes: the sum of the running VMs' ksm_merged
+    ksm_setting: str = ""  # what the lab does with KSM: "on while the lab runs (...)", "off for the lab", ...
 
 
 @attrs.frozen
@@ -140,8 +143,11 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
             pass  # no balloon device, or QMP busy: the rest of the status still holds
         memory = None
         if spec_memory is not None:
+            from vmlaunch.hostmem import ksm_merging
+
             memory = attrs.evolve(spec_memory, actual=balloon, guest_free=stats.get("stat-free-memory"),
-                                  guest_available=stats.get("stat-available-memory"))
+                                  guest_available=stats.get("stat-available-memory"),
+                                  ksm_merged=ksm_merging(pid))
         result.append(VmStatus(name, "running", pid, vm.accel, balloon, time.time() - vm.started, nics,
                                vm.ssh_port, memory))
     if lab is not None:
@@ -200,8 +206,23 @@ def lab_memory_status(run_dir: RunDir, lab: LabSpec, rows: Sequence[VmStatus]) -
     manager = ("none" if record is None else f"running (pid {record.pid})" if record.running()
                else "gone (`vmlaunch up SPEC` starts it again)")
     ksm = ksm_counters()
+    merged = [row.memory.ksm_merged for row in rows
+              if row.memory is not None and row.memory.ksm_merged is not None]
     return LabMemoryStatus(budget=budget << 20, actual=actual, manager=manager,
-                           ksm=ksm.to_json() if ksm is not None else None)
+                           ksm=ksm.to_json() if ksm is not None else None,
+                           ksm_merged=sum(merged) if merged else None, ksm_setting=ksm_setting(run_dir, lab))
+
+
+def ksm_setting(run_dir: RunDir, lab: LabSpec) -> str:
+    """What the lab does with host KSM, in words."""
+    from vmlaunch.resources.ksm import KsmRecord
+
+    entry = Journal.load(run_dir).entry(KsmRecord.kind, "host")
+    if entry is not None and isinstance(entry.record, KsmRecord):
+        return f"on while the lab runs: {entry.record.describe_rate()}"
+    if lab.memory.ksm is False:
+        return "off for this lab (ksm = false: its memory is never merged)"
+    return "left as the host has it"
 
 
 @attrs.frozen

@@ -18,6 +18,7 @@ import attrs
 from vmlaunch import __version__
 from vmlaunch.dirs import run_root, usable_cache_dir
 from vmlaunch.errors import HostError
+from vmlaunch.hostmem import KsmSupport, ksm_support
 
 if TYPE_CHECKING:
     import subprocess
@@ -60,6 +61,7 @@ class Host:
     run_root: Path = Path("/run/vmlaunch")
     ovmf: Ovmf | None = None  # UEFI firmware, for firmware = "uefi"
     hugepage_sizes_kib: frozenset[int] = frozenset()  # the hugepage sizes the kernel offers, in KiB
+    ksm: KsmSupport | None = None  # None: the kernel has no KSM
 
 
 @attrs.frozen
@@ -85,6 +87,7 @@ def detect_host() -> Host:
         run_root=run_root(),
         ovmf=find_ovmf(),
         hugepage_sizes_kib=hugepage_sizes_kib(),
+        ksm=ksm_support(),
     )
 
 

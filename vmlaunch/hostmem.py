@@ -23,6 +23,14 @@ class MemInfo:
     available: int  # bytes: MemAvailable
 
 
+def ksm_merging(pid: int) -> int | None:
+    """Bytes of the process's memory that KSM has merged (/proc/PID/ksm_merging_pages, Linux 6.1+)."""
+    try:
+        return int((proc_root() / str(pid) / "ksm_merging_pages").read_text()) * PAGE
+    except (OSError, ValueError):
+        return None
+
+
 def meminfo() -> MemInfo | None:
     """MemTotal and MemAvailable, None when /proc/meminfo cannot be read."""
     values: dict[str, int] = {}
@@ -55,11 +63,35 @@ class KsmCounters:
         return {**attrs.asdict(self), "saved": self.saved}
 
 
-def ksm_counters() -> KsmCounters | None:
-    """The KSM counters, None when the kernel has no KSM (or they cannot be read)."""
+def ksm_dir(sysfs: Path | None = None) -> Path:
     from vmlaunch.pci import sysfs_root
 
-    folder = sysfs_root() / "kernel" / "mm" / "ksm"
+    return (sysfs or sysfs_root()) / "kernel" / "mm" / "ksm"
+
+
+@attrs.frozen
+class KsmSupport:
+    """What this host's KSM is (`Host.ksm`)."""
+
+    writable: bool  # vmlaunch may change its settings (root)
+    advisor: bool  # the kernel adapts the scan rate itself (advisor_mode, Linux 6.7+)
+
+
+def ksm_support() -> KsmSupport | None:
+    """None when the kernel has no KSM."""
+    folder = ksm_dir()
+    try:
+        mode = (folder / "run").stat().st_mode
+    except OSError:
+        return None
+    # Root's alone, whatever a file's mode says (root could write a fake tree's files)
+    return KsmSupport(writable=os.geteuid() == 0 and bool(mode & 0o200),
+                      advisor=(folder / "advisor_mode").exists())
+
+
+def ksm_counters() -> KsmCounters | None:
+    """The KSM counters, None when the kernel has no KSM (or they cannot be read)."""
+    folder = ksm_dir()
     try:
         read = {name: int((folder / name).read_text().split()[0])
                 for name in ("run", "pages_shared", "pages_sharing", "pages_unshared")}

@@ -871,6 +871,12 @@ class _Builder:
             return LabMemory()
         given: dict[str, Any] = {key: table[key] for key in ("ksm", "ksm_pages_to_scan", "ksm_sleep_ms")
                                  if key in table}
+        rates = [key for key in ("ksm_pages_to_scan", "ksm_sleep_ms") if key in table]
+        if rates and table.get("ksm") is False:
+            self.problems.add((*path, rates[0]), f"{rates[0]} sets KSM's rate, and ksm = false turns it off",
+                              "remove one of them")
+        elif rates:
+            given["ksm"] = True  # a rate asks for KSM
         if "budget" in table:
             budget = self.memory_mib((*path, "budget"), table["budget"], floor=False, most=None)
             if budget is not None:

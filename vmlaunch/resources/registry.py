@@ -9,6 +9,7 @@ from vmlaunch.resources.bridge import BridgeRecord, release_unjournaled_bridges
 from vmlaunch.resources.guest import LabDirRecord, VmFileRecord
 from vmlaunch.resources.hugepages import HugepagesRecord
 from vmlaunch.resources.image import ImageRecord
+from vmlaunch.resources.ksm import KsmRecord, release_unjournaled_ksm
 from vmlaunch.resources.manager import ManagerRecord
 from vmlaunch.resources.pci import PciRecord
 from vmlaunch.resources.tap import TapRecord
@@ -22,12 +23,14 @@ RECORDS: dict[str, type[Record]] = {record.kind: record for record in (
     VmFileRecord,
     HugepagesRecord,
     ManagerRecord,
+    KsmRecord,
 )}
 
 # Kinds that keep claims outside the journal (a bridge shared between labs: bridge_registry.py), each a
 # function that drops the lab's claims no journaled record backs. One line per kind.
 UNJOURNALED_CLAIMS: tuple[Callable[[Context, Callable[[str, str], bool]], list[str]], ...] = (
     release_unjournaled_bridges,
+    release_unjournaled_ksm,
 )
 
 
