@@ -263,6 +263,20 @@ class LabMemory:
 BUDGET_SHARE = 0.8  # the KVM guide: keep guests within 80 % of the host's memory
 
 
+class PlacementPolicy(enum.Enum):
+    AUTO = "auto"  # vmlaunch puts each VM on one NUMA node, memory and vCPUs together
+    NONE = "none"  # the kernel's scheduler decides
+
+
+@attrs.frozen
+class LabPlacement:
+    """`[lab.placement]`: where the lab's VMs run on a NUMA host (seed 001's balancer)."""
+
+    policy: PlacementPolicy | None = None  # None: auto on a host with more than one NUMA node, else none
+    balance: bool | None = None  # None: on with policy auto
+    interval_s: float = 5.0  # the seed's balancing period
+
+
 @attrs.frozen
 class VmSpec:
     """One VM as the spec describes it (the running VM is `api.Vm`)."""
@@ -270,6 +284,8 @@ class VmSpec:
     name: str
     memory_mib: int
     cpus: int = 1
+    numa_node: int | None = None  # the host node its memory and vCPUs are bound to; None: placement's
+    cpu_pinning: tuple[int, ...] = ()  # host CPU of vCPU i; a pinned VM is never balanced
     accel: Accel = Accel.AUTO
     cpu_model: str | None = None  # None: "host" under KVM, "max" under TCG
     machine: str = "q35"
@@ -304,6 +320,7 @@ class LabSpec:
     mac_prefix: str = DEFAULT_MAC_PREFIX
     images: tuple[Image, ...] = ()
     memory: LabMemory = LabMemory()
+    placement: LabPlacement = LabPlacement()
 
     def image(self, name: str) -> Image:
         for image in self.images:

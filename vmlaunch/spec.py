@@ -42,12 +42,14 @@ from vmlaunch.model import (
     HugepageSize,
     Image,
     LabMemory,
+    LabPlacement,
     LabSpec,
     Network,
     Nic,
     NicModel,
     PciDevice,
     PciDriver,
+    PlacementPolicy,
     Share,
     SocketNetwork,
     UserNetwork,
@@ -66,7 +68,7 @@ from vmlaunch.naming import (
     normalise_pci_address,
 )
 from vmlaunch.sourcemap import SourceMap
-from vmlaunch.units import format_size, parse_size
+from vmlaunch.units import format_size, parse_duration, parse_size
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -629,8 +631,9 @@ class _Builder:
         broken = {key for key in self.table(("network",)) if key not in known}
         vms = self.with_addresses(tuple(self.vms(known, broken)))
         memory = self.lab_memory(vms)
+        placement = self.lab_placement(vms)
         return LabSpec(name=name, file=self.file, source=self.source, networks=networks, vms=vms,
-                       mac_prefix=prefix.lower(), images=images, memory=memory)
+                       mac_prefix=prefix.lower(), images=images, memory=memory, placement=placement)
 
     def images(self) -> Iterator[Image]:
         for image_name, raw in self.table(("image",)).items():
@@ -803,8 +806,10 @@ class _Builder:
         guest = self.guest(path, raw)
         if not self.is_valid(path) or queries or memory is None or not sata_ok:
             return None  # the schema or a check above said why
-        given: dict[str, Any] = {key: raw[key] for key in ("cpus", "cpu_model", "machine", "append")
-                                 if key in raw}
+        given: dict[str, Any] = {key: raw[key] for key in ("cpus", "cpu_model", "machine", "append",
+                                                            "numa_node") if key in raw}
+        if "cpu_pinning" in raw:
+            given["cpu_pinning"] = tuple(raw["cpu_pinning"])
         if "accel" in raw:
             given["accel"] = Accel(raw["accel"])
         if "initrd" in raw:
@@ -889,6 +894,33 @@ class _Builder:
                                       "with policy = \"auto\", the memory of the others)",
                                       "raise the budget, or lower the VMs' balloon.min")
         return LabMemory(**given)
+
+    def lab_placement(self, vms: tuple[VmSpec, ...]) -> LabPlacement:
+        """`[lab.placement]`; what depends on the host (nodes, CPUs) is checked by the compiler."""
+        path: KeyPath = ("lab", "placement")
+        table = self.table(path)
+        if not table or not self.is_valid(path):
+            return LabPlacement()
+        given: dict[str, Any] = {}
+        if "policy" in table:
+            given["policy"] = PlacementPolicy(table["policy"])
+        if "balance" in table:
+            given["balance"] = table["balance"]
+            if table["balance"] and given.get("policy") is PlacementPolicy.NONE:
+                self.problems.add((*path, "balance"), "balance = true moves VMs that placement put on a "
+                                  "node, and policy = \"none\" places none", "remove one of them")
+        if "interval" in table:
+            try:
+                given["interval_s"] = parse_duration(table["interval"])
+            except ValueError as exc:
+                self.problems.add((*path, "interval"), str(exc))
+        if given.get("policy") is PlacementPolicy.NONE:
+            for vm in vms:
+                if vm.numa_node is not None:
+                    self.problems.add(("vm", vm.name, "numa_node"), "numa_node places the VM, and "
+                                      "lab.placement.policy = \"none\" asks for no placement",
+                                      "remove one of them")
+        return LabPlacement(**given)
 
     def name_files(self, path: KeyPath, raw: Doc) -> None:
         """Note each file this VM's table names (where the key itself is right), for `files=True`."""

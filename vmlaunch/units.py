@@ -46,6 +46,26 @@ def parse_size(text: str | int, default_unit: str = "") -> int:
     return scaled // scale
 
 
+_DURATION = re.compile(r" *([0-9]+(?:\.[0-9]+)?) *(ms|s|m)? *", re.ASCII)
+_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}
+
+
+def parse_duration(text: str | float) -> float:
+    """Seconds from "5s", "500ms", "1m" or a number of seconds; raises ValueError for a user."""
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+        raise ValueError(f"{text!r} is not a duration (examples: 5s, 500ms, 1m)")
+    if isinstance(text, (int, float)):
+        seconds = float(text)
+    else:
+        match = _DURATION.fullmatch(text)
+        if not match or len(match[1]) > 12:
+            raise ValueError(f"{_short(text)} is not a duration (examples: 5s, 500ms, 1m)")
+        seconds = float(match[1]) * _SECONDS[match[2]]
+    if not 0 < seconds <= 86400:
+        raise ValueError(f"{_short(str(text))} is not between 1 ms and a day")
+    return seconds
+
+
 def _short(value: str | int) -> str:
     """`value` as a message shows it: repr, cut short when long (a size of 400 digits)."""
     text = repr(value)
