@@ -17,6 +17,7 @@ from vmlaunch.resources.image import ImageRecord
 from vmlaunch.resources.ksm import KsmRecord
 from vmlaunch.resources.manager import ManagerRecord
 from vmlaunch.resources.pci import PciRecord
+from vmlaunch.resources.placement import PlacementRecord
 from vmlaunch.resources.registry import RECORDS
 from vmlaunch.resources.tap import TapRecord
 from vmlaunch.rundir import RunDir
@@ -36,6 +37,9 @@ SAMPLES = [
     Entry("manager", "lab", None, ManagerRecord(4242, 123456, "/run/vmlaunch/lab")),
     Entry("ksm", "host", None, KsmRecord({"run": "1", "advisor_mode": "scan-time"})),
     Entry("ksm", "host", None, KsmRecord({"run": "1", "pages_to_scan": "1000"}, Path("/fake/sys"))),
+    Entry("placement", "a", "a", PlacementRecord("a", Path("/sys/fs/cgroup/cpuset/vmlaunch.lab.a"), (1,),
+                                                  (8, 9, 10, 11))),
+    Entry("placement", "b", "b", PlacementRecord("b", None, (0, 1), (0, 1, 2, 3))),
 ]
 
 
@@ -57,7 +61,7 @@ def good(resources: list[Any] | None = None, **changes: Any) -> dict[str, Any]:
 
 def test_registry_covers_every_record_kind() -> None:
     assert set(RECORDS) == {"image", "bridge", "tap", "pci", "labdir", "vmfile", "hugepages",
-                            "manager", "ksm"}
+                            "manager", "ksm", "placement"}
     assert {e.kind for e in SAMPLES} == set(RECORDS)
 
 

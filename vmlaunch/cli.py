@@ -166,6 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON keyed by VM name")
     status.set_defaults(run=cmd_status)
 
+    numa = commands.add_parser("numa", help="where each VM's memory is and where its vCPUs run",
+                               description="Per VM: its memory per NUMA node (pages, MiB, percent, from "
+                               "/proc/PID/numa_maps), the share on the node(s) it is placed on, and each "
+                               "vCPU's last CPU and node; per node: CPUs, free memory, the lab's runnable "
+                               "vCPUs now and the load the balancer saw last.")
+    numa.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
+    numa.add_argument("vms", metavar="VM", nargs="*", help="only these VMs (default: all)")
+    numa.add_argument("--json", action="store_true", help="print JSON")
+    numa.set_defaults(run=cmd_numa)
+
     ls = commands.add_parser("ls", help="list the labs that are up on this host",
                              description="The labs that are up on this host (in this user's run dir): "
                              "name, VMs (running or crashed), since when, and the spec file.")
@@ -301,6 +311,20 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"memory: the guests hold {size(lab_memory.actual)}{merged} of a budget of "
               f"{size(lab_memory.budget)}; lab manager: {lab_memory.manager}")
         print(f"ksm: {lab_memory.ksm_setting}; {shared}")
+    return 0
+
+
+def cmd_numa(args: argparse.Namespace) -> int:
+    import json
+
+    from vmlaunch.numareport import render, report
+
+    run_dir, lab = _lab_vm(args.spec, *args.vms)
+    result = report(run_dir, [vm.name for vm in lab.select(args.vms)])
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print("\n".join(render(result)))
     return 0
 
 

@@ -27,12 +27,15 @@ from vmlaunch.model import (
     Nic,
     NicModel,
     PciDriver,
+    PlacementPolicy,
     SocketNetwork,
     UserNetwork,
     VmSpec,
     balloon_min_mib,
 )
-from vmlaunch.naming import management_mac, process_name, tap_name
+from vmlaunch.naming import cgroup_name, management_mac, process_name, tap_name
+from vmlaunch.numa import Topology, format_cpulist
+from vmlaunch.placement import Demand, Node, Placed, place
 from vmlaunch.plan import AccelChoice, Plan, VmPlan
 from vmlaunch.qemuopts import json_arg, opts
 from vmlaunch.resources.base import Resource
@@ -43,6 +46,7 @@ from vmlaunch.resources.image import Image
 from vmlaunch.resources.ksm import Ksm, default_settings, explicit_settings
 from vmlaunch.resources.manager import LabManager, ManagedVm, ManagerConfig
 from vmlaunch.resources.pci import PciBind
+from vmlaunch.resources.placement import VmPlacement
 from vmlaunch.resources.tap import Tap
 from vmlaunch.rundir import RunDir
 from vmlaunch.units import format_size
@@ -76,17 +80,110 @@ def compile_lab(lab: LabSpec, host: Host, only: Sequence[str] = ()) -> Plan:
     """The plan for the VMs named in `only` (all of them when empty)."""
     vms = lab.select(only)
     run_dir = RunDir.of(host.run_root, lab.name)
-    compiler = _Compiler(lab, host, run_dir)
+    placements = placements_of(lab, host)
+    compiler = _Compiler(lab, host, run_dir, placements)
     plans = tuple(compiler.vm(vm) for vm in vms)
-    resources = (*host_resources(lab, vms, host), *ksm_resources(lab, host),
-                 *manager_resources(lab, host, run_dir))
+    resources = (*host_resources(lab, vms, host), *placement_resources(lab, vms, host, run_dir, placements),
+                 *ksm_resources(lab, host), *manager_resources(lab, host, run_dir, placements))
     return Plan(lab=lab.name, run_dir=run_dir, resources=resources, vms=plans,
-                notes=tuple(memory_notes(vms, host, lab)), lab_dir=compiler.lab_dir)
+                notes=(*memory_notes(vms, host, lab), *pinning_notes(lab, host)), lab_dir=compiler.lab_dir)
 
 
-def has_manager(lab: LabSpec) -> bool:
-    """A lab manager runs while the lab is up when a VM's balloon is sized by it."""
-    return any(vm.balloon.enabled and vm.balloon.policy is BalloonPolicy.AUTO for vm in lab.vms)
+def has_manager(lab: LabSpec, host: Host | None = None) -> bool:
+    """A lab manager runs while the lab is up when a VM's balloon is sized by it, or when it balances
+    the lab's VMs over the host's NUMA nodes."""
+    return (any(vm.balloon.enabled and vm.balloon.policy is BalloonPolicy.AUTO for vm in lab.vms)
+            or (host is not None and balancing(lab, host)))
+
+
+def placing(lab: LabSpec, host: Host) -> bool:
+    """Placement puts every VM on a node: `policy = "auto"`, the default on a host of several nodes."""
+    policy = lab.placement.policy
+    return host.numa is not None and (policy is PlacementPolicy.AUTO or
+                                      (policy is None and host.numa.multi_node))
+
+
+def balancing(lab: LabSpec, host: Host) -> bool:
+    """The lab manager's balancer runs: placement, and `balance` not turned off."""
+    return placing(lab, host) and lab.placement.balance is not False
+
+
+def placements_of(lab: LabSpec, host: Host) -> dict[str, Placed]:
+    """Where each VM runs: every VM when placement is on, else those with `numa_node` or
+    `cpu_pinning`. Nodes and CPUs the host does not have are exit 3, with the key's line."""
+    topology = host.numa
+    if topology is None:
+        return {}
+    auto = placing(lab, host)
+    wanted = [vm for vm in lab.vms if auto or vm.numa_node is not None or vm.cpu_pinning]
+    for vm in wanted:
+        check_placement(lab, vm, topology)
+    demands = [Demand(vm.name, vm.cpus, vm.memory_mib, vm.numa_node, vm.cpu_pinning,
+                      page_mib=max(2, vm.hugepages.kib >> 10) if vm.hugepages else 2) for vm in wanted]
+    nodes = [Node(node.id, node.cpus, node.free_mib, node.memory_mib) for node in topology.nodes]
+    return place(demands, nodes)
+
+
+def check_placement(lab: LabSpec, vm: VmSpec, topology: Topology) -> None:
+    def fail(key: str, message: str, hint: str) -> HostError:
+        path: KeyPath = ("vm", vm.name, key)
+        return HostError(message, hint, Location(lab.file, lab.source.line_of(path), path))
+
+    nodes = ", ".join(str(node.id) for node in topology.nodes)
+    if vm.numa_node is not None:
+        node = topology.node(vm.numa_node)
+        if node is None:
+            raise fail("numa_node", f"this host has no NUMA node {vm.numa_node} (its nodes: {nodes})",
+                       "name one of its nodes, or leave numa_node out: placement picks one")
+        if node.memory_mib and vm.memory_mib > node.memory_mib:
+            raise fail("numa_node", f"{format_size(vm.memory_mib << 20)} does not fit node {node.id} "
+                       f"({format_size(node.memory_mib << 20)} in all)",
+                       "leave numa_node out: placement spreads a VM larger than any node over several")
+    missing = sorted(set(vm.cpu_pinning) - topology.cpus)
+    if missing:
+        raise fail("cpu_pinning", f"this host has no CPU {', '.join(map(str, missing))} (its CPUs: "
+                   f"{format_cpulist(topology.cpus)})", "pin to CPUs the host has (lscpu lists them)")
+
+
+def pinning_notes(lab: LabSpec, host: Host) -> Iterator[str]:
+    """Pinning that over-commits CPUs, or leaves some idle, is allowed (a user may want it): say so."""
+    owners: dict[int, list[str]] = {}
+    for vm in lab.vms:
+        pins = vm.cpu_pinning
+        if not pins:
+            continue
+        for cpu in sorted(set(pins)):
+            owners.setdefault(cpu, []).append(vm.name)
+        if len(pins) > vm.cpus:
+            yield (f"{vm.name}: cpu_pinning names {len(pins)} host CPUs for {vm.cpus} vCPU"
+                   f"{'s' if vm.cpus > 1 else ''}: CPU{'s' if len(pins) - vm.cpus > 1 else ''} "
+                   f"{', '.join(map(str, pins[vm.cpus:]))} carry no vCPU (QEMU's other threads use "
+                   "every pinned CPU)")
+        shared = {cpu: [i for i in range(vm.cpus) if pins[i % len(pins)] == cpu] for cpu in set(pins)}
+        doubled = {cpu: vcpus for cpu, vcpus in shared.items() if len(vcpus) > 1}
+        if doubled:
+            yield (f"{vm.name}: over-committed by its pinning: " + "; ".join(
+                f"vCPUs {', '.join(map(str, vcpus))} share CPU {cpu}"
+                for cpu, vcpus in sorted(doubled.items())))
+        topology = host.numa
+        if vm.numa_node is not None and topology is not None:
+            away = [cpu for cpu in pins if topology.node_of_cpu(cpu) not in (None, vm.numa_node)]
+            if away:
+                yield (f"{vm.name}: vCPUs pinned to CPU{'s' if len(away) > 1 else ''} "
+                       f"{', '.join(map(str, away))}, off node {vm.numa_node} where numa_node binds its "
+                       "memory: their memory accesses are all remote")
+    for cpu, vms in sorted(owners.items()):
+        if len(vms) > 1:
+            yield (f"host CPU {cpu} is pinned in {' and '.join(vms)}: their vCPUs take turns on it "
+                   "(over-committed)")
+
+
+def placement_resources(lab: LabSpec, vms: Sequence[VmSpec], host: Host, run_dir: RunDir,
+                        placements: dict[str, Placed]) -> Iterator[Resource]:
+    for vm in vms:
+        placed = placements.get(vm.name)
+        if placed is not None:
+            yield VmPlacement(lab=lab.name, placed=placed, cpusets=host.cpusets, qmp=run_dir.vm(vm.name).qmp)
 
 
 def ksm_resources(lab: LabSpec, host: Host) -> Iterator[Resource]:
@@ -118,18 +215,31 @@ def ksm_resources(lab: LabSpec, host: Host) -> Iterator[Resource]:
         yield Ksm(settings=default_settings(host.ksm.advisor, sum(vm.memory_mib for vm in mergeable)))
 
 
-def manager_resources(lab: LabSpec, host: Host, run_dir: RunDir) -> Iterator[Resource]:
+def manager_resources(lab: LabSpec, host: Host, run_dir: RunDir,
+                      placements: dict[str, Placed] | None = None) -> Iterator[Resource]:
     """The lab manager, watching every VM of the lab (those `up` starts later too)."""
-    if not has_manager(lab):
+    if not has_manager(lab, host):
         return
     budget = lab.memory.budget_mib or int(host.memory_mib * BUDGET_SHARE)
+    placements = placements or {}
+    cpusets = host.cpusets
+
+    def placed(vm: VmSpec) -> dict[str, object]:
+        where = placements.get(vm.name)
+        if where is None:
+            return {}
+        cgroup = str(cpusets.folder(cgroup_name(lab.name, vm.name))) if cpusets else None
+        return {"nodes": where.nodes, "movable": where.movable and cgroup is not None, "cgroup": cgroup}
+
     vms = tuple(ManagedVm(name=vm.name, maximum_mib=vm.memory_mib,
                           minimum_mib=balloon_min_mib(vm) if vm.balloon.policy is BalloonPolicy.AUTO
                           else vm.memory_mib,
                           auto=vm.balloon.enabled and vm.balloon.policy is BalloonPolicy.AUTO,
-                          balloon=vm.balloon.enabled)
+                          balloon=vm.balloon.enabled, **placed(vm))  # type: ignore[arg-type]
                 for vm in lab.vms)
-    yield LabManager(run_dir=run_dir, config=ManagerConfig(lab=lab.name, budget_mib=budget, vms=vms))
+    yield LabManager(run_dir=run_dir, config=ManagerConfig(
+        lab=lab.name, budget_mib=budget, vms=vms, balance=balancing(lab, host),
+        balance_interval=lab.placement.interval_s))
 
 
 def needs_lab_dir(vm: VmSpec) -> bool:
@@ -140,7 +250,8 @@ def needs_lab_dir(vm: VmSpec) -> bool:
 def memory_notes(vms: Sequence[VmSpec], host: Host, lab: LabSpec | None = None) -> Iterator[str]:
     """The KVM guide's over-commit target: guests together use at most 80 % of host memory. A lab
     manager keeps the guests within the lab's budget: then the budget is what is weighed."""
-    if lab is not None and has_manager(lab):
+    if lab is not None and any(vm.balloon.enabled and vm.balloon.policy is BalloonPolicy.AUTO
+                               for vm in lab.vms):
         budget = lab.memory.budget_mib
         target = int(host.memory_mib * BUDGET_SHARE)
         if budget is not None and budget > target:
@@ -202,10 +313,11 @@ def host_resources(lab: LabSpec, vms: Sequence[VmSpec], host: Host | None = None
 
 
 class _Compiler:
-    def __init__(self, lab: LabSpec, host: Host, run_dir: RunDir) -> None:
+    def __init__(self, lab: LabSpec, host: Host, run_dir: RunDir, placements: dict[str, Placed]) -> None:
         self.lab = lab
         self.host = host
         self.run_dir = run_dir
+        self.placements = placements
         self.lab_dir = LabDir.of(lab.file, lab.name)
 
     def fail(self, path: KeyPath, message: str, hint: str | None = None) -> HostError:
@@ -220,7 +332,7 @@ class _Compiler:
         path: KeyPath = ("vm", vm.name)
         accel = self.accel(vm)
         files = self.run_dir.vm(vm.name)
-        managed = has_manager(self.lab)
+        managed = has_manager(self.lab, self.host)
         for sock in files.sockets if managed else (files.qmp, files.console):
             if len(str(sock).encode()) > UNIX_PATH_MAX:
                 raise HostError(f"socket path {sock} is longer than {UNIX_PATH_MAX} bytes",
@@ -228,7 +340,7 @@ class _Compiler:
         cpu = vm.cpu_model or ("host" if accel.accel is Accel.KVM else TCG_CPU)
         firmware, machine = self.firmware(path, vm)
         memory = self.memory_backend(path, vm)
-        if memory:
+        if memory and "-numa" not in memory:
             machine["memory-backend"] = "ram"
         if self.lab.memory.ksm is False:  # not merged even while another lab has KSM on
             machine["mem-merge"] = "off"
@@ -282,25 +394,42 @@ class _Compiler:
                 "free-page-reporting": vm.balloon.free_page_reporting and vm.hugepages is None,
             })]
         return VmPlan(name=vm.name, argv=tuple(argv), accel=accel, files=files, notes=tuple(self.notes(vm)),
+                      placement=self.placements.get(vm.name),
                       ssh_user=(vm.cloud_init.user if vm.cloud_init else DEFAULT_CLOUD_USER) if vm.ssh
                       else None)
 
     def memory_backend(self, path: KeyPath, vm: VmSpec) -> list[str]:
-        """Guest RAM from hugepages: a memfd on hugetlbfs, allocated whole when QEMU starts. Allocated
-        then, a pool too small fails `up` with QEMU's message; allocated as the guest touches it, it
-        would kill a running guest with SIGBUS instead."""
-        if vm.hugepages is None:
+        """The guest's RAM as a memory backend when it needs one: bound to the host node(s) placement
+        chose (`host-nodes`, `policy = bind`), one backend per guest node for a VM that spans nodes
+        (`-numa node,memdev=`), and from hugepages: a memfd on hugetlbfs, allocated whole when QEMU
+        starts (allocated then, a pool too small fails `up` with QEMU's message; allocated as the guest
+        touches it, it would kill a running guest with SIGBUS instead)."""
+        placed = self.placements.get(vm.name)
+        if vm.hugepages is None and placed is None:
             return []
-        offered = self.host.hugepage_sizes_kib
-        if vm.hugepages.kib not in offered:
-            sizes = ", ".join(format_size(kib << 10) for kib in sorted(offered)) or "none"
-            raise self.fail((*path, "hugepages"), f"this host has no {vm.hugepages.value} hugepages "
-                            f"(it offers: {sizes})",
-                            "use a size it offers, or boot the kernel with hugepagesz=1G hugepages=N")
-        return ["-object", json_arg({"qom-type": "memory-backend-memfd", "id": "ram",
-                                     "size": vm.memory_mib << 20, "hugetlb": True,
-                                     "hugetlbsize": vm.hugepages.kib << 10, "prealloc": True,
-                                     "prealloc-threads": vm.cpus})]
+        backend: dict[str, object] = {"qom-type": "memory-backend-ram"}
+        if vm.hugepages is not None:
+            offered = self.host.hugepage_sizes_kib
+            if vm.hugepages.kib not in offered:
+                sizes = ", ".join(format_size(kib << 10) for kib in sorted(offered)) or "none"
+                raise self.fail((*path, "hugepages"), f"this host has no {vm.hugepages.value} hugepages "
+                                f"(it offers: {sizes})",
+                                "use a size it offers, or boot the kernel with hugepagesz=1G hugepages=N")
+            backend = {"qom-type": "memory-backend-memfd", "hugetlb": True,
+                       "hugetlbsize": vm.hugepages.kib << 10, "prealloc": True, "prealloc-threads": vm.cpus}
+        if placed is None:
+            return ["-object", json_arg({**backend, "id": "ram", "size": vm.memory_mib << 20})]
+        if not placed.guest_nodes:
+            return ["-object", json_arg({**backend, "id": "ram", "size": vm.memory_mib << 20,
+                                         "host-nodes": list(placed.nodes), "policy": "bind"})]
+        argv: list[str] = []
+        for index, node in enumerate(placed.guest_nodes):
+            memdev = f"ram-node{index}"
+            argv += ["-object", json_arg({**backend, "id": memdev, "size": node.memory_mib << 20,
+                                          "host-nodes": [node.host_node], "policy": "bind"})]
+            cpus = {"cpus": f"{node.vcpus[0]}-{node.vcpus[-1]}"} if node.vcpus else {}
+            argv += ["-numa", opts("node", nodeid=index, memdev=memdev, **cpus)]
+        return argv
 
     def firmware(self, path: KeyPath, vm: VmSpec) -> tuple[list[str], dict[str, str]]:
         """UEFI: OVMF's code read-only and shared, the VM's own copy of the variables, as the two

@@ -148,10 +148,11 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
             # Before start: a signal the moment start returns must not leave its QEMUs running.
             stack.callback(qemu.kill_serving, [vm.files for vm in to_start])
             pids = qemu.start(to_start)
-            for resource in plan.resources:  # QEMUs wait paused: a resource may check what QEMU opened
-                check_opened = getattr(resource, "check_opened", None)
-                if check_opened is not None and resource.owner in pids:
-                    check_opened(pids[resource.owner])
+            for resource in plan.resources:  # QEMUs wait paused: a resource may check what QEMU opened,
+                for hook in ("check_opened", "attach"):  # and put QEMU's threads where they belong
+                    call = getattr(resource, hook, None)
+                    if call is not None and resource.owner in pids:
+                        call(pids[resource.owner])
             for vm in to_start:  # QEMU's daemonize sets umask 027; these are ours alone
                 journal.vms[vm.name] = VmEntry(pid=pids[vm.name], started=journal.vms[vm.name].started,
                                                accel=vm.accel.accel.value,

@@ -16,9 +16,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from vmlaunch import __version__
+from vmlaunch.cgroups import Cpusets
+from vmlaunch.cgroups import detect as detect_cpusets
 from vmlaunch.dirs import run_root, usable_cache_dir
 from vmlaunch.errors import HostError
 from vmlaunch.hostmem import KsmSupport, ksm_support
+from vmlaunch.numa import Topology, read_topology
 
 if TYPE_CHECKING:
     import subprocess
@@ -62,6 +65,8 @@ class Host:
     ovmf: Ovmf | None = None  # UEFI firmware, for firmware = "uefi"
     hugepage_sizes_kib: frozenset[int] = frozenset()  # the hugepage sizes the kernel offers, in KiB
     ksm: KsmSupport | None = None  # None: the kernel has no KSM
+    numa: Topology | None = None  # NUMA nodes, their CPUs and memory (None: not known, as in tests)
+    cpusets: Cpusets | None = None  # cpuset cgroups vmlaunch may place VMs with
 
 
 @attrs.frozen
@@ -88,6 +93,8 @@ def detect_host() -> Host:
         ovmf=find_ovmf(),
         hugepage_sizes_kib=hugepage_sizes_kib(),
         ksm=ksm_support(),
+        numa=read_topology(),
+        cpusets=detect_cpusets(),
     )
 
 

@@ -10,7 +10,8 @@
 2. samples each VM (query-balloon; the balloon's guest-stats: available and free memory, major faults
    and swap-ins since the last sample), the host (MemTotal, MemAvailable) and the KSM counters;
 3. asks the pure policy (`balloon_policy.decide`) for new targets, sets them, and logs each change with
-   its reason;
+   its reason; with NUMA placement, the balancer (`balancer.py`) samples the VMs' runnable vCPUs and,
+   every `lab.placement.interval`, moves at most one VM between nodes;
 4. writes what it saw and set to `manager.state.json`, for `status` and for itself after a restart.
 
 It keeps nothing that cannot be rebuilt: started again, it reads the journal, QMP and its state file.
@@ -35,6 +36,7 @@ from typing import Any
 
 import attrs
 
+from vmlaunch.balancer import Balancer
 from vmlaunch.balloon_policy import Guest, Host, decide
 from vmlaunch.fsutil import write_atomic
 from vmlaunch.hostmem import ksm_counters, meminfo
@@ -76,6 +78,7 @@ class Manager:
         self.saved_targets = self._saved_targets()
         self.started = time.monotonic()
         self.journaled = False  # seen in the lab's journal: from then on it must stay there
+        self.balancer = Balancer()
 
     def _saved_targets(self) -> dict[str, tuple[int, int]]:
         """name -> (QEMU pid, target) from the state file a previous manager of this lab left."""
@@ -170,6 +173,8 @@ class Manager:
             host = Host(total=host_mem.total, available=host_mem.available)
             for decision in decide(config.budget_mib * MIB, host, guests):
                 await self.set_target(decision.name, decision.target, decision.reason)
+        if config.balance:
+            await self.balancer.round(config, running)
         self.save(config, host_mem)
 
     async def connect(self, vm: ManagedVm, pid: int) -> Watched | None:
@@ -245,7 +250,8 @@ class Manager:
         doc = {"pid": os.getpid(), "time": time.time(), "budget": config.budget_mib * MIB,
                "host": attrs.asdict(host_mem) if host_mem is not None else None,
                "ksm": ksm.to_json() if ksm is not None else None,
-               "vms": {name: vm.seen for name, vm in self.watched.items()}}
+               "vms": {name: vm.seen for name, vm in self.watched.items()},
+               "placement": self.balancer.state or None}
         try:
             write_atomic(self.run_dir.manager_state, json.dumps(doc, indent=1) + "\n", durable=False)
         except OSError as exc:

@@ -137,6 +137,11 @@ def process_name(vm: str) -> str:
     return f"vl-{vm}"
 
 
+def cgroup_name(lab: str, vm: str) -> str:
+    """A VM's cpuset cgroup: '.' is in no lab or VM name, so no two VMs of any labs share one."""
+    return f"vmlaunch.{lab}.{vm}"
+
+
 def is_pci_address(text: str) -> bool:
     """A normalised PCI address: "0000:15:00.0" (domain:bus:slot.function, lower case)."""
     return re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", text) is not None

@@ -9,6 +9,7 @@ import attrs
 
 from vmlaunch.labdir import LabDir
 from vmlaunch.model import Accel
+from vmlaunch.placement import Placed
 from vmlaunch.resources.base import Resource
 from vmlaunch.rundir import RunDir, VmFiles
 
@@ -27,6 +28,7 @@ class VmPlan:
     files: VmFiles
     notes: tuple[str, ...] = ()  # warnings worth showing a user (vCPU over-commit, ...)
     ssh_user: str | None = None  # a VM with an SSH port (management NIC): the user `vmlaunch ssh` logs in as
+    placement: Placed | None = None  # the NUMA node(s) and CPUs it runs on, when placed
 
 
 @attrs.frozen

@@ -10,6 +10,8 @@ calls:
   that takes a while (an image qemu-img writes): a crash leaves a journaled claim `down` can undo;
 - `check_opened(pid)`: once the QEMUs run paused, check what this VM's QEMU opened (the disk file the
   path named when it was checked), before any guest runs;
+- `attach(pid)`: then, still before any guest runs, put this VM's QEMU where the resource keeps it
+  (its threads into a cpuset cgroup, its vCPUs on their CPUs);
 - `refresh(ctx)`: for an `up` that finds the resource journaled already, bring what it keeps up to
   this plan (the lab manager's settings).
 

@@ -52,6 +52,9 @@ class ManagedVm:
     minimum_mib: int  # `balloon.min` (auto), else its memory: a manual VM holds what it holds
     auto: bool  # the manager sets its balloon target
     balloon: bool  # it has a balloon device (and statistics)
+    nodes: tuple[int, ...] = ()  # the NUMA node(s) placement put it on at `up` (none: not placed)
+    movable: bool = False  # the balancer may move it (placed on one node, through a cpuset cgroup)
+    cgroup: str | None = None  # its cpuset cgroup, whose cpus and mems say where it is now
 
 
 @attrs.frozen
@@ -60,6 +63,8 @@ class ManagerConfig:
     budget_mib: int
     vms: tuple[ManagedVm, ...]
     interval: float = INTERVAL
+    balance: bool = False  # the NUMA balancer runs
+    balance_interval: float = 5.0  # seconds between its decisions (`lab.placement.interval`)
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -70,9 +75,14 @@ class ManagerConfig:
         try:
             vms = tuple(ManagedVm(name=str(vm["name"]), maximum_mib=int(vm["maximum_mib"]),
                                   minimum_mib=int(vm["minimum_mib"]), auto=bool(vm["auto"]),
-                                  balloon=bool(vm["balloon"])) for vm in doc["vms"])
+                                  balloon=bool(vm["balloon"]),
+                                  nodes=tuple(int(node) for node in vm.get("nodes", ())),
+                                  movable=bool(vm.get("movable", False)),
+                                  cgroup=str(vm["cgroup"]) if vm.get("cgroup") else None)
+                        for vm in doc["vms"])
             return cls(lab=str(doc["lab"]), budget_mib=int(doc["budget_mib"]), vms=vms,
-                       interval=float(doc.get("interval", INTERVAL)))
+                       interval=float(doc.get("interval", INTERVAL)), balance=bool(doc.get("balance", False)),
+                       balance_interval=float(doc.get("balance_interval", 5.0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a lab manager config: {exc}") from None
 
@@ -155,9 +165,15 @@ class LabManager:
 
     def describe(self) -> str:
         auto = [vm.name for vm in self.config.vms if vm.auto]
-        return (f"lab manager: balloons of {', '.join(auto)} sized within a budget of "
-                f"{self.config.budget_mib} MiB, every {self.config.interval:g} s "
-                f"(log: {self.run_dir.manager_log})")
+        jobs = []
+        if auto:
+            jobs.append(f"balloons of {', '.join(auto)} sized within a budget of "
+                        f"{self.config.budget_mib} MiB, every {self.config.interval:g} s")
+        if self.config.balance:
+            movable = [vm.name for vm in self.config.vms if vm.movable]
+            jobs.append(f"NUMA balancer every {self.config.balance_interval:g} s (may move: "
+                        f"{', '.join(movable) or 'none'})")
+        return f"lab manager: {'; '.join(jobs)} (log: {self.run_dir.manager_log})"
 
     def found(self) -> str | None:
         return None

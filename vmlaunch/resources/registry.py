@@ -12,6 +12,7 @@ from vmlaunch.resources.image import ImageRecord
 from vmlaunch.resources.ksm import KsmRecord, release_unjournaled_ksm
 from vmlaunch.resources.manager import ManagerRecord
 from vmlaunch.resources.pci import PciRecord
+from vmlaunch.resources.placement import PlacementRecord
 from vmlaunch.resources.tap import TapRecord
 
 RECORDS: dict[str, type[Record]] = {record.kind: record for record in (
@@ -24,6 +25,7 @@ RECORDS: dict[str, type[Record]] = {record.kind: record for record in (
     HugepagesRecord,
     ManagerRecord,
     KsmRecord,
+    PlacementRecord,
 )}
 
 # Kinds that keep claims outside the journal (a bridge shared between labs: bridge_registry.py), each a
