@@ -37,8 +37,8 @@ def parse_cpulist(text: str) -> tuple[int, ...]:
     for part in text.strip().split(","):
         if not part:
             continue
-        low, _, high = part.partition("-")
-        if not low.isdigit() or (high and not high.isdigit()):
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
             raise ValueError(f"not a CPU list: {text.strip()!r}")
         first, last = int(low), int(high or low)
         if last < first or last - first > 65536:
