@@ -199,6 +199,16 @@ def test_the_balancer_settles_without_undoing_a_move(loads: list[float], count: 
     assert moves <= len(loads) * (count - 1)
 
 
+def test_migrate_pages_is_best_effort() -> None:
+    """This one-node host: node 1 does not exist, and nothing moves (no error either)."""
+    import os
+
+    from vmlaunch.cgroups import migrate_pages
+
+    migrate_pages(os.getpid(), (0,), (0, 1))
+    migrate_pages(os.getpid(), (0,), (0,))  # nothing elsewhere: no call
+
+
 # --- what the compiler makes of it ------------------------------------------------------------------
 
 

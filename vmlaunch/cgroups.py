@@ -9,8 +9,9 @@ Where the host has them, under the one sysfs root (`VMLAUNCH_SYSFS`, else /sys):
   `fs/cgroup/vmlaunch-LAB-VM`, and the kernel migrates memory whenever `cpuset.mems` changes;
 - cgroup v1 (this project's machines): the `fs/cgroup/cpuset` hierarchy; a VM's cgroup is
   `fs/cgroup/cpuset/vmlaunch-LAB-VM`, with `cpuset.memory_migrate` set to 1 so its pages follow.
-Without either, placement falls back to sched_setaffinity (and QEMU's own memory binding): the VM is
-placed, but the balancer cannot move it (its memory policy could not follow).
+Without either, placement falls back to sched_setaffinity for the threads and migrate_pages(2) for
+what QEMU allocated before it was placed (its guest RAM QEMU binds itself): the VM is placed, but the
+balancer cannot move it (QEMU's memory policy could not follow).
 """
 
 from __future__ import annotations
@@ -135,6 +136,32 @@ def remove(folder: Path, timeout: float = 5.0) -> None:
                 raise HostError(f"cannot remove the cgroup {folder}: {exc.strerror or exc}",
                                 f"a process is still in it: see {folder}/cgroup.procs") from None
         time.sleep(0.1)
+
+
+SYS_MIGRATE_PAGES = 256  # x86_64
+
+
+def migrate_pages(pid: int, nodes: Iterable[int], host_nodes: Iterable[int]) -> None:
+    """Without a cgroup: move what process `pid` holds on other nodes of `host_nodes` onto `nodes`
+    (migrate_pages(2)); QEMU's guest RAM is bound by QEMU itself, this is the rest it allocated while
+    it started. Best effort: a kernel without NUMA, or a process gone, leaves it where it is."""
+    import ctypes
+
+    wanted, others = set(nodes), set(host_nodes) - set(nodes)
+    if not others or not wanted:
+        return
+    bits = max(wanted | others) + 1
+    words = (bits + 63) // 64
+
+    def mask(members: set[int]) -> ctypes.Array[ctypes.c_ulong]:
+        array = (ctypes.c_ulong * words)()
+        for node in members:
+            array[node // 64] |= 1 << (node % 64)
+        return array
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall(SYS_MIGRATE_PAGES, ctypes.c_long(pid), ctypes.c_ulong(words * 64), mask(others),
+                 mask(wanted))
 
 
 def pin(tid: int, cpus: Iterable[int]) -> None:

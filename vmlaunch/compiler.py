@@ -183,7 +183,8 @@ def placement_resources(lab: LabSpec, vms: Sequence[VmSpec], host: Host, run_dir
     for vm in vms:
         placed = placements.get(vm.name)
         if placed is not None:
-            yield VmPlacement(lab=lab.name, placed=placed, cpusets=host.cpusets, qmp=run_dir.vm(vm.name).qmp)
+            yield VmPlacement(lab=lab.name, placed=placed, cpusets=host.cpusets, qmp=run_dir.vm(vm.name).qmp,
+                              host_nodes=tuple(node.id for node in host.numa.nodes) if host.numa else (0,))
 
 
 def ksm_resources(lab: LabSpec, host: Host) -> Iterator[Resource]:

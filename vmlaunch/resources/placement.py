@@ -54,6 +54,7 @@ class VmPlacement:
     placed: Placed
     cpusets: Cpusets | None
     qmp: Path  # the VM's monitor: its vCPU threads' ids
+    host_nodes: tuple[int, ...] = (0,)  # every node of the host (where QEMU's early memory may be)
 
     @property
     def key(self) -> str:
@@ -97,6 +98,7 @@ class VmPlacement:
         else:
             for thread in read_threads(pid):
                 cgroups.pin(thread.tid, placed.cpus)
+            cgroups.migrate_pages(pid, placed.nodes, self.host_nodes)
         if placed.vcpu_cpus:
             threads = vcpu_threads(self.qmp)
             for index, cpu in enumerate(placed.vcpu_cpus):
