@@ -91,6 +91,13 @@ def test_a_vm_larger_than_every_node_spans_them_with_a_guest_topology() -> None:
     assert [node.vcpus for node in placed.guest_nodes] == [(0, 1), (2, 3, 4, 5)]  # in proportion
 
 
+def test_a_vm_that_spans_takes_the_nearest_nodes() -> None:
+    far, near = (10, 30, 30, 12), (12, 30, 30, 10)
+    host = [Node(0, (0,), 9000, 9000, far), Node(1, (1,), 8900, 9000, (30, 10, 12, 30)),
+            Node(2, (2,), 8900, 9000, (30, 12, 10, 30)), Node(3, (3,), 5000, 9000, near)]
+    assert place([Demand("huge", 2, 12000)], host)["huge"].nodes == (0, 3)  # not 1, with more free
+
+
 def test_a_vm_that_fits_a_node_but_not_its_free_memory_is_not_split() -> None:
     host = [Node(0, (0, 1), 1000, 8192), Node(1, (2, 3), 3000, 8192)]
     placed = place([Demand("a", 1, 4096)], host)["a"]

@@ -120,7 +120,8 @@ def placements_of(lab: LabSpec, host: Host) -> dict[str, Placed]:
         check_placement(lab, vm, topology)
     demands = [Demand(vm.name, vm.cpus, vm.memory_mib, vm.numa_node, vm.cpu_pinning,
                       page_mib=max(2, vm.hugepages.kib >> 10) if vm.hugepages else 2) for vm in wanted]
-    nodes = [Node(node.id, node.cpus, node.free_mib, node.memory_mib) for node in topology.nodes]
+    nodes = [Node(node.id, node.cpus, node.free_mib, node.memory_mib, node.distances)
+             for node in topology.nodes]
     return place(demands, nodes)
 
 
