@@ -7,8 +7,10 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 # qemu-system-x86 + qemu-utils: QEMU and qemu-img; iproute2: `ip`, used by the tests' network
 # namespaces; util-linux: `unshare`; ovmf: UEFI firmware (firmware = "uefi"); openssh-client: `ssh`
-# and `ssh-keygen` (the lab's keys, `vmlaunch ssh`); zsh: the tests run the zsh completion script.
-DEB_PACKAGES=(qemu-system-x86 qemu-utils iproute2 util-linux ovmf openssh-client zsh)
+# and `ssh-keygen` (the lab's keys, `vmlaunch ssh`); zsh: the tests run the zsh completion script;
+# ethtool: `vmlaunch doctor` reads a bridge uplink's offloads with it; fdisk (sfdisk) and e2fsprogs
+# (mkfs.ext3): the doctor's tests partition images and make an ext3 file system in one.
+DEB_PACKAGES=(qemu-system-x86 qemu-utils iproute2 util-linux ovmf openssh-client zsh ethtool fdisk e2fsprogs)
 
 missing=()
 for pkg in "${DEB_PACKAGES[@]}"; do

@@ -176,6 +176,18 @@ def build_parser() -> argparse.ArgumentParser:
     numa.add_argument("--json", action="store_true", help="print JSON")
     numa.set_defaults(run=cmd_numa)
 
+    doctor = commands.add_parser("doctor", help="check this host, and a lab, against the best practices",
+                                 description="Check the host (KVM, vhost-net, io_uring, IOMMU, hugepages, "
+                                 "KSM, NUMA, THP, the I/O scheduler behind the image folders, memory and "
+                                 "disk space) and, with SPEC, its bridges and uplinks and the lab itself "
+                                 "(memory and vCPU over-commit, disk space for sparse images, partition "
+                                 "alignment, O_DIRECT, cache modes, PCI, hugepages with KSM). Each check: "
+                                 "ok, note, warn or fail, what was found, why it matters and the fix. "
+                                 "Exit 0 when nothing fails, 1 when something does.")
+    doctor.add_argument("spec", metavar="SPEC", nargs="?", help="a lab's TOML file (default: the host only)")
+    doctor.add_argument("--json", action="store_true", help="print JSON for tools")
+    doctor.set_defaults(run=cmd_doctor)
+
     ls = commands.add_parser("ls", help="list the labs that are up on this host",
                              description="The labs that are up on this host (in this user's run dir): "
                              "name, VMs (running or crashed), since when, and the spec file.")
@@ -328,6 +340,31 @@ def cmd_numa(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from vmlaunch.doctor.findings import Status
+    from vmlaunch.doctor.run import doctor, render
+
+    lab = None
+    if args.spec is not None:
+        from vmlaunch.spec import load_lab
+
+        lab = load_lab(args.spec)
+    host_findings, lab_findings = doctor(lab)
+    every = [*host_findings, *lab_findings]
+    if args.json:
+        print(json.dumps({"host": [f.to_json() for f in host_findings],
+                          "lab": [f.to_json() for f in lab_findings] if lab is not None else None,
+                          "failed": any(f.status is Status.FAIL for f in every)}, indent=2))
+    else:
+        sections = [("host", host_findings)]
+        if lab is not None:
+            sections.append((f"lab {lab.name} ({lab.file})", lab_findings))
+        print("\n".join(render(sections)))
+    return 1 if any(f.status is Status.FAIL for f in every) else 0
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     import json
     import time
@@ -466,6 +503,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     from vmlaunch.journal import Journal
 
     before = executor.running_vms(Journal.load(plan.run_dir))
+    if any(vm.name not in before for vm in plan.vms):  # the lab checks that warn, once, before starting
+        from vmlaunch.doctor.run import lab_warnings, one_line
+
+        for finding in lab_warnings(lab, host):
+            log.warning("%s", one_line(finding))
     warm = None
     if args.from_snapshot is not None:
         from vmlaunch.snapshot import warm_start

@@ -1,0 +1,39 @@
+"""What a check found: its id, its status, what was found, why it matters and the fix."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+
+
+class Status(enum.Enum):
+    OK = "ok"
+    NOTE = "note"  # worth knowing, nothing to do unless it matters to the user
+    WARN = "warn"  # works, but against the best practice: slower, riskier, or about to fail
+    FAIL = "fail"  # will not work as the spec or the host is (doctor exits 1)
+
+    @property
+    def rank(self) -> int:
+        return [Status.OK, Status.NOTE, Status.WARN, Status.FAIL].index(self)
+
+
+@attrs.frozen
+class Finding:
+    id: str  # "host.kvm", "lab.alignment", ...: stable, for tools
+    status: Status
+    found: str  # what the check found, in a sentence
+    why: str = ""  # why it matters, and where that comes from (a seed, QEMU's or the kernel's docs)
+    fix: str | None = None  # the exact fix: a command, a package, a spec key
+    where: str | None = None  # the spec line it is about, `FILE:LINE: key.path`
+
+    def to_json(self) -> dict[str, Any]:
+        return {**attrs.asdict(self), "status": self.status.value}
+
+
+# Where the advice comes from, cited in `why`.
+GUIDE = "the KVM best-practices guide (seed 000)"
+NUMA_TALK = "the NUMA placement talk (seed 001)"
+CACHE_STUDY = "the cache-mode study (seed 002)"
+PASSTHROUGH = "the PCI pass-through page (seed 003)"
