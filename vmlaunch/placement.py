@@ -9,8 +9,8 @@ least loaded node. vmlaunch does the same:
 - `place`: each VM on the node with the least vCPU load that fits it whole, the most free memory
   breaking ties (VMs with `numa_node` or `cpu_pinning` first, where they asked; then the others,
   largest first). A VM larger than every node spans the node with the most free memory and the
-  nearest others until they hold it, and is given a guest NUMA topology that mirrors them (one guest node per host node, its memory and
-  vCPUs in proportion).
+  nearest others until they hold it, and is given a guest NUMA topology that mirrors them (one guest
+  node per host node, its memory and vCPUs in proportion).
 - `balance`: load per node = runnable vCPU threads / CPUs of the node (the seed's nr_running /
   nr_cpus). When the most loaded node's load is more than THRESHOLD times the least loaded one's, the
   one VM whose move from the first to the second evens the load best is moved, if it makes the spread
@@ -151,9 +151,10 @@ def place(demands: Sequence[Demand], nodes: Sequence[Node],
 def _spread(demand: Demand, nodes: Sequence[Node], free: dict[int, int], load: dict[int, int]) -> Placed:
     """A VM larger than any node: the node with the most free memory, then the nearest ones (most free
     first among equals) until they hold it."""
-    first = min(nodes, key=lambda n: (-free[n.id], n.id))
+    roomiest = min(nodes, key=lambda n: (-free[n.id], n.id))
     chosen: list[Node] = []
-    for node in sorted(nodes, key=lambda n: (n.id != first.id, first.distance(n.id), -free[n.id], n.id)):
+    for node in sorted(nodes, key=lambda n: (n.id != roomiest.id, roomiest.distance(n.id), -free[n.id],
+                                             n.id)):
         chosen.append(node)
         if sum(max(free[n.id], 0) for n in chosen) >= demand.memory_mib:
             break

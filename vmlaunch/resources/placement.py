@@ -11,6 +11,7 @@ is placed, but not balanced). vCPU threads are found by the thread ids QMP's `qu
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import ClassVar
 
@@ -23,6 +24,8 @@ from vmlaunch.naming import cgroup_name
 from vmlaunch.numa import format_cpulist
 from vmlaunch.placement import Placed
 from vmlaunch.resources.base import Context
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -106,6 +109,10 @@ class VmPlacement:
                 if tid is None:
                     raise HostError(f"{placed.name}: QEMU did not give vCPU {index}'s thread id")
                 cgroups.pin(tid, (cpu,))
+        how = (f"through the cpuset cgroup {self.cgroup}" if self.cgroup is not None else
+               "with sched_setaffinity and migrate_pages: this host has no cpuset cgroups, so it stays there")
+        log.info("%s: node %s, CPUs %s (%s), %s", placed.name, ",".join(map(str, placed.nodes)),
+                 format_cpulist(placed.cpus), placed.reason, how)
 
 
 def vcpu_threads(qmp_path: Path) -> dict[int, int]:
