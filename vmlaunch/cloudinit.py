@@ -15,7 +15,9 @@ PyYAML is YAML 1.1, though, and not every JSON string reads back the same: chara
 Basic Multilingual Plane written as JSON's surrogate-pair escapes come back as two lone surrogates,
 and raw NEL, U+2028/U+2029 (line breaks to YAML 1.1) or C1 controls are folded or refused. So
 `dump` escapes every non-ASCII BMP character (`\\uXXXX`, which PyYAML decodes) and writes the others
-as raw UTF-8 (which it reads as they are); tests check the round trip through PyYAML.
+as raw UTF-8 (which it reads as they are). And YAML takes a key written plainly (`"key": value`) only
+up to 1024 characters: a longer key is written as YAML's explicit key (`? "key"` then `: value` on the
+next line), the one place the output is YAML and not JSON. Tests check the round trip through PyYAML.
 
 What cloud-init 22.4.2's source says about the choices below (read for this module):
 - network-config v2: an `ethernets` entry without `set-name` takes the name of the interface with
@@ -468,7 +470,17 @@ def read_seed(path: Path) -> dict[str, str]:
 def dump(value: Any) -> str:
     """`value` as JSON that PyYAML (cloud-init's YAML reader) reads back exactly (module docstring)."""
     text = json.dumps(value, indent=2, ensure_ascii=True, allow_nan=False)
-    return _SURROGATE_PAIR.sub(_join_pair, text)
+    return _LONG_KEY.sub(_explicit_key, _SURROGATE_PAIR.sub(_join_pair, text))
+
+
+# A mapping key at the start of its line (json.dumps' indent=2 puts each on its own), with its ": ".
+_LONG_KEY = re.compile(r'^( *)("(?:[^"\\\n]|\\.)*"): ', re.M)
+SIMPLE_KEY_MAX = 1000  # PyYAML refuses a plain key of 1024 characters or more
+
+
+def _explicit_key(found: re.Match[str]) -> str:
+    indent, key = found[1], found[2]
+    return found[0] if len(key) < SIMPLE_KEY_MAX else f"{indent}? {key}\n{indent}: "
 
 
 def _join_pair(found: re.Match[str]) -> str:

@@ -48,7 +48,11 @@ def locked(file: str, lock: str, what: str, root: Path | None = None,
         try:
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            raise RegistryError(f"cannot open the {what}'s lock {lock_path}: {exc.strerror or exc}") from exc
+            try:  # a read-only run root: the lock is there, and flock needs no write access
+                fd = os.open(lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                raise RegistryError(f"cannot open the {what}'s lock {lock_path}: "
+                                    f"{exc.strerror or exc}") from exc
         try:
             check_owner(fd, lock_path)
             if try_lock(fd) and same_file(fd, lock_path):

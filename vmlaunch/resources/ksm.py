@@ -266,11 +266,16 @@ def _leave(claims: KsmClaims, folder: Path, lab: str) -> list[str]:
     claims.drop_stale()
     if claims.labs:
         apply_settings(claims, folder, combine(claims.labs, claims.foreign))
+    else:
+        problems = restore_settings(claims, folder)
+        if problems:
+            return problems
+    try:
         claims.save()
-        return []
-    problems = restore_settings(claims, folder)
-    claims.save()
-    return problems
+    except OSError as exc:  # the host is as it should be; the file keeps a claim of a lab now gone
+        log.warning("%s could not be updated (%s): its claim of lab %s is dropped by the next lab or down",
+                    claims.path, exc.strerror or exc, lab)
+    return []
 
 
 @attrs.frozen
