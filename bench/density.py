@@ -95,14 +95,9 @@ def ksm_kept() -> Iterator[dict[str, str]]:
 
 def ksmd_seconds() -> float:
     """CPU time ksmd (KSM's kernel thread) has used."""
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            with contextlib.suppress(OSError):
-                stat = Path(f"/proc/{pid}/stat").read_text()
-                if "(ksmd)" in stat:
-                    fields = stat[stat.rindex(")") + 2:].split()
-                    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return 0.0
+    from vmlaunch.hostmem import ksmd_cpu_seconds
+
+    return ksmd_cpu_seconds() or 0.0
 
 
 def ksm() -> dict[str, int]:

@@ -32,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from vmlaunch.hostmem import ksmd_cpu_seconds  # noqa: E402
 from vmlaunch.resources.ksm import SETTINGS, default_settings, read  # noqa: E402
 
 ADVISOR = ("advisor_mode", "advisor_target_scan_time", "advisor_max_cpu")  # beside SETTINGS
@@ -40,7 +41,6 @@ GUEST = ROOT / "examples" / "guest"
 KSM = Path("/sys/kernel/mm/ksm")
 READY = "VMLAUNCH-GUEST-READY"
 PAGE = os.sysconf("SC_PAGE_SIZE")
-TICKS = os.sysconf("SC_CLK_TCK")
 MIB = 1 << 20
 
 RATES: dict[str, dict[str, str]] = {
@@ -71,17 +71,6 @@ def write_settings(settings: dict[str, str]) -> None:
         if name in settings and (KSM / name).exists():
             with contextlib.suppress(OSError):  # pages_to_scan while the advisor runs: EINVAL
                 (KSM / name).write_text(settings[name] + "\n")
-
-
-def ksmd_ticks() -> int:
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            with contextlib.suppress(OSError):
-                stat = Path(f"/proc/{pid}/stat").read_text()
-                if "(ksmd)" in stat:
-                    fields = stat[stat.rindex(")") + 2:].split()
-                    return int(fields[11]) + int(fields[12])
-    return 0
 
 
 def sharing() -> int:
@@ -118,7 +107,7 @@ def measure(name: str, memory_mib: int, watch: float) -> dict[str, float]:
         procs = boot(2, memory_mib, Path(work))
         try:
             time.sleep(5)  # past the boot's last writes
-            base, ticks = sharing(), ksmd_ticks()
+            base, cpu_before = sharing(), ksmd_cpu_seconds() or 0.0
             write_settings({**RATES[name], "run": "1"})
             started = time.monotonic()
             trace = []
@@ -126,7 +115,7 @@ def measure(name: str, memory_mib: int, watch: float) -> dict[str, float]:
                 time.sleep(5)
                 trace.append((time.monotonic() - started, sharing() - base))
                 print(f"  {name:<16} {trace[-1][0]:5.0f} s: {trace[-1][1] / MIB:6.1f} MiB merged", flush=True)
-            cpu = (ksmd_ticks() - ticks) / TICKS / (time.monotonic() - started) * 100
+            cpu = ((ksmd_cpu_seconds() or 0.0) - cpu_before) / (time.monotonic() - started) * 100
         finally:
             for proc in procs:
                 proc.kill()

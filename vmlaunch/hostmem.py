@@ -23,6 +23,22 @@ class MemInfo:
     available: int  # bytes: MemAvailable
 
 
+def ksmd_cpu_seconds() -> float | None:
+    """CPU time KSM's kernel thread has used (utime + stime of ksmd), None when there is none."""
+    root = proc_root()
+    for pid in os.listdir(root):
+        if not pid.isdigit():
+            continue
+        try:
+            stat = (root / pid / "stat").read_text()
+        except OSError:
+            continue
+        if stat[stat.find("(") + 1:stat.rfind(")")] == "ksmd":
+            fields = stat[stat.rindex(")") + 2:].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return None
+
+
 def ksm_merging(pid: int) -> int | None:
     """Bytes of the process's memory that KSM has merged (/proc/PID/ksm_merging_pages, Linux 6.1+)."""
     try:

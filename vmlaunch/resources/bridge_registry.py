@@ -80,16 +80,10 @@ class BridgeRegistry:
     @classmethod
     def load(cls, root: Path) -> BridgeRegistry:
         registry = cls(root)
-        try:
-            raw = hostwide.read_owned(registry.path)
-        except OSError as exc:
-            raise registry._damaged(exc.strerror or str(exc)) from exc
-        if raw is None:
+        doc = hostwide.read_document(registry.path, REGISTRY_VERSION, registry._damaged)
+        if doc is None:
             return registry
         try:
-            doc = json.loads(raw)
-            if not isinstance(doc, dict) or doc.get("version") != REGISTRY_VERSION:
-                raise ValueError(f"not a version {REGISTRY_VERSION} registry")
             bridges = doc.get("bridges")
             if not isinstance(bridges, dict):
                 raise ValueError("no table of bridges")

@@ -11,11 +11,13 @@ locks of other labs are only ever tried, never waited for (`lab_in_use`).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from vmlaunch.dirs import run_root, secure_dir
 from vmlaunch.errors import RuntimeFailure
@@ -87,6 +89,24 @@ def read_owned(path: Path) -> bytes | None:
     with os.fdopen(fd, "rb") as file:
         check_owner(file.fileno(), path)
         return file.read()
+
+
+def read_document(path: Path, version: int, damaged: Callable[[str], RegistryError]) -> dict[str, Any] | None:
+    """The file's JSON object, None when there is none; `damaged(problem)` is raised for one that cannot
+    be read, is not JSON, or is not of `version`."""
+    try:
+        raw = read_owned(path)
+    except OSError as exc:
+        raise damaged(exc.strerror or str(exc)) from exc
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise damaged(str(exc)) from exc
+    if not isinstance(doc, dict) or doc.get("version") != version:
+        raise damaged(f"not a version {version} file")
+    return doc
 
 
 def check_owner(fd: int, path: Path) -> None:

@@ -118,16 +118,10 @@ class KsmClaims:
     @classmethod
     def load(cls, root: Path) -> KsmClaims:
         claims = cls(root)
-        try:
-            raw = hostwide.read_owned(claims.path)
-        except OSError as exc:
-            raise claims._damaged(exc.strerror or str(exc)) from exc
-        if raw is None:
+        doc = hostwide.read_document(claims.path, CLAIMS_VERSION, claims._damaged)
+        if doc is None:
             return claims
         try:
-            doc = json.loads(raw)
-            if not isinstance(doc, dict) or doc.get("version") != CLAIMS_VERSION:
-                raise ValueError(f"not a version {CLAIMS_VERSION} file")
             claims.saved = _settings(doc.get("saved"), "saved")
             claims.foreign = doc.get("foreign") is True
             labs = doc.get("labs")
