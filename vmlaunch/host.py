@@ -62,6 +62,7 @@ class Host:
     ovmf: Ovmf | None = None  # UEFI firmware, for firmware = "uefi"
     hugepage_sizes_kib: frozenset[int] = frozenset()  # the hugepage sizes the kernel offers, in KiB
     ksm: KsmSupport | None = None  # None: the kernel has no KSM
+    vlan_8021q: bool = True  # the kernel has 802.1Q VLAN links (8021q loaded, built in or installed)
 
 
 @attrs.frozen
@@ -88,7 +89,22 @@ def detect_host() -> Host:
         ovmf=find_ovmf(),
         hugepage_sizes_kib=hugepage_sizes_kib(),
         ksm=ksm_support(),
+        vlan_8021q=kernel_has_8021q(),
     )
+
+
+def kernel_has_8021q() -> bool:
+    """Whether `ip link add ... type vlan` can work: 8021q is loaded or built in (/proc/net/vlan, in
+    every network namespace then), or installed for the kernel to load on demand. Three stats."""
+    from vmlaunch.hostmem import proc_root
+    from vmlaunch.pci import sysfs_root
+
+    return any(os.path.exists(path) for path in (
+        proc_root() / "net" / "vlan", sysfs_root() / "module" / "8021q",
+        Path(MODULES_ROOT) / os.uname().release / "kernel" / "net" / "8021q"))
+
+
+MODULES_ROOT = "/lib/modules"
 
 
 def hugepage_sizes_kib() -> frozenset[int]:
