@@ -257,7 +257,9 @@ def test_what_a_vlan_link_must_be(kernel: FakeKernel) -> None:
     assert "br-lan" not in kernel.view()
 
 
-def test_a_kernel_without_8021q_leaves_nothing(kernel: FakeKernel, run_dir: Path) -> None:
+def test_a_kernel_without_8021q_leaves_nothing(kernel: FakeKernel, run_dir: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VMLAUNCH_PROC", str(tmp_path / "proc"))  # no net/vlan: 8021q is not loaded
     kernel.vlans = False
     with pytest.raises(LinkError) as caught:
         lan().apply(A)
@@ -311,3 +313,17 @@ def test_one_uplink_per_bridge(kernel: FakeKernel, run_dir: Path) -> None:
                                         "of bridge br-lan, which lab a uses"):
         lan(42, name="br-two").apply(B)
     assert "eth1.43" not in kernel.view() and "br-two" not in kernel.view()
+
+
+def test_an_uplink_that_refuses_vlans(kernel: FakeKernel, run_dir: Path, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """8021q is loaded (/proc/net/vlan), yet the kernel says EOPNOTSUPP: the uplink cannot carry VLANs."""
+    (tmp_path / "proc" / "net" / "vlan").mkdir(parents=True)
+    monkeypatch.setenv("VMLAUNCH_PROC", str(tmp_path / "proc"))
+    kernel.vlans = False
+    with pytest.raises(LinkError) as caught:
+        lan().apply(A)
+    assert caught.value.message == "interface eth1: cannot carry VLAN 42: the kernel refuses VLANs on it " \
+        "(a network device)"
+    assert caught.value.exit_code == 4
+    assert set(kernel.view()) == {"eth1"} and registry(run_dir) == {}

@@ -155,9 +155,16 @@ class Netlink:
             return self.add(name, f"creating VLAN {vlan} of {parent.name}",
                             **vlan_request(parent.index, vlan))
         except LinkError as exc:
-            if exc.code == errno.EOPNOTSUPP:
+            if exc.code != errno.EOPNOTSUPP:
+                raise
+            from vmlaunch.hostmem import proc_root
+
+            if not (proc_root() / "net" / "vlan").exists():  # 8021q is not loaded (nor could be)
                 raise no_8021q(name, vlan, parent.name) from exc
-            raise
+            raise LinkError(parent.name, f"cannot carry VLAN {vlan}: the kernel refuses VLANs on it "
+                            f"({parent.describe()})", code=exc.code,
+                            hint="give the network an uplink that is an Ethernet device (or a bond, "
+                            "a veth, a bridge)") from exc
 
     def set(self, link: Link, doing: str, **kwargs: Any) -> None:
         self._call(link.name, doing, lambda: self._ipr.link("set", index=link.index, **kwargs))
