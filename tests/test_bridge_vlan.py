@@ -327,3 +327,13 @@ def test_an_uplink_that_refuses_vlans(kernel: FakeKernel, run_dir: Path, tmp_pat
         "(a network device)"
     assert caught.value.exit_code == 4
     assert set(kernel.view()) == {"eth1"} and registry(run_dir) == {}
+
+
+def test_on_a_bridge_vmlaunch_does_not_own(kernel: FakeKernel, run_dir: Path) -> None:
+    """An administrator's bridge: the VLAN link vmlaunch made goes with the last lab, the bridge stays."""
+    kernel.make("br-lan", "bridge", flags=1)
+    record = lan().apply(A)
+    assert record == BridgeRecord("br-lan", created=False, uplink="eth1.42", uplink_created=True)
+    assert kernel.view()["eth1.42"]["master"] == "br-lan"
+    record.undo(A, rollback=False)
+    assert set(kernel.view()) == {"eth1", "br-lan"} and registry(run_dir) == {}

@@ -1,4 +1,5 @@
-"""Host network links (bridges, taps, uplinks) over netlink: the layer the bridge and tap resources use.
+"""Host network links (bridges, taps, uplinks and their 802.1Q VLAN links) over netlink: the layer the
+bridge and tap resources use.
 
 Every netlink failure becomes a `LinkError` naming the interface and what was being done.
 
