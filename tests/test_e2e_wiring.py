@@ -170,11 +170,16 @@ def test_vlans_across_a_trunk(tmp_path: Path, test_guest: Path) -> None:
         assert "3 packets transmitted, 3 packets received, 0% packet loss" in there, there[-2000:]
         elsewhere = (right.run_root / "elsewhere" / "elsewhere.serial.log").read_text()
         assert "3 packets transmitted, 0 packets received, 100% packet loss" in elsewhere, elsewhere[-2000:]
-        for name, (where, spec) in specs.items():
+        done = right.vmlaunch("down", str(specs["there"][1]), "--timeout", "2")
+        assert done.returncode == 0, done.stderr
+        assert "trunk1.42" not in right.links() and {"trunk1", "trunk1.43"} <= right.links()
+        for name in ("elsewhere", "here"):
+            where, spec = specs[name]
             done = where.vmlaunch("down", str(spec), "--timeout", "2")
             assert done.returncode == 0, done.stderr
+        assert left.links() == {"lo", "trunk0"} and right.links() == {"lo", "trunk1"}  # the trunk stays
+        for where, name in ((left, "here"), (right, "there"), (right, "elsewhere")):
             assert_clean(where, name)
-        assert left.links() == {"lo", "trunk0"} and right.links() == {"lo", "trunk1"}
 
 
 OVS_SCHEMA = Path("/usr/share/openvswitch/vswitch.ovsschema")
