@@ -243,3 +243,30 @@ def test_down_runs_the_script_recorded_at_up(tmp_path: Path, journal: Journal) -
     assert lines(tmp_path / "log") == ["up vl-abc", "down vl-abc"]
     assert executor.down(journal.run_dir) is False  # reported once, and never run again
     assert lines(tmp_path / "log") == ["up vl-abc", "down vl-abc"]
+
+
+# --- the Open vSwitch example's scripts, against a stand-in ovs-vsctl ---------------------------------
+
+
+def test_the_open_vswitch_scripts_ask_ovs_vsctl_as_documented(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """What examples/ovs-ifup and ovs-ifdown pass to ovs-vsctl (tests/test_e2e_wiring.py runs them
+    against a real Open vSwitch where it is installed)."""
+    from tests.conftest import EXAMPLES
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    script(fake / "ovs-vsctl", f'for word in "$@"; do echo "$word"; done > {tmp_path}/argv\necho ---\n')
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    env = ScriptEnv(lab="ovs", vm="left", nic=0, network="ovs", tap="vl-abc", mac="52:54:00:be:45:79")
+    run_checked(EXAMPLES / "ovs-ifup", env, "up", "network ovs: up_script")
+    assert lines(tmp_path / "argv") == [
+        "--timeout=10", "--", "--may-exist", "add-port", "br-lab", "vl-abc",
+        "--", "set", "interface", "vl-abc", 'external-ids:vmlaunch-lab="ovs"',
+        'external-ids:vmlaunch-vm="left"', 'external-ids:attached-mac="52:54:00:be:45:79"']
+    monkeypatch.setenv("OVS_BRIDGE", "br-test")
+    monkeypatch.setenv("OVS_TAG", "42")
+    run_checked(EXAMPLES / "ovs-ifup", env, "up", "network ovs: up_script")
+    assert lines(tmp_path / "argv")[3:7] == ["add-port", "br-test", "vl-abc", "tag=42"]
+    run_checked(EXAMPLES / "ovs-ifdown", env, "down", "network ovs: down_script")
+    assert lines(tmp_path / "argv") == ["--timeout=10", "--if-exists", "del-port", "br-test", "vl-abc"]
