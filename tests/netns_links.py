@@ -81,7 +81,8 @@ def ip(*args: str) -> None:
 
 
 def links() -> dict[str, dict[str, Any]]:
-    """Every interface but lo: its index, kind, master, mtu, up flag and tun data."""
+    """Every interface but lo: its index, kind, master, mtu, alias, VLAN id and the interface it is on
+    (`link`), up flags and tun data."""
     out = subprocess.run(["ip", "-j", "-d", "link", "show"], check=True, capture_output=True,
                          text=True).stdout
     result = {}
@@ -89,9 +90,10 @@ def links() -> dict[str, dict[str, Any]]:
         if link["ifname"] == "lo":
             continue
         info = link.get("linkinfo", {})
+        vlan = info.get("info_data", {}).get("id") if info.get("info_kind") == "vlan" else None
         result[link["ifname"]] = {"index": link["ifindex"], "kind": info.get("info_kind"),
                                   "master": link.get("master"), "mtu": link["mtu"],
-                                  "alias": link.get("ifalias"),
+                                  "alias": link.get("ifalias"), "vlan": vlan, "link": link.get("link"),
                                   "up": "UP" in link["flags"],
                                   "lower_up": "LOWER_UP" in link["flags"],
                                   "tun": info.get("info_data", {}) if info.get("info_kind") == "tun" else {}}
@@ -445,10 +447,87 @@ def marks(_: str) -> dict[str, Any]:
     return {**result, "before": before, "after": links()}
 
 
+# --- taps without a bridge, VLAN uplinks --------------------------------------------------------------
+
+
+def tap_alone(_: str) -> dict[str, Any]:
+    """A tap network's tap: made, marked, up, on no bridge; removed again."""
+    record = Tap(ifname="vltap-a", bridge=None, vm="alpha", mtu=1400).apply(CTX)
+    up = links()
+    record.undo(CTX, rollback=False)
+    return {"record": as_json(record), "up": up, "down": links()}
+
+
+def trunk() -> None:
+    """A veth pair standing in for a host's trunk port (trunk0) and the switch behind it (trunk1)."""
+    ip("link", "add", "trunk0", "type", "veth", "peer", "name", "trunk1")
+    ip("link", "set", "trunk0", "up")
+    ip("link", "set", "trunk1", "up")
+
+
+def vlan_missing(_: str) -> dict[str, Any]:
+    """On a kernel without 802.1Q: a VLAN bridge fails plainly and leaves nothing, a bridge that
+    existed included (kept as it was)."""
+    trunk()
+    before = links()
+    made = attempt(lambda: Bridge(name="vlbr-t", network="lan", uplink="trunk0", vlan=42).apply(CTX))
+    made_links, made_registry = links(), registry()
+    ip("link", "add", "vlbr-pre", "type", "bridge")
+    existing = attempt(lambda: Bridge(name="vlbr-pre", network="lan", uplink="trunk0", vlan=42).apply(CTX))
+    return {"before": before, "made": made, "made_links": made_links, "made_registry": made_registry,
+            "existing": existing, "existing_links": links(), "existing_registry": registry(),
+            "exit_code": _exit_code(lambda: Bridge(name="vlbr-t", network="lan", uplink="trunk0",
+                                                   vlan=42).apply(CTX))}
+
+
+def _exit_code(func: Callable[[], object]) -> int | None:
+    try:
+        func()
+    except LinkError as exc:
+        return exc.exit_code
+    return None
+
+
+def vlan(_: str) -> dict[str, Any]:
+    """Where the kernel has 802.1Q: labs a and b share bridge vlbr-s on VLAN 42 of trunk0, which the
+    first creates and the last deletes (trunk0 stays); an administrator's VLAN link is used and kept; a
+    VLAN link of that name that is something else is refused; one vmlaunch left behind is adopted."""
+    trunk()
+    result: dict[str, Any] = {}
+    records = {}
+    for lab in "ab":
+        journal_of(lab)
+        records[lab] = Bridge(name="vlbr-s", network="lan", uplink="trunk0", vlan=42).apply(Context(lab=lab))
+    result["shared"] = {"records": {lab: as_json(r) for lab, r in records.items()}, "links": links(),
+                        "registry": registry()}
+    steps = []
+    for lab in "ab":
+        records[lab].undo(Context(lab=lab), rollback=False)
+        gone(lab)
+        steps.append({"links": links(), "registry": registry()})
+    result["steps"] = steps
+    ip("link", "add", "link", "trunk0", "name", "trunk0.43", "type", "vlan", "id", "43")
+    admins = Bridge(name="vlbr-t", network="lan", uplink="trunk0", vlan=43).apply(CTX)
+    result["admins"] = {"record": as_json(admins), "links": links()}
+    admins.undo(CTX, rollback=False)
+    result["admins"]["after"] = links()
+    ip("link", "add", "link", "trunk1", "name", "trunk0.44", "type", "vlan", "id", "44")
+    result["wrong"] = attempt(lambda: Bridge(name="vlbr-t", network="lan", uplink="trunk0",
+                                             vlan=44).apply(CTX))
+    result["wrong_links"] = links()
+    ip("link", "add", "link", "trunk0", "name", "trunk0.45", "type", "vlan", "id", "45")
+    ip("link", "set", "trunk0.45", "alias", "vmlaunch lab=t net=lan vlan=45")
+    left = Bridge(name="vlbr-t", network="lan", uplink="trunk0", vlan=45).apply(CTX)
+    result["left"] = {"record": as_json(left), "registry": registry()}
+    left.undo(CTX, rollback=False)
+    result["left"]["after"] = links()
+    return result
+
+
 SCENARIOS: dict[str, Callable[[str], dict[str, Any]]] = {
     f.__name__: f for f in (basic, existing, foreign, uplink, not_bridge, stale, twice, step_up, step_down,
                             fresh_process, no_cap, no_cap_tap, qemu_queues, shared, shared_stale,
-                            killed_step, killed, leaked_tap, marks)
+                            killed_step, killed, leaked_tap, marks, tap_alone, vlan_missing, vlan)
 }
 
 

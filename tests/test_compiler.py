@@ -21,6 +21,7 @@ from vmlaunch.resources.bridge import Bridge
 from vmlaunch.resources.image import Image
 from vmlaunch.resources.ksm import Ksm, default_settings
 from vmlaunch.resources.pci import PciBind
+from vmlaunch.resources.script import ScriptEnv, TapScript
 from vmlaunch.resources.tap import Tap
 from vmlaunch.spec import load_lab
 
@@ -224,3 +225,50 @@ def test_socket_network_is_a_loopback_multicast_lan(tmp_path: Path) -> None:
     other_netdev = json.loads(option(list(compile_lab(load_lab(other), fake_host()).vms[0].argv),
                                      "-netdev")[0])
     assert other_netdev["mcast"] != derived["mcast"]  # labs do not share a segment
+
+
+def test_a_tap_network_plans_taps_and_their_scripts(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, HEAD + '[network.ovs]\ntype = "tap"\nup_script = "ifup"\n'
+                      'down_script = "ifdown"\nmtu = 9000\n[network.lan]\nbridge = "br-lan"\n'
+                      'up_script = "/etc/lan-up"\n[vm.a]\nmemory = 64\nkernel = "k"\n'
+                      '[[vm.a.nic]]\nnetwork = "ovs"\nip = "10.1.0.5/24"\n[[vm.a.nic]]\nnetwork = "lan"\n')
+    plan = compile_lab(load_lab(spec), fake_host())
+    taps = [tap_name("t", "a", index) for index in (0, 1)]
+    mac = [nic.mac for nic in load_lab(spec).vms[0].nics]
+    assert plan.resources == (
+        Bridge(name="br-lan", network="lan"),
+        Tap(ifname=taps[0], bridge=None, vm="a", mtu=9000),
+        TapScript(network="ovs", up_script=tmp_path / "ifup", down_script=tmp_path / "ifdown",
+                  env=ScriptEnv(lab="t", vm="a", nic=0, network="ovs", tap=taps[0], mac=mac[0], mtu=9000,
+                                ip="10.1.0.5/24")),
+        Tap(ifname=taps[1], bridge="br-lan", vm="a"),
+        TapScript(network="lan", up_script=Path("/etc/lan-up"), down_script=None,
+                  env=ScriptEnv(lab="t", vm="a", nic=1, network="lan", tap=taps[1], mac=mac[1],
+                                bridge="br-lan")),
+    )
+    netdevs = [json.loads(arg) for arg in option(list(plan.vms[0].argv), "-netdev")]
+    assert netdevs[0] == {"type": "tap", "id": "net0", "ifname": taps[0], "script": "no", "downscript": "no"}
+    assert devices(list(plan.vms[0].argv))[0]["host_mtu"] == 9000
+    scripted = [r for r in plan.resources if isinstance(r, TapScript)]
+    assert scripted[0].origin is not None and str(scripted[0].origin.location("up_script")) == \
+        f"{spec}:5: network.ovs.up_script:"
+
+
+def test_a_vlan_needs_8021q(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, HEAD + '[network.lan]\nbridge = "br-lan"\nuplink = "eth1"\nvlan = 42\n'
+                      '[network.idle]\nuplink = "eth2"\nvlan = 7\n'
+                      '[vm.a]\nmemory = 64\nkernel = "k"\n[[vm.a.nic]]\nnetwork = "lan"\n')
+    plan = compile_lab(load_lab(spec), fake_host(vlan_8021q=True))
+    assert plan.resources[0] == Bridge(name="br-lan", network="lan", uplink="eth1", vlan=42)
+    assert plan.resources[0].port == "eth1.42"
+    with pytest.raises(HostError) as caught:
+        compile_lab(load_lab(spec), fake_host(vlan_8021q=False))
+    assert str(caught.value) == (
+        f"{spec}:6: network.lan.vlan: VLAN 42 of eth1: this kernel lacks 802.1Q VLAN support (no 8021q "
+        "module loaded, built in or installed)\n  hint: load the module: `modprobe 8021q` (a kernel built "
+        "with CONFIG_VLAN_8021Q); or tag the VLAN elsewhere: a switch port, Open vSwitch through type = "
+        "\"tap\" scripts (examples/ovs.toml)")
+    assert caught.value.exit_code == 3
+    alone = write_spec(tmp_path, HEAD + '[network.idle]\nuplink = "eth2"\nvlan = 7\n'
+                       '[vm.a]\nmemory = 64\nkernel = "k"\n', "idle.toml")
+    compile_lab(load_lab(alone), fake_host(vlan_8021q=False))  # no VM on it: nothing to refuse

@@ -19,6 +19,7 @@ from vmlaunch.resources.manager import ManagerRecord
 from vmlaunch.resources.pci import PciRecord
 from vmlaunch.resources.placement import PlacementRecord
 from vmlaunch.resources.registry import RECORDS
+from vmlaunch.resources.script import ScriptEnv, ScriptRecord
 from vmlaunch.resources.tap import TapRecord
 from vmlaunch.rundir import RunDir
 
@@ -26,7 +27,15 @@ SAMPLES = [
     Entry("image", "/l/a.img", "a", ImageRecord(Path("/l/a.img"), created=True)),
     Entry("bridge", "vlbr-demo", None, BridgeRecord("vlbr-demo", created=True, uplink="eth1")),
     Entry("bridge", "br0", None, BridgeRecord("br0", created=False)),
+    Entry("bridge", "br1", None, BridgeRecord("br1", created=False, uplink="eth1.42", uplink_created=True)),
     Entry("tap", "vl-1234abcd-0", "a", TapRecord("vl-1234abcd-0", bridge="vlbr-demo")),
+    Entry("tap", "vl-1234abcd-1", "a", TapRecord("vl-1234abcd-1", bridge=None)),
+    Entry("script", "vl-1234abcd-1 (starting)", "a", ScriptRecord(
+        "ovs", Path("/l/ovs-ifup"), Path("/l/ovs-ifdown"),
+        ScriptEnv("lab", "a", 1, "ovs", "vl-1234abcd-1", "52:54:00:12:34:56", mtu=9000, ip="10.0.0.1/24"))),
+    Entry("script", "vl-1234abcd-0", "a", ScriptRecord(
+        "lan", Path("/l/ifup"), None, ScriptEnv("lab", "a", 0, "lan", "vl-1234abcd-0", "52:54:00:12:34:57",
+                                                bridge="vlbr-demo"))),
     Entry("pci", "0000:15:00.0", "a", PciRecord("0000:15:00.0", "pci-stub", "ixgbe", ids="8086 10fb")),
     Entry("pci", "0000:16:00.0", "a", PciRecord("0000:16:00.0", "vfio-pci", None, changed=True)),
     Entry("labdir", "/l/.vmlaunch/lab", None, LabDirRecord(Path("/l/.vmlaunch/lab"), created=True)),
@@ -61,7 +70,7 @@ def good(resources: list[Any] | None = None, **changes: Any) -> dict[str, Any]:
 
 def test_registry_covers_every_record_kind() -> None:
     assert set(RECORDS) == {"image", "bridge", "tap", "pci", "labdir", "vmfile", "hugepages",
-                            "manager", "ksm", "placement"}
+                            "manager", "ksm", "placement", "script"}
     assert {e.kind for e in SAMPLES} == set(RECORDS)
 
 

@@ -6,6 +6,8 @@ one scenario there and prints what it saw as JSON. The host's interfaces are nev
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import os
 import shutil
@@ -73,7 +75,8 @@ def test_error_names_interface_and_permission_is_a_host_error() -> None:
 
 def test_bridge_with_two_taps_then_nothing_left() -> None:
     result = in_netns("basic")
-    assert result["bridge"] == {"kind": "bridge", "name": "vlbr-t", "created": True, "uplink": None}
+    assert result["bridge"] == {"kind": "bridge", "name": "vlbr-t", "created": True, "uplink": None,
+                                "uplink_created": False}
     assert [t["name"] for t in result["taps"]] == ["vltap-a", "vltap-b"]
     up = result["up"]
     assert set(up) == {"vlbr-t", "vltap-a", "vltap-b"}
@@ -104,12 +107,14 @@ def test_bridge_used_by_a_foreign_tap_is_not_deleted() -> None:
 
 def test_uplink_enslaved_and_released() -> None:
     result = in_netns("uplink")
-    assert result["bridge"] == {"kind": "bridge", "name": "vlbr-t", "created": True, "uplink": "vl-up0"}
+    assert result["bridge"] == {"kind": "bridge", "name": "vlbr-t", "created": True, "uplink": "vl-up0",
+                                "uplink_created": False}
     assert result["up"]["vl-up0"]["master"] == "vlbr-t" and result["up"]["vl-up0"]["up"]
     assert result["down"]["vl-up0"]["master"] is None
     assert "vlbr-t" not in result["down"]
     # an uplink that already was a port of the (existing) bridge is not ours to release
-    assert result["pre"] == {"kind": "bridge", "name": "vlbr-pre", "created": False, "uplink": None}
+    assert result["pre"] == {"kind": "bridge", "name": "vlbr-pre", "created": False, "uplink": None,
+                             "uplink_created": False}
     assert result["kept"]["vl-up1"]["master"] == "vlbr-pre"
     errors = result["errors"]
     assert "already enslaved to vlbr-pre" in errors["other-master"]["error"]
@@ -151,7 +156,8 @@ def test_remove_twice_is_a_no_op() -> None:
 def test_records_undone_from_a_fresh_process() -> None:
     result = in_netns("fresh_process")
     records = result["records"]
-    assert records["bridge"] == {"kind": "bridge", "name": "vlbr-t", "created": True, "uplink": "vl-up0"}
+    assert records["bridge"] == {"kind": "bridge", "name": "vlbr-t", "created": True, "uplink": "vl-up0",
+                                 "uplink_created": False}
     assert {name for name, link in result["up"].items() if link["master"] == "vlbr-t"} == {
         "vl-up0", "vltap-a", "vltap-b"}
     assert set(result["down"]) == {"vl-up0", "vl-up1"}
@@ -250,3 +256,75 @@ def test_interfaces_of_other_labs_or_not_vmlaunchs_are_refused_and_kept() -> Non
     assert "network.lan.bridge" in result["bridge_unmarked"]["hint"]
     assert "is lab other's" in result["bridge_other"]["error"]
     assert result["bridge_own"]["created"] is True  # marked by this lab: a leftover of its own
+
+
+# --- taps without a bridge, VLAN uplinks --------------------------------------------------------------
+
+
+def test_a_tap_without_a_bridge() -> None:
+    result = in_netns("tap_alone")
+    assert result["record"] == {"kind": "tap", "name": "vltap-a", "bridge": None}
+    tap = result["up"]["vltap-a"]
+    assert tap["kind"] == "tun" and tap["master"] is None and tap["mtu"] == 1400 and tap["up"]
+    assert tap["alias"] == "vmlaunch lab=t vm=alpha"
+    assert result["down"] == {}
+
+
+@functools.cache
+def kernel_vlans() -> str | None:
+    """None when this kernel makes 802.1Q VLAN links (in a namespace of their own), else what `ip` said."""
+    probe = subprocess.run([*NETNS, "sh", "-c", "ip link add t0 type veth peer name t1 && "
+                            "ip link add link t0 name t0.42 type vlan id 42"],
+                           capture_output=True, text=True, check=False)
+    return None if probe.returncode == 0 else (probe.stderr.strip() or f"status {probe.returncode}")
+
+
+def test_without_8021q_a_vlan_bridge_fails_plainly_and_leaves_nothing() -> None:
+    if kernel_vlans() is None:
+        pytest.skip("this kernel has 802.1Q VLAN links: test_vlan_uplink_made_shared_and_removed runs "
+                    "instead")
+    result = in_netns("vlan_missing")
+    made = result["made"]
+    assert made["interface"] == "trunk0.42" and made["code"] == errno.EOPNOTSUPP
+    assert made["error"] == ("interface trunk0.42: VLAN 42 of trunk0 cannot be created: this kernel lacks "
+                             "802.1Q VLAN support (Unknown device type)")
+    assert "modprobe 8021q" in made["hint"]
+    assert result["exit_code"] == EXIT_HOST
+    assert result["made_links"] == result["before"]  # no bridge, no VLAN link; the trunk as it was
+    assert result["made_registry"] == {}
+    assert result["existing"]["code"] == errno.EOPNOTSUPP
+    assert set(result["existing_links"]) == {"trunk0", "trunk1", "vlbr-pre"}  # the bridge that was there
+    assert result["existing_registry"] == {}
+
+
+def test_vlan_uplink_made_shared_and_removed() -> None:
+    reason = kernel_vlans()
+    if reason is not None:
+        pytest.skip(f"this kernel has no 802.1Q VLAN links (`ip link add ... type vlan`: {reason}): "
+                    "test_without_8021q_a_vlan_bridge_fails_plainly_and_leaves_nothing runs instead, and "
+                    "tests/test_bridge_vlan.py runs the VLAN uplink against a fake kernel")
+    result = in_netns("vlan")
+    shared = result["shared"]
+    assert shared["records"]["a"] == {"kind": "bridge", "name": "vlbr-s", "created": True,
+                                      "uplink": "trunk0.42", "uplink_created": True}
+    assert shared["records"]["b"] == {"kind": "bridge", "name": "vlbr-s", "created": True, "uplink": None,
+                                      "uplink_created": False}
+    link = shared["links"]["trunk0.42"]
+    assert (link["kind"], link["vlan"], link["link"], link["master"], link["up"]) == (
+        "vlan", 42, "trunk0", "vlbr-s", True)
+    assert link["alias"] == "vmlaunch lab=a net=lan vlan=42"
+    entry = shared["registry"]["vlbr-s"]
+    assert (entry["uplink"], entry["uplink_created"], entry["uplink_index"], entry["labs"]) == (
+        "trunk0.42", True, link["index"], ["a", "b"])
+    first, last = result["steps"]
+    assert "trunk0.42" in first["links"] and "vlbr-s" in first["links"]  # b still uses them
+    assert set(last["links"]) == {"trunk0", "trunk1"} and last["registry"] == {}  # the trunk stays
+    admins = result["admins"]
+    assert admins["record"]["uplink"] == "trunk0.43" and admins["record"]["uplink_created"] is False
+    assert admins["links"]["trunk0.43"]["master"] == "vlbr-t"
+    assert admins["after"]["trunk0.43"]["master"] is None  # released, kept
+    assert result["wrong"]["error"] == ("interface trunk0.44: exists and is VLAN 44 of trunk1, not VLAN "
+                                        "44 of trunk0")
+    assert "trunk0.44" in result["wrong_links"] and "vlbr-t" not in result["wrong_links"]
+    assert result["left"]["record"]["uplink_created"] is True  # vmlaunch's mark: a leftover of ours
+    assert "trunk0.45" not in result["left"]["after"] and "trunk0.43" in result["left"]["after"]

@@ -374,9 +374,9 @@ def test_every_unknown_key_once(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("text", "expected"), [
     # a bad network type: once, and no "unknown key" for a key of the kind it meant
     (HEAD + '[network.u]\ntype = "usr"\nforward = ["tcp::2222-:22"]\n' + VM,
-     ["lab.toml:4: network.u.type: 'usr' is not one of bridge, user, socket"]),
+     ["lab.toml:4: network.u.type: 'usr' is not one of bridge, user, socket, tap"]),
     (HEAD + '[network.u]\ntype = 5\n' + VM,
-     ["lab.toml:4: network.u.type: 5 is not one of bridge, user, socket"]),
+     ["lab.toml:4: network.u.type: 5 is not one of bridge, user, socket, tap"]),
     (HEAD + "network = {u = 5}\n" + VM, ["lab.toml:3: lab.network: unknown key 'network' (known keys: "
                                          "mac_prefix, memory, name, placement)"]),
     ('network = {u = 5}\n' + HEAD + VM, ["lab.toml:1: network.u: expected a table, got an integer"]),
@@ -452,7 +452,7 @@ def test_every_problem_of_a_table_at_once(tmp_path: Path) -> None:
      ["lab.toml:4: vm.a.memroy: unknown key 'memroy' (did you mean 'memory'?)"]),
     # a network of an unknown type still has its unknown keys reported
     (HEAD + '[network.u]\ntype = "usr"\nfowrard = ["tcp::2222-:22"]\n' + VM,
-     ["lab.toml:4: network.u.type: 'usr' is not one of bridge, user, socket",
+     ["lab.toml:4: network.u.type: 'usr' is not one of bridge, user, socket, tap",
       "lab.toml:5: network.u.fowrard: unknown key 'fowrard' (did you mean 'forward'?)"]),
     # a host port forwarded twice: QEMU would fail at up
     (HEAD + '[network.u]\ntype = "user"\nforward = ["tcp:127.0.0.1:2222-:22", "tcp::2222-:23"]\n' + VM,

@@ -15,6 +15,7 @@ from vmlaunch.labdir import LabDir
 from vmlaunch.model import (
     BUDGET_SHARE,
     DEFAULT_CLOUD_USER,
+    TAP_NETWORKS,
     Accel,
     Aio,
     BalloonPolicy,
@@ -47,6 +48,7 @@ from vmlaunch.resources.ksm import Ksm, default_settings, explicit_settings
 from vmlaunch.resources.manager import LabManager, ManagedVm, ManagerConfig
 from vmlaunch.resources.pci import PciBind
 from vmlaunch.resources.placement import VmPlacement
+from vmlaunch.resources.script import ScriptEnv, TapScript
 from vmlaunch.resources.tap import Tap
 from vmlaunch.rundir import RunDir
 from vmlaunch.units import format_size
@@ -79,6 +81,7 @@ MEMORY_TARGET = 0.8
 def compile_lab(lab: LabSpec, host: Host, only: Sequence[str] = ()) -> Plan:
     """The plan for the VMs named in `only` (all of them when empty)."""
     vms = lab.select(only)
+    check_vlans(lab, vms, host)
     run_dir = RunDir.of(host.run_root, lab.name)
     placements = placements_of(lab, host)
     compiler = _Compiler(lab, host, run_dir, placements)
@@ -186,6 +189,22 @@ def placement_resources(lab: LabSpec, vms: Sequence[VmSpec], host: Host, run_dir
         if placed is not None:
             yield VmPlacement(lab=lab.name, placed=placed, cpusets=host.cpusets, qmp=run_dir.vm(vm.name).qmp,
                               host_nodes=tuple(node.id for node in host.numa.nodes) if host.numa else (0,))
+
+
+def check_vlans(lab: LabSpec, vms: Sequence[VmSpec], host: Host) -> None:
+    """An 802.1Q VLAN needs the kernel's 8021q: without it, `up` stops before anything changes."""
+    if host.vlan_8021q:
+        return
+    used = {nic.network for vm in vms for nic in vm.nics}
+    for net in lab.networks:
+        if isinstance(net, BridgeNetwork) and net.vlan is not None and net.name in used:
+            path: KeyPath = ("network", net.name, "vlan")
+            raise HostError(f"VLAN {net.vlan} of {net.uplink}: this kernel lacks 802.1Q VLAN support "
+                            "(no 8021q module loaded, built in or installed)",
+                            "load the module: `modprobe 8021q` (a kernel built with CONFIG_VLAN_8021Q); "
+                            "or tag the VLAN elsewhere: a switch port, Open vSwitch through "
+                            "type = \"tap\" scripts (examples/ovs.toml)",
+                            Location(lab.file, lab.source.line_of(path), path))
 
 
 def ksm_resources(lab: LabSpec, host: Host) -> Iterator[Resource]:
@@ -305,13 +324,20 @@ def host_resources(lab: LabSpec, vms: Sequence[VmSpec], host: Host | None = None
     used = {nic.network for vm in vms for nic in vm.nics}
     for net in lab.networks:
         if isinstance(net, BridgeNetwork) and net.name in used:
-            yield Bridge(name=net.bridge, network=net.name, mtu=net.mtu, uplink=net.uplink)
+            yield Bridge(name=net.bridge, network=net.name, mtu=net.mtu, uplink=net.uplink, vlan=net.vlan)
     for vm in vms:
         for index, nic in enumerate(vm.nics):
             net = lab.network(nic.network)
-            if isinstance(net, BridgeNetwork):
-                yield Tap(ifname=tap_name(lab.name, vm.name, index), bridge=net.bridge,
-                          vm=vm.name, mtu=net.mtu, multi_queue=nic.queues > 1)
+            if not isinstance(net, TAP_NETWORKS):
+                continue
+            bridge = net.bridge if isinstance(net, BridgeNetwork) else None
+            tap = tap_name(lab.name, vm.name, index)
+            yield Tap(ifname=tap, bridge=bridge, vm=vm.name, mtu=net.mtu, multi_queue=nic.queues > 1)
+            if net.up_script is not None:  # right after its tap: the tap is made, on its bridge
+                env = ScriptEnv(lab=lab.name, vm=vm.name, nic=index, network=net.name, tap=tap,
+                                mac=nic.mac, bridge=bridge, mtu=net.mtu, ip=nic.ip)
+                yield TapScript(network=net.name, up_script=net.up_script, down_script=net.down_script,
+                                env=env, origin=DiskOrigin(lab.file, ("network", net.name), lab.source))
 
 
 class _Compiler:
@@ -580,7 +606,7 @@ class _Compiler:
                 # Loopback only: the segment never leaves the host.
                 backend = {"type": "socket", "id": netdev, "mcast": f"{net.group}:{net.port}",
                            "localaddr": "127.0.0.1"}
-            else:
+            else:  # bridge and tap networks: the tap vmlaunch made
                 backend = self.tap(nic, netdev, tap_name(self.lab.name, vm.name, index))
             yield from ("-netdev", json_arg(backend))
             yield from ("-device", json_arg(self.nic_device(path, nic, net, netdev, index)))
@@ -605,8 +631,8 @@ class _Compiler:
         if nic.model is NicModel.VIRTIO:
             if nic.queues > 1:
                 device.update({"mq": True, "vectors": 2 * nic.queues + 2})
-            if isinstance(net, BridgeNetwork) and net.mtu:
-                device["host_mtu"] = net.mtu  # the guest driver picks the bridge's MTU up
+            if isinstance(net, TAP_NETWORKS) and net.mtu:
+                device["host_mtu"] = net.mtu  # the guest driver picks the network's MTU up
         return device
 
     def pci(self, vm_path: KeyPath, vm: VmSpec) -> Iterator[str]:

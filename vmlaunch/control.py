@@ -34,17 +34,17 @@ class NicStatus:
 
     index: int
     network: str
-    type: str  # bridge | user | socket
+    type: str  # bridge | user | socket | tap
     mac: str
     model: str
     bridge: str | None = None  # bridge networks: the bridge and the VM's tap on it
-    tap: str | None = None
+    tap: str | None = None  # bridge and tap networks
     forwards: tuple[str, ...] = ()  # user networks: the host ports forwarded into the guest
     mcast: str | None = None  # socket networks: the multicast group:port
     address: str | None = None  # the static address cloud-init sets ("10.10.0.11/24")
 
     def describe(self) -> str:
-        where = {"bridge": f"bridge {self.bridge}, tap {self.tap}",
+        where = {"bridge": f"bridge {self.bridge}, tap {self.tap}", "tap": f"tap {self.tap}",
                  "socket": f"socket {self.mcast}"}.get(self.type, "user")
         forwards = f"; forwards {', '.join(self.forwards)}" if self.forwards else ""
         address = f" {self.address}" if self.address else ""
@@ -97,7 +97,7 @@ class VmStatus:
 
 
 def nics_of(lab: LabSpec, vm: VmSpec) -> tuple[NicStatus, ...]:
-    from vmlaunch.model import BridgeNetwork, SocketNetwork, UserNetwork
+    from vmlaunch.model import BridgeNetwork, SocketNetwork, TapNetwork, UserNetwork
     from vmlaunch.naming import tap_name
 
     nics = []
@@ -106,6 +106,8 @@ def nics_of(lab: LabSpec, vm: VmSpec) -> tuple[NicStatus, ...]:
         extra: dict[str, Any] = {}
         if isinstance(net, BridgeNetwork):
             extra = {"bridge": net.bridge, "tap": tap_name(lab.name, vm.name, index)}
+        elif isinstance(net, TapNetwork):
+            extra = {"tap": tap_name(lab.name, vm.name, index)}
         elif isinstance(net, UserNetwork):
             extra = {"forwards": tuple(net.forward)}
         elif isinstance(net, SocketNetwork):

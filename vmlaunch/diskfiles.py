@@ -46,6 +46,7 @@ class Unsafe(Exception):
     def __init__(self, message: str, opt_in: str | None = None, fix: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.plain_fix = fix  # without the opt-in: what a file that has none (a script) can do
         self.fix = fix or (f"add {opt_in} = true to the disk if that is meant" if opt_in else None)
 
 
@@ -100,10 +101,7 @@ def check(path: Path, policy: Policy, *, creating: bool) -> Found:
 
     `creating`: the disk has a size, so a missing file is fine (its folder is checked instead).
     """
-    try:
-        found = _walk(path, policy)
-    except OSError as exc:
-        raise Unsafe(f"cannot resolve {path}: {exc.strerror or exc}") from None
+    found = resolve(path, policy)
     if found.stat is None:
         if not creating:
             raise Unsafe(f"{path} does not exist", fix="give the disk a size to have up create it")
@@ -113,14 +111,28 @@ def check(path: Path, policy: Policy, *, creating: bool) -> Found:
         raise Unsafe(f"{_named(path, found)} is a block device", "block_device")
     if not (stat.S_ISREG(mode) or stat.S_ISBLK(mode)):
         raise Unsafe(f"{_named(path, found)} is {_kind(mode)}, not a disk image or block device")
+    check_owner(path, found, policy)
+    return found
+
+
+def resolve(path: Path, policy: Policy) -> Found:
+    """What `path` names, walked under rules 1 and 2 for every folder on the way (Unsafe if not)."""
+    try:
+        return _walk(path, policy)
+    except OSError as exc:
+        raise Unsafe(f"cannot resolve {path}: {exc.strerror or exc}") from None
+
+
+def check_owner(path: Path, found: Found, policy: Policy) -> None:
+    """Rule 2 for the file itself: yours or root's, and no other user may write to it."""
+    assert found.stat is not None
     if not policy.trusted(found.stat.st_uid) and not policy.accept_other_owner:
         raise Unsafe(f"{_named(path, found)} belongs to {_user(found.stat.st_uid)}, not to "
                      f"{_user(policy.uid)}", "accept_other_owner")
     if _others_may_write(found.stat, policy) and not policy.accept_other_owner:
         raise Unsafe(f"{_named(path, found)} may be written by other users (mode "
-                     f"{stat.S_IMODE(mode):04o})", "accept_other_owner",
+                     f"{stat.S_IMODE(found.stat.st_mode):04o})", "accept_other_owner",
                      fix=f"chmod go-w {path}")
-    return found
 
 
 def _walk(path: Path, policy: Policy) -> Found:

@@ -24,7 +24,7 @@ from vmlaunch.journal import Entry, Journal, VmEntry, locked
 from vmlaunch.labdir import LabDir
 from vmlaunch.plan import Plan, VmPlan
 from vmlaunch.qmp import QuickQmp
-from vmlaunch.resources.base import Context, Resource, preflight
+from vmlaunch.resources.base import Context, Resource, UndoneWithError, preflight
 from vmlaunch.rundir import RunDir, VmFiles
 from vmlaunch.textsafe import last_line, printable
 from vmlaunch.wait import TimedOut, remaining, wait_until
@@ -66,18 +66,28 @@ def _apply(resource: Resource, ctx: Context, journal: Journal, stack: contextlib
     finished record then replaces the claim's."""
     claim_of = getattr(resource, "claim", None)
     claim: Resource | None = claim_of(ctx) if claim_of is not None else None
-    if claim is not None and not journal.has(claim.kind, claim.key):
-        _apply(claim, ctx, journal, stack)
-    record = resource.apply(ctx)
-    entry = Entry(kind=resource.kind, key=resource.key, vm=resource.owner, record=record)
-    stack.callback(_roll_back, entry, ctx, journal)  # first: undone even if the journal cannot be written
+    claimed = contextlib.ExitStack()  # the claim's undo, until the record replaces it
+    try:
+        if claim is not None and not journal.has(claim.kind, claim.key):
+            _apply(claim, ctx, journal, claimed)
+        record = resource.apply(ctx)
+        entry = Entry(kind=resource.kind, key=resource.key, vm=resource.owner, record=record)
+        stack.callback(_roll_back, entry, ctx, journal)  # first: undone even if not journaled
+        claimed.pop_all()  # undoing the record undoes what the claim covered: never both
+    except BaseException:
+        with signals.held():
+            claimed.close()
+        raise
     if claim is not None:
         journal.resources = [e for e in journal.resources if (e.kind, e.key) != (claim.kind, claim.key)]
     journal.add(entry)
 
 
 def _roll_back(entry: Entry, ctx: Context, journal: Journal) -> None:
-    entry.record.undo(ctx, rollback=True)
+    try:
+        entry.record.undo(ctx, rollback=True)
+    except UndoneWithError as exc:  # said, not raised: the error of the failing `up` is the one to see
+        log.warning("%s", exc)
     with contextlib.suppress(OSError):  # the run dir goes away after a failed up anyway
         journal.drop(entry)
 
@@ -524,6 +534,9 @@ def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, fo
                 continue  # still used by a VM that keeps running
             try:
                 entry.record.undo(ctx, rollback=False)
+                journal.resources.remove(entry)
+            except UndoneWithError as exc:  # done as far as it goes: never again
+                failures.append(str(exc))
                 journal.resources.remove(entry)
             except VmlaunchError as exc:
                 failures.append(str(exc))

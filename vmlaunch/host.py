@@ -67,6 +67,7 @@ class Host:
     ksm: KsmSupport | None = None  # None: the kernel has no KSM
     numa: Topology | None = None  # NUMA nodes, their CPUs and memory (None: not known, as in tests)
     cpusets: Cpusets | None = None  # cpuset cgroups vmlaunch may place VMs with
+    vlan_8021q: bool = True  # the kernel has 802.1Q VLAN links (8021q loaded, built in or installed)
 
 
 @attrs.frozen
@@ -95,7 +96,22 @@ def detect_host() -> Host:
         ksm=ksm_support(),
         numa=read_topology(),
         cpusets=detect_cpusets(),
+        vlan_8021q=kernel_has_8021q(),
     )
+
+
+def kernel_has_8021q() -> bool:
+    """Whether `ip link add ... type vlan` can work: 8021q is loaded or built in (/proc/net/vlan, in
+    every network namespace then), or installed for the kernel to load on demand. Three stats."""
+    from vmlaunch.hostmem import proc_root
+    from vmlaunch.pci import sysfs_root
+
+    return any(os.path.exists(path) for path in (
+        proc_root() / "net" / "vlan", sysfs_root() / "module" / "8021q",
+        Path(MODULES_ROOT) / os.uname().release / "kernel" / "net" / "8021q"))
+
+
+MODULES_ROOT = "/lib/modules"
 
 
 def hugepage_sizes_kib() -> frozenset[int]:

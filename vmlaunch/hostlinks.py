@@ -1,4 +1,5 @@
-"""Host network links (bridges, taps, uplinks) over netlink: the layer the bridge and tap resources use.
+"""Host network links (bridges, taps, uplinks and their 802.1Q VLAN links) over netlink: the layer the
+bridge and tap resources use.
 
 Every netlink failure becomes a `LinkError` naming the interface and what was being done.
 
@@ -22,9 +23,11 @@ import attrs
 from vmlaunch.errors import EXIT_HOST, RuntimeFailure, needs_root
 from vmlaunch.naming import interface_name_problem, mark_lab
 
-# the kernel's IFLA_INFO_KIND of a tap (a tun device in tap mode)
+# the kernel's IFLA_INFO_KIND of a tap (a tun device in tap mode), a bridge, an 802.1Q VLAN link
 TUN_KIND = "tun"
 BRIDGE_KIND = "bridge"
+VLAN_KIND = "vlan"
+IFF_UP = 0x1
 
 _R = TypeVar("_R")
 
@@ -56,14 +59,21 @@ class Link:
     master: int | None
     carrier: bool  # for a tap: a process (QEMU) has it open
     alias: str | None = None  # IFLA_IFALIAS: vmlaunch's mark on what it created (naming.interface_mark)
+    up: bool = False  # IFF_UP: set administratively up
+    parent: int | None = None  # IFLA_LINK of a VLAN link: the interface it is on
+    vlan: int | None = None  # the VLAN id of a VLAN link
 
     @classmethod
     def parse(cls, msg: Any) -> Link:
         master = msg.get("master")
         alias = msg.get("ifalias")
-        return cls(index=int(msg["index"]), name=str(msg.get("ifname")), kind=msg.get(("linkinfo", "kind")),
+        kind = msg.get(("linkinfo", "kind"))
+        parent = msg.get("link") if kind == VLAN_KIND else None
+        vlan = msg.get(("linkinfo", "data", "vlan_id")) if kind == VLAN_KIND else None
+        return cls(index=int(msg["index"]), name=str(msg.get("ifname")), kind=kind,
                    master=int(master) if master else None, carrier=bool(msg.get("carrier")),
-                   alias=str(alias) if alias else None)
+                   alias=str(alias) if alias else None, up=bool(int(msg.get("flags") or 0) & IFF_UP),
+                   parent=int(parent) if parent else None, vlan=int(vlan) if vlan is not None else None)
 
     @property
     def lab(self) -> str | None:
@@ -77,6 +87,8 @@ class Link:
         return "not marked by vmlaunch" + (f" (alias {self.alias!r})" if self.alias else "")
 
     def describe(self) -> str:
+        if self.kind == VLAN_KIND:
+            return f"VLAN {self.vlan} of interface #{self.parent}"
         return {BRIDGE_KIND: "a bridge", TUN_KIND: "a tun/tap device", None: "a network device"}.get(
             self.kind, f"a {self.kind} device")
 
@@ -137,6 +149,24 @@ class Netlink:
             raise
         return True
 
+    def add_vlan(self, name: str, parent: Link, vlan: int) -> bool:
+        """Create VLAN `vlan` of `parent` called `name`; False when one of that name appeared meanwhile.
+        A kernel without 802.1Q is a host error (exit 3) that names the module to load."""
+        try:
+            return self.add(name, f"creating VLAN {vlan} of {parent.name}",
+                            **vlan_request(parent.index, vlan))
+        except LinkError as exc:
+            if exc.code != errno.EOPNOTSUPP:
+                raise
+            from vmlaunch.hostmem import proc_root
+
+            if not (proc_root() / "net" / "vlan").exists():  # 8021q is not loaded (nor could be)
+                raise no_8021q(name, vlan, parent.name) from exc
+            raise LinkError(parent.name, f"cannot carry VLAN {vlan}: the kernel refuses VLANs on it "
+                            f"({parent.describe()})", code=exc.code,
+                            hint="give the network an uplink that is an Ethernet device (or a bond, "
+                            "a veth, a bridge)") from exc
+
     def set(self, link: Link, doing: str, **kwargs: Any) -> None:
         self._call(link.name, doing, lambda: self._ipr.link("set", index=link.index, **kwargs))
 
@@ -151,6 +181,21 @@ class Netlink:
         except LinkError as exc:
             if exc.code != errno.ENODEV:
                 raise
+
+
+def vlan_request(parent: int, vlan: int) -> dict[str, Any]:
+    """The RTM_NEWLINK attributes of an 802.1Q link (`ip link add link PARENT name N type vlan id V`):
+    IFLA_LINK = parent, IFLA_LINKINFO {IFLA_INFO_KIND "vlan", IFLA_INFO_DATA {IFLA_VLAN_ID V}}."""
+    return {"kind": VLAN_KIND, "link": parent, "vlan_id": vlan}
+
+
+def no_8021q(name: str, vlan: int, parent: str) -> LinkError:
+    """The kernel refused a VLAN link with EOPNOTSUPP ("Unknown device type"): it has no 8021q."""
+    error = LinkError(name, f"VLAN {vlan} of {parent} cannot be created: this kernel lacks 802.1Q VLAN "
+                      "support (Unknown device type)", code=errno.EOPNOTSUPP,
+                      hint="load the module: `modprobe 8021q` (a kernel built with CONFIG_VLAN_8021Q)")
+    error.exit_code = EXIT_HOST
+    return error
 
 
 def _netlink_error(ifname: str, doing: str, code: int | None, args: tuple[Any, ...]) -> LinkError:

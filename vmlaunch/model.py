@@ -91,6 +91,7 @@ class NetworkType(enum.Enum):
     BRIDGE = "bridge"
     USER = "user"
     SOCKET = "socket"
+    TAP = "tap"
 
 
 @attrs.frozen
@@ -102,8 +103,27 @@ class BridgeNetwork:
     mtu: int | None = None
     uplink: str | None = None
     subnet: str | None = None  # "10.10.0.0/24": NICs on it without an `ip` get one from it
+    vlan: int | None = None  # the uplink's 802.1Q VLAN: its VLAN link is the bridge's port, not itself
+    # A user's scripts, run as `SCRIPT TAP` once the tap is on the bridge / before it is removed
+    # (absolute paths; resources/script.py runs them)
+    up_script: Path | None = None
+    down_script: Path | None = None
 
     type = NetworkType.BRIDGE
+
+
+@attrs.frozen
+class TapNetwork:
+    """Taps alone, no bridge: the network's up_script (always set) wires each tap where it belongs (an
+    Open vSwitch bridge, a bridge vmlaunch does not own, a routed link), its down_script unwires it."""
+
+    name: str
+    up_script: Path
+    down_script: Path | None = None
+    mtu: int | None = None
+    subnet: str | None = None
+
+    type = NetworkType.TAP
 
 
 @attrs.frozen
@@ -128,7 +148,8 @@ class SocketNetwork:
     type = NetworkType.SOCKET
 
 
-Network = Union[BridgeNetwork, UserNetwork, SocketNetwork]
+Network = Union[BridgeNetwork, UserNetwork, SocketNetwork, TapNetwork]
+TAP_NETWORKS = (BridgeNetwork, TapNetwork)  # the networks whose NICs are host taps
 
 
 @attrs.frozen

@@ -4,7 +4,8 @@ Derived names are stable across runs (a hash of what they belong to), so a lab c
 same MACs, taps and multicast groups, and differ between labs.
 
 Interface names: the default bridge of a network and the tap of a NIC are a 60-bit hash in base32 of
-what they belong to, `vlb<12>` for bridges and `vl-<12>` for taps, 15 bytes (the kernel's limit). The
+what they belong to, `vlb<12>` for bridges and `vl-<12>` for taps, 15 bytes (the kernel's limit); an
+uplink's VLAN link is `UPLINK.VLAN` as administrators name them, `vlq<12>` when that is too long. The
 lab and VM names the spec allows (up to 20 and 32 bytes) do not fit IFNAMSIZ whole, so no injective
 name exists; 60 bits are enough because:
 
@@ -76,6 +77,17 @@ def tap_name(lab: str, vm: str, index: int) -> str:
     Never equal to a default bridge name (the third character differs).
     """
     return f"vl-{_name_hash('tap', lab, vm, str(index))}"
+
+
+def vlan_link_name(uplink: str, vlan: int) -> str:
+    """The 802.1Q link of `uplink` for VLAN `vlan`: `eth1.42`, as `ip link` and ifupdown name it, or
+    vlq<60-bit hash of uplink and VLAN> when that does not fit in IFNAMSIZ (`enp0s31f6u2.4000`).
+
+    Never a default bridge's nor a tap's name (the third character differs from theirs)."""
+    name = f"{uplink}.{vlan}"
+    if interface_name_problem(name) is None:
+        return name
+    return f"vlq{_name_hash('vlan', uplink, str(vlan))}"
 
 
 def interface_mark(lab: str, **fields: str) -> str:

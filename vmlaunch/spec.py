@@ -52,6 +52,7 @@ from vmlaunch.model import (
     PlacementPolicy,
     Share,
     SocketNetwork,
+    TapNetwork,
     UserNetwork,
     VmSpec,
     balloon_min_mib,
@@ -549,7 +550,7 @@ def _network_keys() -> frozenset[str]:
     import json
 
     defs = json.loads(SCHEMA_FILE.read_bytes())["$defs"]
-    return frozenset(key for kind in ("bridgeNetwork", "userNetwork", "socketNetwork")
+    return frozenset(key for kind in ("bridgeNetwork", "userNetwork", "socketNetwork", "tapNetwork")
                      for key in defs[kind]["properties"])
 
 
@@ -686,6 +687,7 @@ class _Builder:
 
     def networks(self) -> Iterator[Network]:
         bridges: dict[str, KeyPath] = {}
+        uplinks: dict[tuple[str, int | None], KeyPath] = {}
         for net_name, raw in self.table(("network",)).items():
             path: KeyPath = ("network", net_name)
             if not self.is_valid(path):
@@ -709,6 +711,22 @@ class _Builder:
                 yield SocketNetwork(name=net_name, group=found["group"], port=int(found["port"]),
                                     subnet=self.subnet(path, raw))
                 continue
+            scripts = self.scripts(path, raw)
+            if raw.get("type") == "tap":
+                if scripts is None:
+                    continue
+                up_script, down_script = scripts
+                if up_script is None:
+                    if "up_script" in raw:
+                        continue  # the schema said what is wrong with it
+                    self.problems.add(path, "a tap network without up_script: nothing would wire its "
+                                      "taps, so its VMs would reach nothing",
+                                      'add up_script = "./ifup" to put each tap where it belongs, or '
+                                      'leave type out for a bridge vmlaunch makes')
+                    continue
+                yield TapNetwork(name=net_name, up_script=up_script, down_script=down_script,
+                                 mtu=raw.get("mtu"), subnet=self.subnet(path, raw))
+                continue
             bridge_path = (*path, "bridge") if "bridge" in raw else path
             bridge = raw.get("bridge") or default_bridge_name(self.lab_name, net_name)
             problem = interface_name_problem(bridge)
@@ -720,11 +738,55 @@ class _Builder:
                 self.problems.add(bridge_path, f"bridge {bridge!r} is also network {first!r}'s",
                                   "two networks of one lab cannot share a bridge")
             bridges.setdefault(bridge, path)
-            uplink = raw.get("uplink")
-            if uplink is not None and interface_name_problem(uplink):
-                self.problems.add((*path, "uplink"), f"uplink {interface_name_problem(uplink)}")
+            uplink, vlan = self.uplink(path, raw, uplinks)
+            if scripts is None:
+                continue
             yield BridgeNetwork(name=net_name, bridge=bridge, mtu=raw.get("mtu"), uplink=uplink,
-                                subnet=self.subnet(path, raw))
+                                subnet=self.subnet(path, raw), vlan=vlan, up_script=scripts[0],
+                                down_script=scripts[1])
+
+    def uplink(self, path: KeyPath, raw: Doc,
+               uplinks: dict[tuple[str, int | None], KeyPath]) -> tuple[str | None, int | None]:
+        """The bridge's uplink and its VLAN. An interface (or one VLAN of it) can be a port of one
+        bridge only, so two networks of a lab cannot share one."""
+        uplink, vlan = raw.get("uplink"), raw.get("vlan")
+        if vlan is not None and uplink is None:
+            self.problems.add((*path, "vlan"), f"vlan = {vlan} tags the traffic of an uplink, and "
+                              "the network has none", 'add uplink = "eth1": the interface that carries '
+                              f"VLAN {vlan}")
+            return None, None
+        if uplink is None:
+            return None, None
+        problem = interface_name_problem(uplink)
+        if problem:
+            self.problems.add((*path, "uplink"), f"uplink {problem}")
+            return None, None
+        first = uplinks.setdefault((uplink, vlan), path)
+        if first != path:
+            what = f"VLAN {vlan} of {uplink}" if vlan is not None else f"uplink {uplink!r}"
+            self.problems.add((*path, "vlan" if vlan is not None else "uplink"),
+                              f"{what} is also network {first[-1]!r}'s", "an interface is a port of "
+                              "one bridge only: put both networks' VMs on one network")
+            return None, None
+        return uplink, vlan
+
+    def scripts(self, path: KeyPath, raw: Doc) -> tuple[Path | None, Path | None] | None:
+        """A network's up_script and down_script (absolute), noted for the file checks; None when
+        they do not go together (the problem is reported)."""
+        from vmlaunch.specfiles import Named
+
+        found: dict[str, Path] = {}
+        for key in ("up_script", "down_script"):
+            value = self.value(path, raw, key)
+            if value is not None:
+                found[key] = self.base / os.path.expanduser(value)
+                self.named.append(Named((*path, key), found[key], "script"))
+        if "down_script" in found and "up_script" not in found:
+            self.problems.add((*path, "down_script"), "a down_script runs for each up_script that ran, "
+                              "and the network has no up_script", "add the up_script it undoes, or "
+                              "remove down_script")
+            return None
+        return found.get("up_script"), found.get("down_script")
 
     def subnet(self, path: KeyPath, raw: Doc) -> str | None:
         from vmlaunch.addresses import parse_subnet

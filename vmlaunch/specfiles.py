@@ -4,8 +4,9 @@ instead of QEMU's message at `up` after a kilobyte of command line.
 
 Each file must exist (a disk with a `size` is created when missing), be a regular file (a disk may be a
 block device with `block_device = true`), be readable (and writable for a disk that is not
-`readonly`), and not be empty (a disk `up` creates or resizes may be). Who may change the file and the
-folders on its path is `up`'s business (`diskfiles.py`): that rule needs the host as `up` finds it.
+`readonly`, executable for a network's script), and not be empty (a disk `up` creates or resizes may
+be). Who may change the file and the folders on its path is `up`'s business (`diskfiles.py`, and
+`resources/script.py` for scripts): that rule needs the host as `up` finds it.
 
 Kept apart from `spec.py` on purpose: the spec is checked as text everywhere (`status`, `down` and
 `logs` work on a lab whose kernel has since been deleted); its files only where a VM is about to start.
@@ -45,7 +46,7 @@ class Named:
 
     path: KeyPath
     file: Path
-    kind: str = "file"  # file | disk | folder
+    kind: str = "file"  # file | disk | folder | script (a network's up_script or down_script)
     writable: bool = False  # a disk the VM writes to
     device_ok: bool = False  # block_device = true
     may_be_missing: bool = False  # a disk with a size: `up` creates it
@@ -59,6 +60,11 @@ def named_in(lab: LabSpec) -> list[Named]:
     """Every file the (built) lab names."""
     named = [Named(("image", image.name, "file"), image.file) for image in lab.images
              if image.file is not None]
+    for net in lab.networks:
+        for key in ("up_script", "down_script"):
+            script = getattr(net, key, None)
+            if script is not None:
+                named.append(Named(("network", net.name, key), script, "script"))
     for vm in lab.vms:
         base: KeyPath = ("vm", vm.name)
         named += [Named((*base, key), file) for key, file in (("kernel", vm.kernel), ("initrd", vm.initrd))
@@ -90,7 +96,8 @@ def named_problems(named: Iterable[Named], vms: Sequence[str] = (),
                 found.append((item.path, missing, None))
             continue
         problem = _problem(item.file, disk=item.kind == "disk", writable=item.writable,
-                           device_ok=item.device_ok, may_be_missing=item.may_be_missing)
+                           device_ok=item.device_ok, may_be_missing=item.may_be_missing,
+                           executable=item.kind == "script")
         if problem is not None:
             found.append((item.path, *problem))
     return found
@@ -153,7 +160,7 @@ def _folder_problem(path: Path) -> str | None:
 
 
 def _problem(path: Path, *, disk: bool, writable: bool = False, device_ok: bool = False,
-             may_be_missing: bool = False) -> tuple[str, str | None] | None:
+             may_be_missing: bool = False, executable: bool = False) -> tuple[str, str | None] | None:
     """What is wrong with `path` (a message and a hint), or None."""
     try:
         info = os.stat(path)
@@ -183,4 +190,7 @@ def _problem(path: Path, *, disk: bool, writable: bool = False, device_ok: bool 
     if writable and not os.access(path, os.W_OK):
         return (f"{_p(path)} is not writable by you (the VM writes to this disk)",
                 "add readonly = true to the disk if the VM only reads it")
+    if executable and not (os.access(path, os.X_OK) and stat.S_IMODE(mode) & 0o111):
+        return (f"{_p(path)} is not executable: vmlaunch runs it as `SCRIPT TAP`, without a shell",
+                f"chmod +x {_p(path)}, and start it with a #! line")
     return None

@@ -17,6 +17,12 @@ calls:
 
 and a record may define `alive() -> bool`: a process that `up` starts again when it finds it gone
 (the lab manager); its record is dropped from the journal and the resource applied anew.
+
+A claim's record covers what the resource did until the resource's own record replaces it: from then
+on only the latter is undone, by a failing `up` as by `down`.
+
+An undo that fails raises a VmlaunchError and stays journaled, for the next `down` to try again; one
+that must not run twice (a user's down_script) raises `UndoneWithError`: reported, and dropped.
 """
 
 from __future__ import annotations
@@ -26,6 +32,13 @@ from pathlib import Path
 from typing import ClassVar, Protocol, runtime_checkable
 
 import attrs
+
+from vmlaunch.errors import RuntimeFailure
+
+
+class UndoneWithError(RuntimeFailure):
+    """Raised by `Record.undo` when what it did is final but failed (a down_script that exited non-zero):
+    the record is done, never undone again, and the message is reported (a `down` then exits 4)."""
 
 
 @attrs.frozen

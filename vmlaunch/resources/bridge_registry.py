@@ -6,13 +6,17 @@ every bridge a lab uses, the labs that use it and whether vmlaunch created it; t
 bridge vmlaunch created removes it, and a bridge vmlaunch did not create is never removed.
 
     {"version": 1,
-     "bridges": {"br0": {"created": true, "index": 7, "uplink": "eth1", "labs": ["a", "b"]}}}
+     "bridges": {"br0": {"created": true, "index": 7, "uplink": "eth1", "labs": ["a", "b"]},
+                 "br1": {"created": false, "index": null, "uplink": "eth1.42", "uplink_created": true,
+                         "uplink_index": 9, "labs": ["c"]}}}
 
 - `created`: vmlaunch created the bridge, the interface whose ifindex is `index`. The claim is written
   before the bridge is created, with `index` null until it is: a vmlaunch killed in between leaves a
   claim that the next `up` or `down` of its lab finishes (ifindexes are not reused, so a bridge
   deleted and made again by someone else is not taken for ours).
-- `uplink`: the uplink vmlaunch enslaved to it, released when the last lab leaves.
+- `uplink`: the uplink vmlaunch enslaved to it, released when the last lab leaves. With
+  `uplink_created`, vmlaunch created it, an 802.1Q VLAN link (`eth1.42`) whose ifindex is
+  `uplink_index` (null until made): deleted when the last lab leaves, whatever became of the bridge.
 - `labs`: the labs that use it. A lab whose run dir has no journal and that no `up` or `down` holds
   the lock of is gone (its run dir was removed, or a killed `up` never journaled anything): its claim
   is stale and dropped, so it never keeps a bridge alive.
@@ -50,6 +54,8 @@ class BridgeEntry:
     index: int | None = None
     uplink: str | None = None
     labs: list[str] = attrs.Factory(list)
+    uplink_created: bool = False
+    uplink_index: int | None = None
 
     def claim(self, lab: str) -> None:
         if lab not in self.labs:
@@ -103,7 +109,7 @@ class BridgeRegistry:
                 self.path.unlink()
             return
         doc = {"version": REGISTRY_VERSION,
-               "bridges": {name: attrs.asdict(entry) for name, entry in sorted(self.bridges.items())}}
+               "bridges": {name: _plain(entry) for name, entry in sorted(self.bridges.items())}}
         write_atomic(self.path, json.dumps(doc, indent=1) + "\n")
 
     def users(self, name: str, but: str) -> list[str]:
@@ -119,17 +125,32 @@ class BridgeRegistry:
         return [name for name, entry in self.bridges.items() if lab in entry.labs]
 
 
+def _plain(entry: BridgeEntry) -> dict[str, Any]:
+    """The entry as JSON; the VLAN link's keys only when it has one, so a vmlaunch older than them
+    still reads a registry without VLANs."""
+    plain = attrs.asdict(entry)
+    if not entry.uplink_created:
+        del plain["uplink_created"], plain["uplink_index"]
+    return plain
+
+
 def _entry(name: str, data: Any) -> BridgeEntry:
     if interface_name_problem(name):
         raise ValueError(f"bridge {name!r}: {interface_name_problem(name)}")
-    if not isinstance(data, dict) or set(data) - {"created", "index", "uplink", "labs"}:
+    if not isinstance(data, dict) or set(data) - {"created", "index", "uplink", "labs", "uplink_created",
+                                                  "uplink_index"}:
         raise ValueError(f"bridge {name}: not an object with created, index, uplink and labs")
     created, index, uplink, labs = (data.get(k) for k in ("created", "index", "uplink", "labs"))
+    uplink_created, uplink_index = data.get("uplink_created", False), data.get("uplink_index")
     if not isinstance(created, bool) or not (index is None or type(index) is int):
         raise ValueError(f"bridge {name}: created must be true or false, index a number or null")
+    if not isinstance(uplink_created, bool) or not (uplink_index is None or type(uplink_index) is int):
+        raise ValueError(f"bridge {name}: uplink_created must be true or false, uplink_index a number "
+                         "or null")
     if uplink is not None and (not isinstance(uplink, str) or interface_name_problem(uplink)):
         raise ValueError(f"bridge {name}: uplink {uplink!r} is not an interface name")
     if not isinstance(labs, list) or not all(isinstance(lab, str) and LAB_NAME.fullmatch(lab)
                                              for lab in labs):
         raise ValueError(f"bridge {name}: labs must be a list of lab names")
-    return BridgeEntry(created=created, index=index, uplink=uplink, labs=list(labs))
+    return BridgeEntry(created=created, index=index, uplink=uplink, labs=list(labs),
+                       uplink_created=uplink_created and uplink is not None, uplink_index=uplink_index)

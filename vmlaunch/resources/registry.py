@@ -13,12 +13,14 @@ from vmlaunch.resources.ksm import KsmRecord, release_unjournaled_ksm
 from vmlaunch.resources.manager import ManagerRecord
 from vmlaunch.resources.pci import PciRecord
 from vmlaunch.resources.placement import PlacementRecord
+from vmlaunch.resources.script import ScriptRecord
 from vmlaunch.resources.tap import TapRecord
 
 RECORDS: dict[str, type[Record]] = {record.kind: record for record in (
     ImageRecord,
     BridgeRecord,
     TapRecord,
+    ScriptRecord,
     PciRecord,
     LabDirRecord,
     VmFileRecord,

@@ -1,4 +1,5 @@
-"""The tap device of each NIC on a bridge network, enslaved to its bridge before QEMU opens it.
+"""The tap device of each NIC on a bridge network, enslaved to its bridge before QEMU opens it; on a
+`type = "tap"` network, a tap alone, which the network's up_script wires (script.py).
 
 vmlaunch owns its taps rather than leaving them to ifup/ifdown scripts: a downscript does not run when
 QEMU is killed, so scripts leak taps. A tap is journaled like any resource and removed by `down` or a
@@ -27,8 +28,8 @@ from vmlaunch.resources.base import Context
 log = logging.getLogger(__name__)
 
 
-def _interface_name(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
-    if interface_name_problem(value):
+def _interface_name(instance: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
+    if value is not None and interface_name_problem(value):
         raise ValueError(f"{attribute.name}: {interface_name_problem(value)}")
 
 
@@ -39,7 +40,7 @@ class TapRecord:
     kind: ClassVar[str] = "tap"
 
     name: str = attrs.field(validator=_interface_name)
-    bridge: str = attrs.field(validator=_interface_name)
+    bridge: str | None = attrs.field(validator=_interface_name)  # None: a tap network's (no bridge)
 
     def undo(self, ctx: Context, *, rollback: bool) -> None:
         """Delete the tap. One already gone is nothing to do; an interface of that name that is not a
@@ -55,7 +56,7 @@ class TapRecord:
             nl.delete(tap)
 
     def describe(self) -> str:
-        return f"tap {self.name} on bridge {self.bridge}"
+        return f"tap {self.name} on bridge {self.bridge}" if self.bridge else f"tap {self.name}"
 
 
 @attrs.frozen
@@ -65,7 +66,7 @@ class Tap:
     kind: ClassVar[str] = "tap"
 
     ifname: str
-    bridge: str
+    bridge: str | None  # None: no bridge (a tap network: its up_script wires the tap)
     vm: str
     mtu: int | None = None
     multi_queue: bool = False
@@ -79,13 +80,14 @@ class Tap:
         return self.vm
 
     def describe(self) -> str:
-        return f"tap {self.ifname} for {self.vm} on bridge {self.bridge}"
+        return f"tap {self.ifname} for {self.vm}" + (f" on bridge {self.bridge}" if self.bridge else "")
 
     def found(self) -> str | None:
         return None
 
     def apply(self, ctx: Context) -> TapRecord:
-        """Create the tap (marked, MTU, port of its bridge, up), replacing a stale one of the lab's.
+        """Create the tap (marked, MTU, port of its bridge if it has one, up), replacing a stale one of
+        the lab's.
 
         A tap of that name with the lab's mark that no process has open (left by a killed vmlaunch) is
         deleted and recreated; one that is open (a running QEMU), that is another lab's or not marked by
@@ -93,11 +95,13 @@ class Tap:
         """
         check_name(self.ifname)
         with netlink(self.ifname) as nl:
-            bridge = nl.get(self.bridge)
-            if bridge is None:
-                raise LinkError(self.bridge, f"bridge of tap {self.ifname} ({self.vm}) does not exist")
-            if bridge.kind != BRIDGE_KIND:
-                raise LinkError(self.bridge, f"is {bridge.describe()}, not a bridge (tap {self.ifname})")
+            bridge = None
+            if self.bridge is not None:
+                bridge = nl.get(self.bridge)
+                if bridge is None:
+                    raise LinkError(self.bridge, f"bridge of tap {self.ifname} ({self.vm}) does not exist")
+                if bridge.kind != BRIDGE_KIND:
+                    raise LinkError(self.bridge, f"is {bridge.describe()}, not a bridge (tap {self.ifname})")
             old = nl.get(self.ifname)
             if old is not None:
                 if old.kind != TUN_KIND:
@@ -112,10 +116,11 @@ class Tap:
                     raise LinkError(self.ifname, f"the tap of {self.vm} exists and a process has it open",
                                     hint="is this lab already up? (`vmlaunch status`)")
                 nl.delete(old)
-            mark = interface_mark(ctx.lab, vm=self.vm, bridge=self.bridge)
+            mark = interface_mark(ctx.lab, vm=self.vm, **({"bridge": self.bridge} if self.bridge else {}))
             with new_tap(nl, self.ifname, multi_queue=self.multi_queue, mark=mark) as tap:
                 if self.mtu is not None:  # before enslaving: a bridge with a set MTU keeps it
                     nl.set(tap, f"setting mtu {self.mtu}", mtu=self.mtu)
-                nl.set(tap, f"enslaving it to bridge {self.bridge}", master=bridge.index)
+                if bridge is not None:
+                    nl.set(tap, f"enslaving it to bridge {self.bridge}", master=bridge.index)
                 nl.set(tap, "bringing it up", state="up")
         return TapRecord(name=self.ifname, bridge=self.bridge)
