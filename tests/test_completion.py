@@ -50,9 +50,8 @@ zpty -w z 'compadd() {
 }'
 zpty -w z "bindkey '^I' complete-word"
 zpty -w z "comppostfuncs=(_driver_done); _driver_done() { print -r -- '<<DONE>>'; exit }"
-zpty -w z "print -r -- '<<READY>>'"
-zpty -r z line '*<<READY>>*'  # the command echoed
-zpty -r z line '*<<READY>>*'  # and run
+zpty -w z "print -r -- '<<REA''DY>>'"
+zpty -r z line '*<<READY>>*'  # run (its echo, <<REA''DY>>, never matches: a slow echo cannot fool it)
 zpty -w -n z "$2"$'\t'
 while zpty -r z line; do
   [[ $line == *'<<DONE>>'* ]] && break
