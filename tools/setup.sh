@@ -7,8 +7,12 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 # qemu-system-x86 + qemu-utils: QEMU and qemu-img; iproute2: `ip`, used by the tests' network
 # namespaces; util-linux: `unshare`; ovmf: UEFI firmware (firmware = "uefi"); openssh-client: `ssh`
-# and `ssh-keygen` (the lab's keys, `vmlaunch ssh`); zsh: the tests run the zsh completion script.
-DEB_PACKAGES=(qemu-system-x86 qemu-utils iproute2 util-linux ovmf openssh-client zsh)
+# and `ssh-keygen` (the lab's keys, `vmlaunch ssh`); zsh: the tests run the zsh completion script;
+# libvirt's daemon, QEMU driver and clients (virsh, virt-xml-validate), xmllint and iptables (which
+# libvirt's networks run): the tests check `vmlaunch export --to libvirt` with them, in a private
+# libvirtd (tools/private_libvirt.py). Installing them starts no daemon.
+DEB_PACKAGES=(qemu-system-x86 qemu-utils iproute2 util-linux ovmf openssh-client zsh
+              libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients libxml2-utils iptables)
 
 missing=()
 for pkg in "${DEB_PACKAGES[@]}"; do
