@@ -418,7 +418,7 @@ class _Exporter:
             if kind not in REF_KINDS["image"] or not value:
                 raise UsageError(f"--ref {format_key_path(path)}={ref}: an image is pvc:CLAIM or "
                                  "registry:IMAGE")
-            source = ({"pvc": {"name": value, **self.namespace()}} if kind == "pvc"
+            source = (self.clone_source(value) if kind == "pvc"
                       else {"registry": {"url": f"docker://{value}"}})
         elif image.url is not None:
             source = {"http": {"url": image.url}}
@@ -428,7 +428,7 @@ class _Exporter:
                                   "imports it")
         else:
             claim = f"{self.lab.name}-image-{image.name}"
-            source = {"pvc": {"name": claim, **self.namespace()}}
+            source = self.clone_source(claim)
             self.todo_once(f"upload {image.file} as the PVC {claim}: virtctl image-upload pvc {claim} "
                            f"--image-path={image.file} --size=SIZE (each VM of the image clones it)")
         if vm.disk_size is None and "pvc" not in source:
@@ -436,8 +436,12 @@ class _Exporter:
                               "exported without one", f"set vm.{vm.name}.disk_size")
         return {"metadata": {"name": name}, "spec": {"source": source, "storage": self.storage(vm.disk_size)}}
 
-    def namespace(self) -> dict[str, str]:
-        return {"namespace": self.options.namespace} if self.options.namespace is not None else {}
+    def clone_source(self, claim: str) -> dict[str, Any]:
+        """CDI clones a PVC named with its namespace: the export's, else `default` (said so)."""
+        if self.options.namespace is None:
+            self.todo_once("the images' PVCs are cloned from the namespace default: export with "
+                           "--namespace to name another")
+        return {"pvc": {"name": claim, "namespace": self.options.namespace or "default"}}
 
     def cloud_init(self, vm: VmSpec) -> dict[str, Any]:
         from vmlaunch import cloudinit
