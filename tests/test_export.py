@@ -246,7 +246,7 @@ def test_strict_is_exit_3_with_every_setting_and_writes_nothing(tmp_path: Path) 
     assert done.returncode == 3, done.stderr
     count = len(export(FULL, "libvirt").problems)
     assert f"libvirt has no equivalent for {count} settings of the spec (--strict)" in done.stderr
-    assert f"{spec}:6: lab.memory.budget: " in done.stderr
+    assert f"{spec}:9: lab.memory.budget: " in done.stderr
     assert not out.exists() and done.stdout == ""
 
 
