@@ -165,8 +165,8 @@ def test_libvirt_only_the_vms_named_and_their_networks(tmp_path: Path) -> None:
 
 def test_kubevirt_refs_name_what_the_cluster_has(tmp_path: Path) -> None:
     spec = write_spec(tmp_path, TWO + '[[vm.a.disk]]\nfile = "a.img"\n[[vm.a.pci]]\nhost = "15:00.0"\n')
-    refs = {"vm.a.kernel": "registry.example/kernels/guest:1", "vm.a.disk[0]": "containerdisk:registry.example/a:1",
-            "vm.a.pci[0]": "example.com/NIC"}
+    refs = {"vm.a.kernel": "registry.example/kernels/guest:1",
+            "vm.a.disk[0]": "containerdisk:registry.example/a:1", "vm.a.pci[0]": "example.com/NIC"}
     result = export_kubevirt(load_lab(spec), ["a"], KubevirtOptions(refs=refs, namespace="lab"))
     vm = {f.path: f.text for f in result.files}["vms/a.yaml"]
     assert "image: registry.example/kernels/guest:1" in vm
@@ -180,7 +180,8 @@ def test_kubevirt_refs_name_what_the_cluster_has(tmp_path: Path) -> None:
     ({"vm.a.disk[3]": "pvc:x"}, "--ref vm.a.disk[3]: no such key to refer to"),
     ({"vm.a.kernel": "x", "vm.zz.kernel": "y"}, "--ref vm.zz.kernel: no such key"),
 ])
-def test_kubevirt_a_ref_to_nothing_is_a_usage_error(tmp_path: Path, refs: dict[str, str], message: str) -> None:
+def test_kubevirt_a_ref_to_nothing_is_a_usage_error(tmp_path: Path, refs: dict[str, str],
+                                                    message: str) -> None:
     from vmlaunch.errors import UsageError
 
     with pytest.raises(UsageError, match=message.replace("[", r"\[").replace("]", r"\]")) as caught:
@@ -222,7 +223,8 @@ def test_export_writes_the_files_and_says_what_next(tmp_path: Path) -> None:
     assert "warning: " in done.stderr and "network.out.forward" in done.stderr
     assert "virsh net-define" in done.stderr and "Traceback" not in done.stderr
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
-        ".vmlaunch-export", "domains", "domains/alpha.xml", "domains/beta.xml", "networks", "networks/lan.xml"]
+        ".vmlaunch-export", "domains", "domains/alpha.xml", "domains/beta.xml", "networks",
+        "networks/lan.xml"]
     assert oct((out / "domains" / "alpha.xml").stat().st_mode & 0o777) == "0o644"
 
 
@@ -257,10 +259,12 @@ def test_strict_is_exit_3_with_every_setting_and_writes_nothing(tmp_path: Path) 
     (["export", "SPEC", "--to", "libvirt", "--ovn-layer2", "lan"], 64, "--ovn-layer2: not for --to libvirt"),
     (["export", "SPEC", "--to", "kubevirt", "--existing-bridge", "lan"], 64,
      "--existing-bridge: not for --to kubevirt"),
-    (["export", "SPEC", "--to", "libvirt", "--existing-bridge", "wan"], 64, "--existing-bridge wan: no such network"),
+    (["export", "SPEC", "--to", "libvirt", "--existing-bridge", "wan"], 64,
+     "--existing-bridge wan: no such network"),
     (["export", "SPEC", "--to", "kubevirt", "--ovn-layer2", "wan"], 64, "--ovn-layer2 wan: no such network"),
     (["export", "SPEC", "--to", "kubevirt", "--ref", "vm.a.kernel"], 64, "KEY=VALUE"),
-    (["export", "SPEC", "--to", "kubevirt", "--ref", "vm.a.disk[0]=nfs:x"], 64, "--ref vm.a.disk[0]: no such key"),
+    (["export", "SPEC", "--to", "kubevirt", "--ref", "vm.a.disk[0]=nfs:x"], 64,
+     "--ref vm.a.disk[0]: no such key"),
     (["export", "SPEC", "--to", "libvirt", "--out", "FILE/out"], 4, "cannot write the export to"),
 ])
 def test_mistakes_are_messages_with_exit_codes(tmp_path: Path, args: list[str], code: int, message: str,

@@ -106,8 +106,8 @@ VARIANTS = {
         namespace="lab-team", ovn_layer2=frozenset({"lan", "mc"}), authorized_key=None,
         refs={"vm.db.kernel": "registry.example/vmlaunch/guest:6.1", "image.local": "pvc:golden-debian",
               "image.debian": "registry:quay.io/containerdisks/debian:12", "vm.db.disk[1]": "dv:shared-data",
-              "vm.db.disk[2]": "containerdisk:registry.example/install:1", "vm.legacy.pci[0]": "example.com/NIC",
-              "vm.legacy.pci[1]": "example.com/GPU"}),
+              "vm.db.disk[2]": "containerdisk:registry.example/install:1",
+              "vm.legacy.pci[0]": "example.com/NIC", "vm.legacy.pci[1]": "example.com/GPU"}),
 }
 
 
@@ -136,7 +136,8 @@ def test_references_between_fields_hold(variant: str) -> None:
         spec = vm["spec"]["template"]["spec"]
         devices = spec["domain"]["devices"]
         assert sorted(d["name"] for d in devices["disks"]) == sorted(v["name"] for v in spec["volumes"]), name
-        assert [i["name"] for i in devices.get("interfaces", [])] == [n["name"] for n in spec.get("networks", [])]
+        interfaces = [i["name"] for i in devices.get("interfaces", [])]
+        assert interfaces == [n["name"] for n in spec.get("networks", [])], name
         assert sum("pod" in n for n in spec.get("networks", [])) <= 1, name  # one pod network at most
         for network in spec.get("networks", []):
             if "multus" in network:

@@ -100,6 +100,8 @@ def private_libvirt(work: Path) -> Iterator[None]:
         Path("/etc/libvirt/qemu.conf").write_text(QEMU_CONF)
         for sub in ("boot", "images"):  # virt-install keeps its cloud-init seed in the first
             Path("/var/lib/libvirt", sub).mkdir(exist_ok=True)
+        # domains' logs, as Debian's libvirt-daemon-system makes it (serial console logs go there)
+        Path("/var/log/libvirt/qemu").mkdir(mode=0o750, exist_ok=True)
         Path(HUGETLBFS).mkdir()
         run("mount", "-t", "hugetlbfs", "hugetlbfs", HUGETLBFS)
         mounted.append(HUGETLBFS)
