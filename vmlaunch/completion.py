@@ -5,10 +5,11 @@ their own sub-commands) and each shell's script is written from it, so a new com
 completed without touching this module. What a positional argument completes comes from its metavar:
 SPEC completes `*.toml` files (and folders), DIR folders, VM the VM names of the spec already on the
 line (which the scripts get from `vmlaunch completion --vms SPEC`) less those already given, an
-argument with `choices` those choices, the COMMAND of a command named `help` the names of the commands beside it;
-anything else nothing, and nothing at all once an argparse.REMAINDER argument is reached (after
-`ssh SPEC VM` and its `--`, the words are the guest's). A command with sub-parsers of its own (`image
-pull SPEC`, `image list`) takes one of their names as its first word, and goes on as that one.
+argument with `choices` those choices, the COMMAND of a command named `help` the names of the
+commands beside it; anything else nothing, and nothing at all once an argparse.REMAINDER argument
+is reached (after `ssh SPEC VM` and its `--`, the words are the guest's). A command with sub-parsers
+of its own (`image pull SPEC`, `image list`) takes one of their names as its first word, and goes on
+as that one.
 """
 
 from __future__ import annotations
