@@ -422,8 +422,8 @@ def test_libvirt_runs_the_exported_lab(libvirt: PrivateLibvirt, tmp_path: Path, 
             libvirt.virsh("define", str(out / "domains" / f"{vm}.xml"))
             libvirt.virsh("start", f"lvx-{vm}", timeout=120)
         logs = "/var/log/libvirt/qemu"
-        wait_for_log(libvirt, f"{logs}/lvx-a.serial.log", [READY], timeout=240)
-        log = wait_for_log(libvirt, f"{logs}/lvx-b.serial.log", [READY, "vl: run exit"], timeout=240)
+        wait_for_log(libvirt, f"{logs}/lvx-a-serial.log", [READY], timeout=240)
+        log = wait_for_log(libvirt, f"{logs}/lvx-b-serial.log", [READY, "vl: run exit"], timeout=240)
         assert "3 packets transmitted, 3 packets received, 0% packet loss" in log, log[-2000:]
         assert "vl: eth0 52:54:00:" in log  # the MAC vmlaunch derived (prefix 52:54:00)
         mac = re.search(r"vl: eth0 (\S+)", log)

@@ -218,7 +218,7 @@ def domain_xml(lab: LabSpec, vm: VmSpec, findings: Findings) -> str:
                       function=f"0x{function}")
     # `virsh console`, and logged (a fresh log per boot)
     serial = ET.SubElement(devices, "serial", type="pty")
-    ET.SubElement(serial, "log", file=str(SERIAL_LOG_DIR / f"{name}.serial.log"), append="off")
+    ET.SubElement(serial, "log", file=str(SERIAL_LOG_DIR / f"{name}-serial.log"), append="off")
     ET.SubElement(serial, "target", type="isa-serial", port="0")
     console = ET.SubElement(devices, "console", type="pty")
     ET.SubElement(console, "target", type="serial", port="0")
