@@ -304,3 +304,18 @@ def test_the_help_names_the_engines() -> None:
     done = run("export", "--help")
     assert done.returncode == 0
     assert "--to ENGINE" in done.stdout and "kubectl apply" in done.stdout and "--strict" in done.stdout
+
+
+def test_libvirt_export_says_which_lab_files_up_makes(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path, '[lab]\nname = "k"\n[image.i]\nfile = "base.qcow2"\n'
+                      '[vm.web]\nmemory = 256\nimage = "i"\nfirmware = "uefi"\n')
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(tmp_path / "base.qcow2"), "1M"],
+                   check=True)
+    done = run("export", str(spec), "--to", "libvirt", "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    lab_dir = tmp_path / ".vmlaunch" / "k"
+    assert (f"to do: the domains use files `vmlaunch up {spec}` makes in {lab_dir} (overlays, seeds), which "
+            f"are not there yet: {lab_dir}/web/disk.qcow2, {lab_dir}/web/seed.iso") in done.stderr
+    domain = (tmp_path / "out" / "domains" / "web.xml").read_text()
+    assert f"<nvram>{lab_dir}/web/nvram.fd</nvram>" in domain and '<os firmware="efi">' in domain
+    assert not lab_dir.exists()  # export makes nothing beside the spec
