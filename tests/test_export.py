@@ -177,7 +177,7 @@ def test_kubevirt_refs_name_what_the_cluster_has(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("refs", "message"), [
-    ({"vm.a.disk[3]": "pvc:x"}, "--ref vm.a.disk[3]: no such key to refer to"),
+    ({"vm.a.disk[3]": "pvc:x"}, "--ref vm.a.disk[3]: no such key in what is exported"),
     ({"vm.a.kernel": "x", "vm.zz.kernel": "y"}, "--ref vm.zz.kernel: no such key"),
 ])
 def test_kubevirt_a_ref_to_nothing_is_a_usage_error(tmp_path: Path, refs: dict[str, str],

@@ -85,8 +85,8 @@ def export_kubevirt(lab: LabSpec, only: Sequence[str] = (), options: KubevirtOpt
         files.append(ExportedFile(f"vms/{vm.name}.yaml", dump(exporter.vm(vm))))
     unused = sorted(set(options.refs) - exporter.refs_used)
     if unused:
-        raise UsageError(f"--ref {', '.join(unused)}: no such key to refer to in {lab.file}",
-                         "keys: " + (", ".join(sorted(exporter.ref_keys)) or "none in this lab"))
+        raise UsageError(f"--ref {', '.join(unused)}: no such key in what is exported of {lab.file}",
+                         "keys: " + (", ".join(sorted(exporter.ref_keys)) or "none"))
     return Export("kubevirt", tuple(files), exporter.findings.sorted(), tuple(exporter.todo))
 
 
