@@ -27,10 +27,9 @@ Then the warm start: a snapshot of the last vmlaunch VM (RAM included) is saved,
 and `vmlaunch up --from-snapshot NAME --wait ssh` is timed `--runs` times (target: at least 20x faster
 than the cold `vmlaunch` *ready*).
 
-Everything runs in a private network and mount namespace (`unshare`): libvirtd, virtlogd and their
-state live in a temporary folder mounted over /etc/libvirt, /var/lib/libvirt, /var/log/libvirt
-and /var/cache/libvirt there, /run is a tmpfs of its own, so the host's network and libvirt files are not
-touched; every VM and daemon is stopped before the script ends.
+Everything runs in a private network and mount namespace (`unshare`): libvirtd and virtlogd run
+there with their files in a temporary folder (tools/private_libvirt.py), so the host's network and
+libvirt files are not touched; every VM and daemon is stopped before the script ends.
 
     python bench/boot.py [--runs N] [--arms qemu,libvirt,vmlaunch] [--no-warm] [--timeout S]
 
@@ -55,18 +54,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from tools.private_libvirt import ensure_libvirt, private_libvirt  # noqa: E402
+
 IMAGE = ROOT / "examples" / "debian" / "bookworm.qcow2"
 OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
 OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
-LIBVIRT_PACKAGES = ("libvirt-daemon", "libvirt-daemon-driver-qemu", "libvirt-clients", "virtinst")
-LIBVIRT_DIRS = ("/etc/libvirt", "/var/lib/libvirt", "/var/log/libvirt", "/var/cache/libvirt")
-# what libvirtd 9.0 needs to run QEMU as root here (QEMU-FACTS.md)
-QEMU_CONF = 'user = "root"\ngroup = "root"\ndynamic_ownership = 0\nsecurity_driver = "none"\n'
 USER = "dev"
 MEMORY_MIB = 1024
 INSIDE = "--inside-namespace"
@@ -89,15 +86,6 @@ def run(*argv: str, env: dict[str, str] | None = None, timeout: float = 300) -> 
 def ensure_image() -> None:
     say("the Debian image (tools/build_debian.py: built once, then cached)")
     run(sys.executable, str(ROOT / "tools" / "build_debian.py"), timeout=1800)
-
-
-def ensure_libvirt() -> None:
-    if shutil.which("virt-install") and Path("/usr/sbin/libvirtd").exists():
-        return
-    say(f"installing {', '.join(LIBVIRT_PACKAGES)} (Debian packages; no daemon is started by them)")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    run("apt-get", "update", env=env, timeout=600)
-    run("apt-get", "install", "-y", "--no-install-recommends", *LIBVIRT_PACKAGES, env=env, timeout=1200)
 
 
 def free_port() -> int:
@@ -252,64 +240,6 @@ class Vmlaunch:
         return times
 
 
-# --------------------------------------------------------------------------- libvirt, privately
-
-
-@contextlib.contextmanager
-def private_libvirt(work: Path) -> Iterator[None]:
-    """libvirtd and virtlogd with their files in `work` (this process is in its own mount namespace)."""
-    run("mount", "-t", "tmpfs", "-o", "mode=755", "tmpfs", "/run")  # pidfiles, sockets: private too
-    for path in LIBVIRT_DIRS:
-        private = work / "libvirt" / path.strip("/").replace("/", "_")
-        private.mkdir(parents=True)
-        if path == "/etc/libvirt" and Path(path).is_dir():
-            shutil.copytree(path, private, dirs_exist_ok=True)
-        Path(path).mkdir(parents=True, exist_ok=True)
-        run("mount", "--bind", str(private), path)
-    (Path("/etc/libvirt") / "qemu.conf").write_text(QEMU_CONF)
-    for folder in ("boot", "images"):  # virt-install keeps its cloud-init seed in the first
-        (Path("/var/lib/libvirt") / folder).mkdir()
-    # libvirt 9.0 looks its build-time QEMU user up even when qemu.conf says root: a private
-    # /etc/passwd and /etc/group with it (the host gets no new user)
-    for table, line in (("passwd", "libvirt-qemu:x:64055:64055::/var/lib/libvirt:/usr/sbin/nologin\n"),
-                        ("group", "libvirt-qemu:x:64055:\n")):
-        private = work / "libvirt" / table
-        text = Path("/etc", table).read_text()
-        private.write_text(text if "\nlibvirt-qemu:" in f"\n{text}" else text + line)
-        run("mount", "--bind", str(private), f"/etc/{table}")
-    run("virtlogd", "-d")
-    run("libvirtd", "-d")
-    try:
-        for _ in range(100):
-            if subprocess.run(["virsh", "--connect", "qemu:///system", "version"], capture_output=True,
-                              check=False).returncode == 0:
-                break
-            time.sleep(0.1)
-        else:
-            log = Path("/var/log/libvirt/libvirtd.log")
-            said = log.read_text()[-2000:] if log.exists() else ""
-            raise RuntimeError(f"libvirtd did not answer: {said}")
-        yield
-    finally:
-        for daemon in ("libvirtd", "virtlogd"):
-            stop(Path(f"/run/{daemon}.pid"))
-
-
-def stop(pidfile: Path) -> None:
-    """SIGTERM to the daemon of `pidfile`, SIGKILL if it is still there after 10 s."""
-    try:
-        pid = int(pidfile.read_text())
-        os.kill(pid, signal.SIGTERM)
-    except (OSError, ValueError):
-        return
-    for _ in range(100):
-        if not Path(f"/proc/{pid}").exists():
-            return
-        time.sleep(0.1)
-    with contextlib.suppress(OSError):
-        os.kill(pid, signal.SIGKILL)
-
-
 # --------------------------------------------------------------------------- the report
 
 
@@ -411,7 +341,7 @@ def main() -> int:
             return 1
     ensure_image()
     if "libvirt" in args.arms:
-        ensure_libvirt()
+        ensure_libvirt(extra=("virtinst",))
     return subprocess.run(["unshare", "--mount", "--net", "--propagation", "private", "--",
                            sys.executable, *sys.argv, INSIDE], check=False).returncode
 

@@ -145,6 +145,16 @@ def test_bash_completes_spec_files_and_folders(bash_script: Path, tmp_path: Path
     assert complete(bash_script, "vmlaunch", "completion", "--vms", "a", cwd=tmp_path) == ["a.toml"]
 
 
+def test_bash_completes_folders_for_a_dir(bash_script: Path, tmp_path: Path) -> None:
+    for name in ("lab.toml", "out/x.xml", "other/y"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("")
+    offered = complete(bash_script, "vmlaunch", "export", "lab.toml", "--out", "", cwd=tmp_path)
+    assert sorted(offered) == ["other", "out"]
+    offered = complete(bash_script, "vmlaunch", "export", "lab.toml", "--to", "", cwd=tmp_path)
+    assert offered == ["libvirt", "kubevirt"]
+
+
 def test_bash_completes_the_vms_of_the_spec_on_the_line(bash_script: Path, tmp_path: Path) -> None:
     spec = write_spec(tmp_path, TWO_VMS)  # its kernel "k" need not exist for this
     assert complete(bash_script, "vmlaunch", "up", str(spec), "") == ["alpha", "beta"]
@@ -321,6 +331,8 @@ def zsh_complete(script_file: Path, line: str, cwd: Path) -> list[str]:
     ("vmlaunch completion --vms lab.toml b", []),
     ("vmlaunch completion bash --", ["--help"]),
     ("vmlaunch ssh lab.toml a", ["alpha"]),
+    ("vmlaunch export lab.toml --to ", ["libvirt", "kubevirt"]),
+    ("vmlaunch export lab.toml ", ["alpha", "beta"]),
     ("vmlaunch ssh lab.toml alpha -- ", []),
     ("vmlaunch ssh lab.toml alpha -- -", []),
     ("vmlaunch pictures ", ["pull", "list", "rm"]),
@@ -333,6 +345,12 @@ def zsh_complete(script_file: Path, line: str, cwd: Path) -> list[str]:
 def test_zsh_completes(zsh_script: Path, tmp_path: Path, line: str, offered: list[str]) -> None:
     write_spec(tmp_path, TWO_VMS)
     assert sorted(zsh_complete(zsh_script, line, tmp_path)) == sorted(offered)
+
+
+def test_zsh_completes_folders_for_a_dir(zsh_script: Path, tmp_path: Path) -> None:
+    (tmp_path / "outdir").mkdir()
+    (tmp_path / "notes.txt").write_text("")
+    assert zsh_complete(zsh_script, "vmlaunch export lab.toml --out ", tmp_path) == ["outdir"]
 
 
 # --- the completion command -----------------------------------------------------------------------

@@ -30,7 +30,8 @@ from vmlaunch.cli import main
 # 1 would be an internal error; 3 and 4 are the host's answers (no KVM, a lab that is not up).
 DOCUMENTED_EXITS = {0, 2, 3, 4, 64}
 COMMANDS = (["validate"], ["cmdline"], ["up", "--dry-run"], ["status"], ["logs", "a"],
-            ["down", "--timeout", "0"])
+            ["down", "--timeout", "0"], ["export", "--to", "libvirt", "--out", "{folder}/libvirt"],
+            ["export", "--to", "kubevirt", "--out", "{folder}/kubevirt"])
 SLOW = 10.0  # seconds; a command taking longer on a spec of a few KiB hangs in all but name
 
 VALID_LAB: dict[str, Any] = {
@@ -149,7 +150,7 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 def run_every_command(spec: Path) -> None:
     for command in COMMANDS:
-        args = [command[0], str(spec), *command[1:]]
+        args = command_line(command, spec)
         out, err = io.StringIO(), io.StringIO()
         start = time.monotonic()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -161,6 +162,11 @@ def run_every_command(spec: Path) -> None:
         assert took < SLOW, (args, took)
         if code == 2:
             assert "problem" in text, (args, text[-2000:])
+
+
+def command_line(command: list[str], spec: Path) -> list[str]:
+    """The command with SPEC, its folders in the spec's (an export's output)."""
+    return [command[0], str(spec), *(arg.replace("{folder}", str(spec.parent)) for arg in command[1:])]
 
 
 def write(folder: Path, data: bytes | str) -> Path:
@@ -180,7 +186,7 @@ def test_the_valid_lab_is_valid(sandbox: Path) -> None:
     spec = write(sandbox, toml_document(VALID_LAB))
     for command in COMMANDS:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            assert main([command[0], str(spec), *command[1:]]) == (4 if command[0] == "logs" else 0)
+            assert main(command_line(command, spec)) == (4 if command[0] == "logs" else 0)
 
 
 @fuzz(60)

@@ -9,8 +9,12 @@ PYTHON=${PYTHON:-python3}
 # namespaces; util-linux: `unshare`; ovmf: UEFI firmware (firmware = "uefi"); openssh-client: `ssh`
 # and `ssh-keygen` (the lab's keys, `vmlaunch ssh`); zsh: the tests run the zsh completion script;
 # ethtool: `vmlaunch doctor` reads a bridge uplink's offloads with it; fdisk (sfdisk) and e2fsprogs
-# (mkfs.ext3): the doctor's tests partition images and make an ext3 file system in one.
-DEB_PACKAGES=(qemu-system-x86 qemu-utils iproute2 util-linux ovmf openssh-client zsh ethtool fdisk e2fsprogs)
+# (mkfs.ext3): the doctor's tests partition images and make an ext3 file system in one;
+# libvirt's daemon, QEMU driver and clients (virsh, virt-xml-validate), xmllint and iptables (which
+# libvirt's networks run): the tests check `vmlaunch export --to libvirt` with them, in a private
+# libvirtd (tools/private_libvirt.py). Installing them starts no daemon.
+DEB_PACKAGES=(qemu-system-x86 qemu-utils iproute2 util-linux ovmf openssh-client zsh ethtool fdisk e2fsprogs
+              libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients libxml2-utils iptables)
 
 missing=()
 for pkg in "${DEB_PACKAGES[@]}"; do

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Declarative QEMU/KVM labs: a TOML spec of VMs and networks, compiled into "
         "QEMU command lines that follow KVM best practice.",
         epilog="`vmlaunch help COMMAND` (or `vmlaunch COMMAND --help`) shows a command's options. "
-        "Exit status: 0 ok, 2 the spec is wrong, 3 the host cannot do it, 4 a run-time failure, "
+        "Exit status: 0 ok, 2 the spec is wrong, 3 the host cannot do it (or, for export --strict, the "
+        "engine), 4 a run-time failure, "
         "64 bad usage, 130 interrupted, 141 the reader of the output went away.",
     )
     parser.add_argument("--version", action="version", version=f"vmlaunch {__version__}")
@@ -262,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     from vmlaunch.snapshotcmd import add_parser as add_snapshot_commands  # argparse only: stays light
 
     add_snapshot_commands(commands)
+    from vmlaunch.exportcmd import add_parser as add_export_command  # argparse only: stays light
+
+    add_export_command(commands)
     return parser
 
 

@@ -83,9 +83,10 @@ _SURROGATE_PAIR = re.compile(r"(?<!\\)((?:\\\\)*)\\u(d[89ab][0-9a-f]{2})\\u(d[c-
 # --------------------------------------------------------------------------- user-data
 
 
-def user_data(lab: LabSpec, vm: VmSpec, authorized_key: str, host_key: tuple[str, str]) -> str:
+def user_data(lab: LabSpec, vm: VmSpec, authorized_key: str | None, host_key: tuple[str, str] | None) -> str:
     """The VM's `#cloud-config`: `generated_config`, with the user's cloud-config file (if the spec
-    names one) merged over it by `merge_config`."""
+    names one) merged over it by `merge_config`. Without `authorized_key` the user gets no key; without
+    `host_key` the guest makes its own (a VM exported to a cluster: `export/kubevirt.py`)."""
     config = generated_config(vm, authorized_key, host_key)
     seed = _seed_of(vm)
     if seed.user_data is not None:
@@ -94,7 +95,8 @@ def user_data(lab: LabSpec, vm: VmSpec, authorized_key: str, host_key: tuple[str
     return f"{HEADER}\n{dump(config)}\n"
 
 
-def generated_config(vm: VmSpec, authorized_key: str, host_key: tuple[str, str]) -> dict[str, Any]:
+def generated_config(vm: VmSpec, authorized_key: str | None,
+                     host_key: tuple[str, str] | None) -> dict[str, Any]:
     """What vmlaunch asks of cloud-init, as a dict.
 
     - One user, the lab's (no distro default user: one known account per VM), with the lab's key,
@@ -107,25 +109,23 @@ def generated_config(vm: VmSpec, authorized_key: str, host_key: tuple[str, str])
     - `updates`: the network config is rendered at every boot, not just the first (module doc).
     """
     seed = _seed_of(vm)
-    private, public = host_key
+    user: dict[str, Any] = {"name": seed.user, "sudo": SUDO_ALL, "shell": "/bin/bash", "lock_passwd": True}
+    if authorized_key is not None:
+        user["ssh_authorized_keys"] = [authorized_key.strip()]
     config: dict[str, Any] = {
         "hostname": vm.name,
         "fqdn": vm.name,
         "preserve_hostname": False,
         "manage_etc_hosts": True,
-        "users": [{
-            "name": seed.user,
-            "sudo": SUDO_ALL,
-            "shell": "/bin/bash",
-            "lock_passwd": True,
-            "ssh_authorized_keys": [authorized_key.strip()],
-        }],
+        "users": [user],
         "disable_root": True,
         "ssh_pwauth": False,
         "ssh_deletekeys": True,
-        "ssh_keys": {"ed25519_private": private, "ed25519_public": public.strip()},
-        "updates": {"network": {"when": ["boot-new-instance", "boot"]}},
     }
+    if host_key is not None:
+        private, public = host_key
+        config["ssh_keys"] = {"ed25519_private": private, "ed25519_public": public.strip()}
+    config["updates"] = {"network": {"when": ["boot-new-instance", "boot"]}}
     if vm.shares:
         config["bootcmd"] = [mount_command(share) for share in vm.shares]
     if seed.packages:

@@ -263,6 +263,22 @@ def manager_resources(lab: LabSpec, host: Host, run_dir: RunDir,
         balance_interval=lab.placement.interval_s))
 
 
+def boot_disks(lab_dir: LabDir, vm: VmSpec) -> tuple[tuple[KeyPath, Disk], ...]:
+    """The VM's disks with their key paths, in the order the guest sees them: its image's overlay
+    first, then its [[disk]]s."""
+    disks = tuple((("vm", vm.name, "disk", index), disk) for index, disk in enumerate(vm.disks))
+    if vm.image is None:
+        return disks
+    overlay = Disk(file=lab_dir.vm(vm.name).overlay, format=DiskFormat.QCOW2)
+    return ((("vm", vm.name, "image"), overlay), *disks)
+
+
+def reports_free_pages(vm: VmSpec) -> bool:
+    """Free page reporting on the balloon: as the spec says, but never for RAM on hugepages (a freed
+    4 KiB page cannot be given back out of a hugepage)."""
+    return vm.balloon.free_page_reporting and vm.hugepages is None
+
+
 def needs_lab_dir(vm: VmSpec) -> bool:
     """A VM keeps files beside the spec when it boots an image, has a seed or UEFI variables."""
     return vm.image is not None or vm.cloud_init is not None or vm.firmware is Firmware.UEFI
@@ -419,7 +435,7 @@ class _Compiler:
                 "driver": "virtio-balloon-pci",
                 "id": "balloon0",
                 "deflate-on-oom": vm.balloon.deflate_on_oom,
-                "free-page-reporting": vm.balloon.free_page_reporting and vm.hugepages is None,
+                "free-page-reporting": reports_free_pages(vm),
             })]
         return VmPlan(name=vm.name, argv=tuple(argv), accel=accel, files=files, notes=tuple(self.notes(vm)),
                       placement=self.placements.get(vm.name),
@@ -480,12 +496,7 @@ class _Compiler:
         return argv, {"pflash0": "fw-code", "pflash1": "fw-vars"}
 
     def boot_disks(self, vm: VmSpec) -> tuple[tuple[KeyPath, Disk], ...]:
-        """The VM's disks with their key paths: its image's overlay first, then its [[disk]]s."""
-        disks = tuple((("vm", vm.name, "disk", index), disk) for index, disk in enumerate(vm.disks))
-        if vm.image is None:
-            return disks
-        overlay = Disk(file=self.lab_dir.vm(vm.name).overlay, format=DiskFormat.QCOW2)
-        return ((("vm", vm.name, "image"), overlay), *disks)
+        return boot_disks(self.lab_dir, vm)
 
     def seed(self, path: KeyPath, vm: VmSpec) -> Iterator[str]:
         """The NoCloud seed as a read-only virtio disk: cloud-init finds it by its label, cidata."""

@@ -3,12 +3,13 @@
 The parser is read into a small description (commands, their options, their positional arguments,
 their own sub-commands) and each shell's script is written from it, so a new command or option is
 completed without touching this module. What a positional argument completes comes from its metavar:
-SPEC completes `*.toml` files (and folders), VM the VM names of the spec already on the line (which
-the scripts get from `vmlaunch completion --vms SPEC`) less those already given, an argument with
-`choices` those choices, the COMMAND of a command named `help` the names of the commands beside it;
-anything else nothing, and nothing at all once an argparse.REMAINDER argument is reached (after
-`ssh SPEC VM` and its `--`, the words are the guest's). A command with sub-parsers of its own (`image
-pull SPEC`, `image list`) takes one of their names as its first word, and goes on as that one.
+SPEC completes `*.toml` files (and folders), DIR folders, VM the VM names of the spec already on the
+line (which the scripts get from `vmlaunch completion --vms SPEC`) less those already given, an
+argument with `choices` those choices, the COMMAND of a command named `help` the names of the
+commands beside it; anything else nothing, and nothing at all once an argparse.REMAINDER argument
+is reached (after `ssh SPEC VM` and its `--`, the words are the guest's). A command with sub-parsers
+of its own (`image pull SPEC`, `image list`) takes one of their names as its first word, and goes on
+as that one.
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ class Kind(enum.Enum):
 
     TEXT = "text"  # anything: nothing to offer
     SPEC = "spec"  # a lab's TOML file
+    DIR = "dir"  # a folder
     VM = "vm"  # a VM of the spec on the line
     CHOICE = "choice"  # one of a fixed set
 
 
 # The metavars the CLI gives its arguments, and what they complete.
-_KIND_OF_METAVAR = {"SPEC": Kind.SPEC, "VM": Kind.VM}
+_KIND_OF_METAVAR = {"SPEC": Kind.SPEC, "VM": Kind.VM, "DIR": Kind.DIR}
 # A command named HELP completes its COMMAND argument with the names of the commands beside it.
 HELP, COMMAND = "help", "COMMAND"
 # Options that cannot go with their command's positional arguments although the parser does not say
@@ -282,6 +284,11 @@ _vmlaunch_complete() {
         spec)
             compopt -o filenames 2>/dev/null
             mapfile -t reply < <(compgen -f -X '!*.toml' -- "$2"; compgen -d -- "$2")
+            COMPREPLY+=("${reply[@]}")
+            ;;
+        dir)
+            compopt -o filenames 2>/dev/null
+            mapfile -t reply < <(compgen -d -- "$2")
             COMPREPLY+=("${reply[@]}")
             ;;
         vm)
@@ -584,6 +591,8 @@ def _zsh_value(value: Value, arguments: Sequence[Value]) -> str:
     message = _zsh_escape(value.name, ":")
     if value.kind is Kind.SPEC:
         action = "_vmlaunch_spec_files"
+    elif value.kind is Kind.DIR:
+        action = "_path_files -/"
     elif value.kind is Kind.VM:
         specs = [i for i, argument in enumerate(arguments, 1) if argument.kind is Kind.SPEC]
         action = f"{{_vmlaunch_vm_names {specs[0]}}}" if specs else " "

@@ -2,7 +2,8 @@
 
 Exit codes (documented in the README):
   2   the spec is wrong (every problem is listed, `FILE:LINE: key.path: message`)
-  3   the host cannot do what the spec asks (no QEMU, KVM unusable, a missing QEMU feature)
+  3   the host cannot do what the spec asks (no QEMU, KVM unusable, a missing QEMU feature), or
+      the engine a lab is exported to has no equivalent for a setting (`export --strict`)
   4   a run-time failure (QEMU refused to start, a host resource is busy)
   64  the command line itself is wrong (usage)
   130 interrupted
@@ -123,3 +124,17 @@ class UsageError(VmlaunchError):
     """The command line is wrong (an unknown VM name, a bad option value)."""
 
     exit_code = EXIT_USAGE
+
+
+class ExportError(VmlaunchError):
+    """`export --strict`: spec keys the target engine has no equivalent for, each with its line. The
+    target cannot do what the spec asks, as a host cannot (exit 3)."""
+
+    exit_code = EXIT_HOST
+
+    def __init__(self, target: str, problems: Sequence[Problem]) -> None:
+        self.problems = tuple(problems)
+        count = len(self.problems)
+        super().__init__(f"{target} has no equivalent for {count} setting{'s' if count != 1 else ''} "
+                         "of the spec (--strict):\n" + "\n".join(str(p) for p in self.problems),
+                         "export without --strict to get the files anyway, with these as warnings")

@@ -169,3 +169,7 @@ class SourceMap:
             if line is not None:
                 return line
         return 1
+
+    def defines(self, path: Sequence[str | int]) -> bool:
+        """Whether the source itself writes `path` (a key left to its default is not written)."""
+        return tuple(path) in self._lines
