@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -49,6 +50,40 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
     """Tests never read or write the user's cache or logs; the host probe is shared by the session."""
     monkeypatch.setenv("VMLAUNCH_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))
     monkeypatch.setenv("VMLAUNCH_LOG_DIR", str(tmp_path_factory.getbasetemp() / "logs"))
+
+
+# The host-wide settings vmlaunch may change (KSM, the 2 MiB hugepage pool), in the order they are put
+# back: KSM's advisor first (it resets pages_to_scan), `run` last.
+HOST_SETTINGS = tuple(Path("/sys/kernel/mm/ksm") / name
+                      for name in ("advisor_mode", "pages_to_scan", "sleep_millisecs", "run")) + (
+    Path("/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages"),)
+
+
+def _host_settings() -> dict[Path, str]:
+    values = {}
+    for path in HOST_SETTINGS:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        values[path] = text.split("[", 1)[1].split("]", 1)[0] if "[" in text else text
+    return values
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _host_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each test module leaves the real host's KSM and hugepage settings as it found them ("never a
+    leftover"); one that does not fails, naming what it changed, and the settings are put back."""
+    before = _host_settings()
+    yield
+    changed = {path: (value, now) for path, value in before.items()
+               if (now := _host_settings().get(path)) != value}
+    for path, (value, _) in changed.items():
+        with contextlib.suppress(OSError):
+            path.write_text(value + "\n")
+    if changed:
+        pytest.fail(f"{request.module.__name__} left host settings changed: "
+                    + ", ".join(f"{path} {value} -> {now}" for path, (value, now) in changed.items()))
 
 
 def write_spec(tmp_path: Path, text: str, name: str = "lab.toml") -> Path:
