@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -116,3 +117,70 @@ def test_status_and_down_do_not_need_the_files(tmp_path: Path, run_dir: Path,
     assert main(["status", str(spec)]) == 0
     assert main(["down", str(spec)]) == 0
     assert "not up" in capsys.readouterr().out
+
+
+def bzimage(path: Path, *, init_mib: float, load_mib: int = 16, version: int = 0x20F,
+            magic: bytes = b"HdrS") -> Path:
+    """A file with an x86 boot setup header: what the memory check reads of a kernel."""
+    import struct
+
+    header = bytearray(0x400)
+    header[0x202:0x206] = magic
+    struct.pack_into("<H", header, 0x206, version)
+    struct.pack_into("<Q", header, 0x258, load_mib << 20)
+    struct.pack_into("<I", header, 0x260, int(init_mib * (1 << 20)))
+    path.write_bytes(bytes(header))
+    return path
+
+
+@pytest.mark.parametrize(("memory", "initrd_mib", "refused"), [
+    (64, 0, True),    # 16 + 63.6 > 64: the decompressor has nowhere to go
+    (80, 0, False),   # it fits
+    (80, 2, True),    # the initrd, loaded into guest RAM too, does not
+    (82, 2, False),
+])
+def test_memory_too_small_for_the_kernel_to_unpack(tmp_path: Path, memory: int, initrd_mib: int,
+                                                    refused: bool) -> None:
+    bzimage(tmp_path / "vmlinuz", init_mib=63.6)
+    initrd = ""
+    if initrd_mib:
+        (tmp_path / "initrd").write_bytes(b"\1" * (initrd_mib << 20))
+        initrd = 'initrd = "initrd"\n'
+    spec = write_spec(tmp_path, HEAD + f'[vm.a]\nmemory = {memory}\nkernel = "vmlinuz"\n{initrd}')
+    if not refused:
+        check_files(load_lab(spec))
+        return
+    found = problems(spec)
+    total = 16 + 64 + initrd_mib  # rounded up to whole MiB
+    assert found == [
+        f"{spec}:4: vm.a.memory: {memory} MiB cannot hold kernel {tmp_path}/vmlinuz: its setup header "
+        f"asks for 63.6 MiB from the 16 MiB mark to unpack itself"
+        + (f", plus {initrd_mib:.1f} MiB for initrd {tmp_path}/initrd" if initrd_mib else "")
+        + f", {total} MiB in all; the guest would stop before its first line, or panic out of memory "
+        f'(memory = "{-(-(total + 8) // 32) * 32}M" or more: the kernel needs room to run as well)']
+
+
+@pytest.mark.parametrize("kernel", [
+    {"magic": b"NotS"},          # not an x86 bzImage (another architecture's kernel): QEMU says
+    {"version": 0x209},          # a boot protocol without init_size
+    {"load_mib": 4096},          # values no kernel has: left to QEMU
+    {"init_mib": 2048.0},
+])
+def test_kernels_the_check_cannot_read_are_left_to_qemu(tmp_path: Path, kernel: dict[str, Any]) -> None:
+    bzimage(tmp_path / "vmlinuz", **{"init_mib": 63.6, **kernel})
+    check_files(load_lab(write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 32\nkernel = "vmlinuz"\n')))
+
+
+def test_a_short_kernel_file_is_left_to_qemu(tmp_path: Path) -> None:
+    (tmp_path / "vmlinuz").write_bytes(b"HdrS")
+    check_files(load_lab(write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 32\nkernel = "vmlinuz"\n')))
+
+
+def test_the_test_guest_in_64m_is_refused_with_its_numbers(tmp_path: Path, test_guest: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """The real kernel: 64M hangs before the first line of the serial log (tried); 96M boots."""
+    body = f'kernel = "{test_guest / "vmlinuz"}"\ninitrd = "{test_guest / "initrd.gz"}"\n'
+    assert main(["validate", str(write_spec(tmp_path, HEAD + '[vm.a]\nmemory = "64M"\n' + body))]) == 2
+    err = capsys.readouterr().err
+    assert "vm.a.memory: 64 MiB cannot hold kernel" in err and "from the 16 MiB mark" in err
+    assert main(["validate", str(write_spec(tmp_path, HEAD + '[vm.a]\nmemory = "96M"\n' + body))]) == 0

@@ -190,10 +190,10 @@ def parse_lab(data: bytes, file: Path, *, files: bool = False, vms: Sequence[str
     builder = _Builder(doc, file.resolve(), source, problems, invalid)
     lab = builder.build()
     if files:  # of every VM, built or not: a broken key elsewhere never hides a missing kernel
-        from vmlaunch.specfiles import disk_size_problems, named_problems
+        from vmlaunch.specfiles import disk_size_problems, kernel_memory_problems, named_problems
 
         for path, message, hint in [*named_problems(builder.named, vms, builder.vm_images),
-                                    *disk_size_problems(lab, vms)]:
+                                    *disk_size_problems(lab, vms), *kernel_memory_problems(lab, vms)]:
             problems.add(path, message, hint)
     if problems.items:
         raise SpecError(sorted(problems.items, key=lambda problem: problem.location.line))

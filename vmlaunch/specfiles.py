@@ -108,11 +108,16 @@ def file_problems(lab: LabSpec, vms: Sequence[str] = ()) -> list[Found]:
     selected = [vm for vm in lab.vms if not vms or vm.name in vms]
     images = {vm.name: vm.image for vm in lab.vms if vm.image is not None}
     return [*named_problems(named_in(lab), vms, images),
-            *(item for vm in selected for item in _disk_size_problems(lab, vm))]
+            *(item for vm in selected for item in _disk_size_problems(lab, vm)),
+            *(item for vm in selected for item in _kernel_memory_problems(vm))]
 
 
 def disk_size_problems(lab: LabSpec, vms: Sequence[str] = ()) -> list[Found]:
     return [item for vm in lab.vms if not vms or vm.name in vms for item in _disk_size_problems(lab, vm)]
+
+
+def kernel_memory_problems(lab: LabSpec, vms: Sequence[str] = ()) -> list[Found]:
+    return [item for vm in lab.vms if not vms or vm.name in vms for item in _kernel_memory_problems(vm)]
 
 
 def _disk_size_problems(lab: LabSpec, vm: VmSpec) -> Iterator[Found]:
@@ -132,6 +137,56 @@ def _disk_size_problems(lab: LabSpec, vm: VmSpec) -> Iterator[Found]:
     if vm.disk_size < size:
         yield (("vm", vm.name, "disk_size"), f"{format_size(vm.disk_size)} is smaller than image "
                f"{image.name} ({format_size(size)})", "leave disk_size out, or make it larger")
+
+
+# An x86 bzImage's setup header (the kernel's Documentation/arch/x86/boot.rst): its magic, protocol
+# version, load address and the memory its decompressor needs from there (protocol 2.10+).
+SETUP_MAGIC, SETUP_VERSION, PREF_ADDRESS, INIT_SIZE = 0x202, 0x206, 0x258, 0x260
+SANE_BYTES = 1 << 30  # header values past 1 GiB are not a kernel's: left to QEMU
+
+
+def kernel_needs_bytes(kernel: Path, initrd: Path | None) -> tuple[int, int, int] | None:
+    """What a direct-boot kernel needs of guest memory before it runs: (its load address, the memory
+    its decompressor uses from there, the initrd's size) in bytes; None for what is not an x86 bzImage
+    of protocol 2.10 or later (another architecture, an unreadable file: QEMU says)."""
+    import struct
+
+    try:
+        with open(kernel, "rb") as file:
+            header = file.read(INIT_SIZE + 4)
+        initrd_size = os.stat(initrd).st_size if initrd is not None else 0
+    except OSError:
+        return None
+    if len(header) < INIT_SIZE + 4 or header[SETUP_MAGIC:SETUP_MAGIC + 4] != b"HdrS" \
+            or struct.unpack_from("<H", header, SETUP_VERSION)[0] < 0x20A:
+        return None
+    (load,) = struct.unpack_from("<Q", header, PREF_ADDRESS)
+    (init,) = struct.unpack_from("<I", header, INIT_SIZE)
+    if load > SANE_BYTES or init > SANE_BYTES:
+        return None
+    return load, init, initrd_size
+
+
+def _kernel_memory_problems(vm: VmSpec) -> Iterator[Found]:
+    """A VM whose memory cannot hold its kernel while it unpacks, and its initrd: the guest would
+    stop before its first line (the decompressor has nowhere to go, and says nothing), or panic out
+    of memory at once."""
+    if vm.kernel is None:
+        return
+    needs = kernel_needs_bytes(vm.kernel, vm.initrd)
+    if needs is None:
+        return
+    load, init, initrd = needs
+    mib = 1 << 20
+    total = -(-(load + init + initrd) // mib)
+    if vm.memory_mib >= total:
+        return
+    with_initrd = f", plus {initrd / mib:.1f} MiB for initrd {_p(vm.initrd)}" if vm.initrd is not None else ""
+    yield (("vm", vm.name, "memory"),
+           f"{vm.memory_mib} MiB cannot hold kernel {_p(vm.kernel)}: its setup header asks for "
+           f"{init / mib:.1f} MiB from the {load / mib:.0f} MiB mark to unpack itself{with_initrd}, "
+           f"{total} MiB in all; the guest would stop before its first line, or panic out of memory",
+           f'memory = "{-(-(total + 8) // 32) * 32}M" or more: the kernel needs room to run as well')
 
 
 def _p(path: Path) -> str:
