@@ -341,3 +341,60 @@ def test_pinning_that_over_commits_is_a_note_that_says_which(tmp_path: Path) -> 
             "use every pinned CPU)") in notes
     assert "host CPU 2 is pinned in a and b: their vCPUs take turns on it (over-committed)" in notes
     assert any(note.startswith("a: vCPUs pinned to CPUs 1, 2, off node 1") for note in notes)
+
+
+def test_up_of_more_vms_places_them_beside_the_running_ones_where_they_are_now(tmp_path: Path) -> None:
+    """The balancer moved a and b to node 0 since `up`: `up c` counts their vCPUs there, not where a
+    fresh placement of the whole lab would have put them."""
+    lab = load_lab(spec(tmp_path, vm("a") + vm("b") + vm("c")))
+    host = fake_host(numa=topology(2), cpusets=V1)
+    fresh = compile_lab(lab, host, ["c"])
+    assert objects(fresh.vm("c").argv)[0]["host-nodes"] == [0]
+    plan = compile_lab(lab, host, ["c"], running={"a": (0,), "b": (0,)})
+    assert objects(plan.vm("c").argv)[0]["host-nodes"] == [1]
+    (placement,) = [r for r in plan.resources if isinstance(r, VmPlacement)]
+    assert placement.placed.name == "c" and placement.placed.nodes == (1,)
+    (manager,) = [r for r in plan.resources if isinstance(r, LabManager)]
+    assert [(v.name, v.nodes, v.movable) for v in manager.config.vms] == [
+        ("a", (0,), True), ("b", (0,), True), ("c", (1,), True)]
+
+
+def test_running_vms_keep_their_binding_and_bad_nodes_are_ignored(tmp_path: Path) -> None:
+    lab = load_lab(spec(tmp_path, vm("a", extra="numa_node = 1\n") + vm("b")
+                        + vm("p", extra="cpu_pinning = [2, 3]\n") + vm("d")))
+    host = fake_host(numa=topology(2), cpusets=V1)
+    plan = compile_lab(lab, host, ["d"], running={"a": (1,), "b": (7,), "p": (1,), "x": (0,)})
+    (manager,) = [r for r in plan.resources if isinstance(r, LabManager)]
+    where = {v.name: (v.nodes, v.movable) for v in manager.config.vms}
+    assert where["a"] == ((1,), False)  # numa_node: still not the balancer's to move
+    assert where["p"] == ((0,), False)  # pinned: where its CPUs are, whatever was said
+    assert where["b"][1] is True  # node 7 does not exist: placed afresh
+
+
+def test_where_running_reads_the_cgroup_else_the_cpus_allowed(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from vmlaunch import qemu
+    from vmlaunch.journal import Entry, Journal, VmEntry
+    from vmlaunch.resources.placement import PlacementRecord, where_running
+    from vmlaunch.rundir import RunDir
+
+    run_dir = RunDir(tmp_path / "run" / "numa")
+    run_dir.create()
+    cgroup = tmp_path / "cgroup" / "vmlaunch.numa.a"
+    cgroup.mkdir(parents=True)
+    (cgroup / "cpuset.cpus").write_text("4-7\n")
+    (cgroup / "cpuset.mems").write_text("1\n")  # moved by the balancer: placed on 0 at up
+    journal = Journal(run_dir, spec=str(tmp_path / "lab.toml"))
+    for name, folder in (("a", cgroup), ("b", None), ("gone", None)):
+        journal.vms[name] = VmEntry(pid=os.getpid(), started=0.0, accel="tcg")
+        record = PlacementRecord(name, folder, (0,), (0, 1, 2, 3))
+        journal.add(Entry(PlacementRecord.kind, name, name, record))
+    journal.vms["unplaced"] = VmEntry(pid=os.getpid(), started=0.0, accel="tcg")
+    journal.save()
+    monkeypatch.setattr(qemu, "find_pid", lambda files, pid: None if files.name == "gone" else pid)
+    monkeypatch.setattr("vmlaunch.numa.allowed_cpus", lambda pid, tid=None: (1, 2))
+    assert where_running(run_dir, topology(2)) == {"a": (1,), "b": (0,)}
+    assert where_running(run_dir, topology(1)) == {}  # one node: nothing to place beside
+    assert where_running(RunDir(tmp_path / "run" / "none"), topology(2)) == {}

@@ -26,6 +26,7 @@ from vmlaunch.control import VmStatus
 from vmlaunch.errors import Location, Problem, RuntimeFailure, SpecError, VmlaunchError
 from vmlaunch.host import detect_host
 from vmlaunch.plan import Plan
+from vmlaunch.resources.placement import where_running
 from vmlaunch.rundir import RunDir
 from vmlaunch.spec import load_lab
 from vmlaunch.wait import TimedOut, wait_until
@@ -55,7 +56,8 @@ class Lab:
         self.model = load_lab(self.spec, files=True, vms=vms)
         self.model.select(vms)  # a UsageError for a VM the lab does not have
         self.host = detect_host()
-        self.plan: Plan = compile_lab(self.model, self.host, vms)
+        self.plan: Plan = compile_lab(self.model, self.host, vms, running=where_running(
+            RunDir.of(self.host.run_root, self.model.name), self.host.numa))
         self.only = tuple(vms)  # empty: the whole lab
         self.wait_for = wait_for
         self.timeout = timeout

@@ -488,11 +488,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     from vmlaunch import executor
     from vmlaunch.compiler import compile_lab
     from vmlaunch.host import detect_host
+    from vmlaunch.resources.placement import where_running
+    from vmlaunch.rundir import RunDir
     from vmlaunch.spec import load_lab
 
     lab = load_lab(args.spec, files=True, vms=args.vms)
     host = detect_host()
-    plan = compile_lab(lab, host, args.vms)
+    plan = compile_lab(lab, host, args.vms,
+                       running=where_running(RunDir.of(host.run_root, lab.name), host.numa))
     for note in plan.notes:
         log.info("note: %s", note)
     for vm in plan.vms:

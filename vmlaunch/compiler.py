@@ -6,7 +6,7 @@ spec value reaches is built in JSON form or through `qemuopts.opts`, which escap
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from vmlaunch.diskfiles import DiskOrigin
 from vmlaunch.errors import HostError, KeyPath, Location
@@ -36,7 +36,7 @@ from vmlaunch.model import (
 )
 from vmlaunch.naming import cgroup_name, management_mac, process_name, tap_name
 from vmlaunch.numa import Topology, format_cpulist
-from vmlaunch.placement import Demand, Node, Placed, place
+from vmlaunch.placement import Binding, Demand, Node, Placed, place
 from vmlaunch.plan import AccelChoice, Plan, VmPlan
 from vmlaunch.qemuopts import json_arg, opts
 from vmlaunch.resources.base import Resource
@@ -78,12 +78,14 @@ DISK_DEVICES = {DiskBus.VIRTIO: "virtio-blk-pci", DiskBus.SCSI: "scsi-hd", DiskB
 MEMORY_TARGET = 0.8
 
 
-def compile_lab(lab: LabSpec, host: Host, only: Sequence[str] = ()) -> Plan:
-    """The plan for the VMs named in `only` (all of them when empty)."""
+def compile_lab(lab: LabSpec, host: Host, only: Sequence[str] = (),
+                running: Mapping[str, tuple[int, ...]] | None = None) -> Plan:
+    """The plan for the VMs named in `only` (all of them when empty). `running`: the nodes the lab's
+    VMs that run already are on now (`resources.placement.where_running`), for placement."""
     vms = lab.select(only)
     check_vlans(lab, vms, host)
     run_dir = RunDir.of(host.run_root, lab.name)
-    placements = placements_of(lab, host)
+    placements = placements_of(lab, host, running)
     compiler = _Compiler(lab, host, run_dir, placements)
     plans = tuple(compiler.vm(vm) for vm in vms)
     resources = (*host_resources(lab, vms, host), *placement_resources(lab, vms, host, run_dir, placements),
@@ -111,9 +113,13 @@ def balancing(lab: LabSpec, host: Host) -> bool:
     return placing(lab, host) and lab.placement.balance is not False
 
 
-def placements_of(lab: LabSpec, host: Host) -> dict[str, Placed]:
+def placements_of(lab: LabSpec, host: Host,
+                  running: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, Placed]:
     """Where each VM runs: every VM when placement is on, else those with `numa_node` or
-    `cpu_pinning`. Nodes and CPUs the host does not have are exit 3, with the key's line."""
+    `cpu_pinning`. Nodes and CPUs the host does not have are exit 3, with the key's line.
+
+    VMs in `running` (VM -> the nodes it is on now) stay there, their vCPUs counted as load where they
+    are (their memory is in the nodes' free memory already): the others are placed beside them."""
     topology = host.numa
     if topology is None:
         return {}
@@ -121,11 +127,29 @@ def placements_of(lab: LabSpec, host: Host) -> dict[str, Placed]:
     wanted = [vm for vm in lab.vms if auto or vm.numa_node is not None or vm.cpu_pinning]
     for vm in wanted:
         check_placement(lab, vm, topology)
+    running = {vm.name: on for vm in wanted if not vm.cpu_pinning
+               and (on := tuple(n for n in (running or {}).get(vm.name, ()) if topology.node(n)))}
     demands = [Demand(vm.name, vm.cpus, vm.memory_mib, vm.numa_node, vm.cpu_pinning,
-                      page_mib=max(2, vm.hugepages.kib >> 10) if vm.hugepages else 2) for vm in wanted]
+                      page_mib=max(2, vm.hugepages.kib >> 10) if vm.hugepages else 2)
+               for vm in wanted if vm.name not in running]
     nodes = [Node(node.id, node.cpus, node.free_mib, node.memory_mib, node.distances)
              for node in topology.nodes]
-    return place(demands, nodes)
+    vcpus_on: dict[int, int] = {}
+    for vm in wanted:
+        for index, node in enumerate(running.get(vm.name, ())):  # vCPUs spread over its nodes
+            count = len(range(index, vm.cpus, len(running[vm.name])))
+            vcpus_on[node] = vcpus_on.get(node, 0) + count
+    placed = place(demands, nodes, vcpus_on)
+    for vm in wanted:
+        now = running.get(vm.name)
+        if now is not None:
+            binding = (Binding.NODE if vm.numa_node is not None else Binding.PLACED if len(now) == 1
+                       else Binding.SPANS)
+            cpus = tuple(sorted(cpu for node in topology.nodes if node.id in now for cpu in node.cpus))
+            placed[vm.name] = Placed(vm.name, binding, now, cpus,
+                                     reason=f"running on node{'s' if len(now) > 1 else ''} "
+                                            f"{', '.join(map(str, now))}")
+    return placed
 
 
 def check_placement(lab: LabSpec, vm: VmSpec, topology: Topology) -> None:

@@ -21,9 +21,10 @@ from vmlaunch import cgroups
 from vmlaunch.cgroups import Cpusets
 from vmlaunch.errors import HostError
 from vmlaunch.naming import cgroup_name
-from vmlaunch.numa import format_cpulist
+from vmlaunch.numa import Topology, format_cpulist
 from vmlaunch.placement import Placed
 from vmlaunch.resources.base import Context
+from vmlaunch.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -123,3 +124,35 @@ def vcpu_threads(qmp_path: Path) -> dict[int, int]:
         cpus = qmp.cmd("query-cpus-fast")
     return {int(cpu["cpu-index"]): int(cpu["thread-id"]) for cpu in cpus
             if isinstance(cpu, dict) and "thread-id" in cpu}
+
+
+def where_running(run_dir: RunDir, topology: Topology | None) -> dict[str, tuple[int, ...]]:
+    """The nodes each placed VM of the lab that runs now is on: its cgroup's nodes (where the balancer
+    may have moved it since `up`), else the nodes of the CPUs its QEMU may run on. For an `up` that
+    starts more of a running lab's VMs: they are placed beside these as they are, not as they were.
+    Empty without several nodes, or a journal that cannot be read (`up` says so itself)."""
+    from vmlaunch import qemu
+    from vmlaunch.errors import VmlaunchError
+    from vmlaunch.journal import Journal
+    from vmlaunch.numa import allowed_cpus, nodes_of
+
+    if topology is None or not topology.multi_node:
+        return {}
+    try:
+        journal = Journal.load(run_dir)
+    except VmlaunchError:
+        return {}
+    found: dict[str, tuple[int, ...]] = {}
+    for name, entry in journal.vms.items():
+        record = journal.entry(PlacementRecord.kind, name)
+        if record is None or not isinstance(record.record, PlacementRecord):
+            continue
+        pid = qemu.find_pid(run_dir.vm(name), entry.pid)
+        if pid is None:
+            continue
+        place = cgroups.place_of(record.record.cgroup) if record.record.cgroup is not None else None
+        nodes = place[1] if place is not None else nodes_of(allowed_cpus(pid), topology)
+        nodes = tuple(node for node in nodes if topology.node(node) is not None)
+        if nodes:
+            found[name] = nodes
+    return found
