@@ -14,6 +14,7 @@ from tests.conftest import fake_host, write_spec
 from vmlaunch.compiler import compile_lab
 from vmlaunch.errors import HostError, SpecError
 from vmlaunch.hostmem import KsmSupport
+from vmlaunch.journal import JournalError
 from vmlaunch.resources.base import Context
 from vmlaunch.resources.hostwide import RegistryError
 from vmlaunch.resources.ksm import (
@@ -252,3 +253,21 @@ def test_a_rate_with_ksm_off_is_a_spec_error(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="lab.memory.ksm_sleep_ms: ksm_sleep_ms sets KSM's rate, and ksm = "
                                         "false turns it off"):
         load_lab(spec)
+
+
+def test_down_force_of_an_unreadable_journal_releases_the_labs_claim(sysfs: Path, tmp_path: Path) -> None:
+    """The journal's KSM record cannot be read: once the lab is down, its claim is stale, and KSM goes
+    back as the host had it then, not when the next lab comes."""
+    from vmlaunch import executor
+
+    run_dir = RunDir.of(tmp_path / "run", "a")
+    run_dir.create()
+    Ksm(settings=ADVISED).apply(Context(lab="a"))
+    run_dir.state.write_text('{"version": 1, "resources": [{"kind": "what is this"}]}')
+    assert settings_of(sysfs)["run"] == "1"
+    with pytest.raises(JournalError):
+        executor.down(run_dir)  # without --force: the journal is refused, nothing changes
+    assert settings_of(sysfs)["run"] == "1"
+    executor.down(run_dir, force=True)
+    assert settings_of(sysfs) == HOST_AS_IT_WAS
+    assert not (tmp_path / "run" / CLAIMS_FILE).exists()

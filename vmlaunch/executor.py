@@ -14,7 +14,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -492,6 +492,16 @@ def _tail(path: Path, lines: int = 5, empty: str = " (nothing on its console)") 
     return "".join(f"\n  | {line}" for line in text.splitlines()[-lines:])
 
 
+def _release_unjournaled(run_dir: RunDir, journaled: Callable[[str, str], bool]) -> None:
+    from vmlaunch.resources.registry import release_unjournaled
+
+    try:
+        for problem in release_unjournaled(Context(lab=run_dir.lab), journaled):
+            log.warning("%s", problem)
+    except (VmlaunchError, OSError) as exc:  # a read-only run root: still stop every VM
+        log.warning("%s", exc)
+
+
 def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, force: bool = False,
          spec: str | os.PathLike[str] | None = None) -> bool:
     """Stop the lab's VMs (or those named) and undo what `up` did; False when nothing was up.
@@ -505,13 +515,7 @@ def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, fo
         if spec is not None:
             journal.check_spec(spec, force=force)
         if not journal.unreadable:  # what an `up` killed before journaling left (resources/registry.py)
-            from vmlaunch.resources.registry import release_unjournaled
-
-            try:
-                for problem in release_unjournaled(Context(lab=run_dir.lab), journal.has):
-                    log.warning("%s", problem)
-            except (VmlaunchError, OSError) as exc:  # a read-only run root: still stop every VM
-                log.warning("%s", exc)
+            _release_unjournaled(run_dir, journal.has)
         known = set(journal.vms)  # whose files the run dir may hold
         if journal.empty and not journal.unreadable:
             _settle(journal, known)
@@ -544,6 +548,10 @@ def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, fo
                 failures.append(f"{entry.record.describe()}: {exc.strerror or exc}")
         for line in journal.unreadable:  # only with force: anything else raised in load
             log.warning("not recognised, so not undone (check by hand): %s", line)
+        if journal.unreadable and not journal.vms and not journal.resources:
+            # the lab is down, whatever the part that could not be read said: a bridge or KSM claim
+            # of it in the host-wide registries is stale, and released like one a killed `up` left
+            _release_unjournaled(run_dir, lambda kind, key: False)
         failures += _settle(journal, known)
         if failures:
             raise RuntimeFailure("down could not undo everything:\n" + "\n".join(failures),
