@@ -127,6 +127,34 @@ def test_signals_a_rollback_holds_are_not_held_in_the_script(tmp_path: Path) -> 
     assert lines(tmp_path / "mask") == ["SigBlk:\t0000000000000000"]
 
 
+def test_a_script_dies_with_a_vmlaunch_killed_while_it_runs(tmp_path: Path) -> None:
+    """SIGKILL leaves vmlaunch no time to kill anything: the script goes with it all the same."""
+    import subprocess
+    import sys
+
+    up = script(tmp_path / "up", "echo $$ > pid\nexec sleep 300\n")
+    runner = subprocess.Popen([sys.executable, "-c",
+                               "import sys; from pathlib import Path; from tests.test_script import ENV; "
+                               "from vmlaunch.resources.script import run_checked; "
+                               "run_checked(Path(sys.argv[1]), ENV, 'up', 'network lan: up_script')",
+                               str(up)], cwd=Path(__file__).resolve().parent.parent)
+    try:
+        for _ in range(200):
+            if (tmp_path / "pid").exists() and (tmp_path / "pid").read_text().strip():
+                break
+            time.sleep(0.05)
+        pid = int((tmp_path / "pid").read_text())
+        assert _state(pid) != "Z"
+    finally:
+        runner.kill()
+        runner.wait()
+    for _ in range(100):
+        if "Z" in _state(pid):
+            break
+        time.sleep(0.05)
+    assert "Z" in _state(pid)
+
+
 # --- scripts another user could change are refused --------------------------------------------------
 
 

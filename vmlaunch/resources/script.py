@@ -18,7 +18,7 @@ A script is run without a shell, argv `[SCRIPT, TAP]`, from its own folder, stdi
 output (stdout and stderr, in order) captured; with vmlaunch's environment less vmlaunch's own
 `VMLAUNCH_*` settings, plus the NIC's (`ScriptEnv.variables`). It runs in a session of its own, with
 no signal blocked; after SCRIPT_TIMEOUT seconds it is killed with everything it started in that
-session. It is code run as vmlaunch's user (root, to make taps), so it is refused, before anything
+session, and it dies with the vmlaunch that runs it (PR_SET_PDEATHSIG), SIGKILL included. It is code run as vmlaunch's user (root, to make taps), so it is refused, before anything
 changes and again just before it runs, when another user than you or root could change it or a folder
 on its path (`diskfiles.py`'s rule, with no opt-in).
 """
@@ -263,11 +263,12 @@ def run_script(script: Path, tap: str, env: Mapping[str, str], *, timeout: float
     import subprocess
     import tempfile
 
+    in_child = _in_child()
     with tempfile.TemporaryFile() as out:
         try:
             proc = subprocess.Popen([str(script), tap], stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT, cwd=script.parent, env=dict(env),
-                                    start_new_session=True, preexec_fn=_unblock_signals)
+                                    start_new_session=True, preexec_fn=in_child)
         except OSError as exc:
             return ScriptRun(status=None, error=exc.strerror or str(exc))
         status: int | None
@@ -284,10 +285,34 @@ def run_script(script: Path, tap: str, env: Mapping[str, str], *, timeout: float
         return ScriptRun(status=status, output=out.read().decode(errors="replace"))
 
 
-def _unblock_signals() -> None:
-    """In the script's process: a rollback holds SIGINT, SIGTERM and SIGHUP (signals.py), and a blocked
-    mask outlives exec; the script and what it runs must be able to receive them."""
-    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def _in_child() -> Any:
+    """What runs in the script's process before exec (prepared here: nothing is loaded after fork).
+
+    A rollback holds SIGINT, SIGTERM and SIGHUP (signals.py), and a blocked mask outlives exec: the
+    script and what it runs must be able to receive them. And the script dies with the vmlaunch that
+    runs it (PR_SET_PDEATHSIG): a vmlaunch killed with SIGKILL in an up_script leaves no script
+    running on, half-way through wiring a tap that `down` removes (its down_script runs then, as the
+    claim journaled before the script started says). What the script started in the background is
+    its own business, as when it succeeds."""
+    import ctypes
+
+    parent = os.getpid()
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux's libc: without it
+        prctl = None
+
+    def run() -> None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != parent:  # vmlaunch died before that took effect
+                os._exit(1)
+
+    return run
 
 
 def _kill_session(proc: Any) -> None:
