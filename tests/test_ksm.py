@@ -122,7 +122,7 @@ def test_a_lab_that_is_gone_does_not_keep_ksm_on(sysfs: Path, tmp_path: Path) ->
     RunDir.of(tmp_path / "run", "gone").state.unlink()  # its run dir went without a down
     record = up(tmp_path, "a", ADVISED)
     claims = json.loads((tmp_path / "run" / CLAIMS_FILE).read_text())
-    assert list(claims["labs"]) == ["a"]
+    assert [(claim["root"], claim["lab"]) for claim in claims["labs"]] == [(str(tmp_path / "run"), "a")]
     assert claims["saved"]["run"] == "0"  # what the host had, not what the gone lab set
     record.undo(Context(lab="a"), rollback=False)
     assert settings_of(sysfs) == HOST_AS_IT_WAS
@@ -167,7 +167,12 @@ def test_a_failing_write_takes_the_claim_back(sysfs: Path, tmp_path: Path,
 @pytest.mark.parametrize("doc", ["nonsense", {"version": 9, "labs": {}},
                                  {"version": 1, "saved": {"run": "0; rm -rf /"}, "labs": {}},
                                  {"version": 1, "saved": {"uevent": "1"}, "labs": {}},
-                                 {"version": 1, "saved": {}, "labs": {"../x": {"settings": {}}}}])
+                                 {"version": 1, "saved": {}, "labs": {"../x": {"settings": {}}}},
+                                 {"version": 2, "saved": {}, "labs": {"a": {"settings": {}}}},
+                                 {"version": 2, "saved": {}, "labs": [{"lab": "a", "settings": {}}]},
+                                 {"version": 2, "saved": {}, "labs": [{"lab": "a", "root": "rel",
+                                                                       "settings": {}}]},
+                                 {"version": True, "saved": {}, "labs": []}])
 def test_a_damaged_claims_file_is_a_clear_error(sysfs: Path, tmp_path: Path, doc: object) -> None:
     path = tmp_path / "run" / CLAIMS_FILE
     path.parent.mkdir(mode=0o700)
@@ -271,3 +276,53 @@ def test_down_force_of_an_unreadable_journal_releases_the_labs_claim(sysfs: Path
     executor.down(run_dir, force=True)
     assert settings_of(sysfs) == HOST_AS_IT_WAS
     assert not (tmp_path / "run" / CLAIMS_FILE).exists()
+
+
+def test_labs_under_other_run_roots_share_the_hosts_claims(sysfs: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """KSM is the host's: a lab under another VMLAUNCH_RUN_DIR still wants it when the first goes.
+    (The host's own sysfs keeps its claims in /run/vmlaunch; here the claims dir is the first root.)"""
+    import vmlaunch.resources.ksm as ksm
+
+    shared = tmp_path / "run"
+    monkeypatch.setattr(ksm, "claims_root", lambda sysfs: shared)
+    first = up(tmp_path, "a", ADVISED)
+    other = tmp_path / "other"
+    monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(other))
+    RunDir.of(other, "a").path.mkdir(parents=True)
+    RunDir.of(other, "a").state.write_text("{}")  # up there too, by the same name
+    second = Ksm(settings=ADVISED).apply(Context(lab="a"))
+    claims = json.loads((shared / CLAIMS_FILE).read_text())
+    assert sorted((claim["root"], claim["lab"]) for claim in claims["labs"]) == [
+        (str(other), "a"), (str(shared), "a")]
+    monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(shared))
+    first.undo(Context(lab="a"), rollback=False)
+    assert settings_of(sysfs)["run"] == "1"  # the other root's lab still wants it
+    monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(other))
+    second.undo(Context(lab="a"), rollback=False)
+    assert settings_of(sysfs) == HOST_AS_IT_WAS and not (shared / CLAIMS_FILE).exists()
+
+
+def test_a_version_1_claims_file_is_read_as_its_run_roots(sysfs: Path, tmp_path: Path) -> None:
+    """What an earlier vmlaunch wrote (labs by name, all of that run root) is still honoured."""
+    path = tmp_path / "run" / CLAIMS_FILE
+    path.parent.mkdir(mode=0o700)
+    journal_lab(tmp_path, "old")
+    (sysfs / "run").write_text("1\n")
+    path.write_text(json.dumps({"version": 1, "saved": {"run": "0"}, "foreign": False,
+                                "labs": {"old": {"settings": {"run": "1"}, "explicit": False}}}))
+    path.chmod(0o600)
+    record = up(tmp_path, "a", ADVISED)
+    record.undo(Context(lab="a"), rollback=False)
+    assert settings_of(sysfs)["run"] == "1"  # lab old still runs
+    RunDir.of(tmp_path / "run", "old").state.unlink()
+    up(tmp_path, "b", ADVISED).undo(Context(lab="b"), rollback=False)
+    assert settings_of(sysfs) == HOST_AS_IT_WAS
+
+
+def test_the_hosts_own_ksm_has_one_claims_file_for_every_run_root(tmp_path: Path) -> None:
+    from vmlaunch.resources.ksm import HOST_CLAIMS_DIR, claims_root
+
+    assert claims_root(tmp_path) is None  # a fake sysfs: the run root's
+    if os.geteuid() == 0 and Path("/sys/kernel/mm/ksm").is_dir():
+        assert claims_root(Path("/sys")) == HOST_CLAIMS_DIR

@@ -12,7 +12,7 @@ import pytest
 
 from vmlaunch.cli import main
 from vmlaunch.journal import Journal
-from vmlaunch.resources.ksm import default_settings
+from vmlaunch.resources.ksm import CLAIMS_FILE, HOST_CLAIMS_DIR, default_settings
 from vmlaunch.rundir import RunDir
 
 pytestmark = [pytest.mark.qemu]
@@ -114,7 +114,7 @@ def test_a_failing_up_puts_ksm_back(tmp_path: Path, run_dir: Path, test_guest: P
                     f'[vm.b]\nmemory = "128M"\naccel = "tcg"\nkernel = "{tmp_path}/junk"\n')
     assert main(["up", str(spec)]) == 4
     assert settings() == host_ksm
-    assert not (run_dir / "ksm.json").exists()
+    assert not (HOST_CLAIMS_DIR / CLAIMS_FILE).exists() and not (run_dir / CLAIMS_FILE).exists()
 
 
 def test_ksm_true_without_root_is_exit_3(tmp_path: Path, run_dir: Path, test_guest: Path,

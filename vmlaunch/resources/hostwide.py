@@ -91,9 +91,10 @@ def read_owned(path: Path) -> bytes | None:
         return file.read()
 
 
-def read_document(path: Path, version: int, damaged: Callable[[str], RegistryError]) -> dict[str, Any] | None:
+def read_document(path: Path, version: int | tuple[int, ...],
+                  damaged: Callable[[str], RegistryError]) -> dict[str, Any] | None:
     """The file's JSON object, None when there is none; `damaged(problem)` is raised for one that cannot
-    be read, is not JSON, or is not of `version`."""
+    be read, is not JSON, or is not of `version` (or one of those)."""
     try:
         raw = read_owned(path)
     except OSError as exc:
@@ -104,8 +105,9 @@ def read_document(path: Path, version: int, damaged: Callable[[str], RegistryErr
         doc = json.loads(raw)
     except ValueError as exc:
         raise damaged(str(exc)) from exc
-    if not isinstance(doc, dict) or doc.get("version") != version:
-        raise damaged(f"not a version {version} file")
+    versions = version if isinstance(version, tuple) else (version,)
+    if not isinstance(doc, dict) or type(doc.get("version")) is not int or doc["version"] not in versions:
+        raise damaged(f"not a version {' or '.join(map(str, versions))} file")
     return doc
 
 

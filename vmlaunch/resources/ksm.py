@@ -2,13 +2,16 @@
 two, and the host's own settings put back exactly when the last lab that wanted it goes.
 
 KSM is one setting for the whole host, so whether it is changed, and put back, is decided host-wide in
-`ksm.json` in the run root (kept as `hostwide.py` keeps such files):
+one `ksm.json` (kept as `hostwide.py` keeps such files): in /run/vmlaunch for the host's own KSM,
+whatever run root each lab uses (`VMLAUNCH_RUN_DIR`), so that labs under different run roots see each
+other; in the run root for a fake sysfs (`VMLAUNCH_SYSFS`: tests) and when not root.
 
-    {"version": 1, "saved": {"run": "0", "pages_to_scan": "100", ...}, "foreign": false,
-     "labs": {"a": {"settings": {"run": "1", "pages_to_scan": "1311", ...}, "explicit": false}}}
+    {"version": 2, "saved": {"run": "0", "pages_to_scan": "100", ...}, "foreign": false,
+     "labs": [{"root": "/run/vmlaunch", "lab": "a", "settings": {"run": "1", ...}, "explicit": false}]}
 
-- `labs`: each lab that wants KSM, with the settings it asks for (`explicit`: the spec gave a rate).
-  Several labs: the explicit rates win over vmlaunch's default, and of those the fastest.
+- `labs`: each lab that wants KSM (by its run root and name), with the settings it asks for
+  (`explicit`: the spec gave a rate). Several labs: the explicit rates win over vmlaunch's default,
+  and of those the fastest. (Version 1 kept `labs` by name alone, all of the file's own run root.)
 - `saved`: each setting as it was before vmlaunch first changed it. The last lab to leave writes them
   back, in an order the kernel accepts, and removes the file.
 - `foreign`: KSM already ran when the first lab came (an administrator's choice): vmlaunch then leaves
@@ -41,6 +44,7 @@ from typing import Any, ClassVar
 
 import attrs
 
+from vmlaunch.dirs import run_root
 from vmlaunch.errors import HostError, needs_root
 from vmlaunch.fsutil import write_atomic
 from vmlaunch.hostmem import ksm_dir
@@ -52,7 +56,10 @@ log = logging.getLogger(__name__)
 
 CLAIMS_FILE = "ksm.json"
 CLAIMS_LOCK = "ksm.lock"
-CLAIMS_VERSION = 1
+CLAIMS_VERSION = 2
+HOST_CLAIMS_DIR = Path("/run/vmlaunch")  # the host's KSM: one file whatever a lab's run root
+HOST_KSM = Path("/sys/kernel/mm/ksm")
+LabKey = tuple[str, str]  # (the lab's run root, its name)
 
 PASS_SECONDS = 10  # a full pass over the lab's memory: idle guests merged in two or three
 SLEEP_MS = 20  # the kernel's default wake-up period
@@ -89,7 +96,7 @@ class Claim:
     explicit: bool = False
 
 
-def combine(claims: Mapping[str, Claim], foreign: bool) -> dict[str, str]:
+def combine(claims: Mapping[Any, Claim], foreign: bool) -> dict[str, str]:
     """The settings that serve every lab that wants KSM (pure): an explicit rate wins over vmlaunch's
     default, and the fastest of either; a KSM an administrator runs is left alone but for explicit
     rates."""
@@ -102,12 +109,27 @@ def combine(claims: Mapping[str, Claim], foreign: bool) -> dict[str, str]:
     return {name: value for name, value in chosen.items() if not (foreign and name == "run")}
 
 
+def lab_key(lab: str) -> LabKey:
+    """How a lab is named in the claims: its run root (this process's) and its name."""
+    return (str(run_root()), lab)
+
+
+def claims_root(sysfs: Path | None) -> Path | None:
+    """Where the claims of the KSM under `sysfs` are: /run/vmlaunch for the host's own (as root);
+    None, the run root, for a fake sysfs or a user's."""
+    try:
+        real = ksm_dir(sysfs).resolve() == HOST_KSM.resolve()
+    except OSError:
+        real = False
+    return HOST_CLAIMS_DIR if real and os.geteuid() == 0 else None
+
+
 @attrs.define
 class KsmClaims:
     """`ksm.json` as read under its lock; `save` writes it back (or removes it when nothing is left)."""
 
     root: Path
-    labs: dict[str, Claim] = attrs.Factory(dict)
+    labs: dict[LabKey, Claim] = attrs.Factory(dict)
     saved: dict[str, str] = attrs.Factory(dict)
     foreign: bool = False
 
@@ -118,20 +140,29 @@ class KsmClaims:
     @classmethod
     def load(cls, root: Path) -> KsmClaims:
         claims = cls(root)
-        doc = hostwide.read_document(claims.path, CLAIMS_VERSION, claims._damaged)
+        doc = hostwide.read_document(claims.path, (1, CLAIMS_VERSION), claims._damaged)
         if doc is None:
             return claims
         try:
             claims.saved = _settings(doc.get("saved"), "saved")
             claims.foreign = doc.get("foreign") is True
             labs = doc.get("labs")
-            if not isinstance(labs, dict):
-                raise ValueError("no table of labs")
-            for lab, claim in labs.items():
-                if not LAB_NAME.fullmatch(lab) or not isinstance(claim, dict) \
+            if doc["version"] == 1:  # {name: claim}, every lab of this run root
+                if not isinstance(labs, dict):
+                    raise ValueError("no table of labs")
+                labs = [{**claim, "root": str(root), "lab": lab} if isinstance(claim, dict) else claim
+                        for lab, claim in labs.items()]
+            if not isinstance(labs, list):
+                raise ValueError("no list of labs")
+            for claim in labs:
+                lab = claim.get("lab") if isinstance(claim, dict) else None
+                where = claim.get("root") if isinstance(claim, dict) else None
+                if not isinstance(lab, str) or not LAB_NAME.fullmatch(lab) or not isinstance(where, str) \
+                        or not where.startswith("/") or not where.isprintable() \
                         or not isinstance(claim.get("explicit", False), bool):
-                    raise ValueError(f"lab {lab!r}: not a lab name with its settings")
-                claims.labs[lab] = Claim(_settings(claim.get("settings"), lab), claim.get("explicit", False))
+                    raise ValueError(f"{claim!r:.80}: not a lab's run root and name with its settings")
+                claims.labs[(where, lab)] = Claim(_settings(claim.get("settings"), lab),
+                                                  claim.get("explicit", False))
         except ValueError as exc:
             raise claims._damaged(str(exc)) from exc
         return claims
@@ -145,12 +176,13 @@ class KsmClaims:
             self.path.unlink(missing_ok=True)
             return
         doc = {"version": CLAIMS_VERSION, "saved": self.saved, "foreign": self.foreign,
-               "labs": {lab: attrs.asdict(claim) for lab, claim in sorted(self.labs.items())}}
+               "labs": [{"root": root, "lab": lab, **attrs.asdict(claim)}
+                        for (root, lab), claim in sorted(self.labs.items())]}
         write_atomic(self.path, json.dumps(doc, indent=1) + "\n")
 
-    def drop_stale(self, but: str | None = None) -> None:
-        self.labs = {lab: claim for lab, claim in self.labs.items()
-                     if lab == but or hostwide.lab_in_use(self.root, lab)}
+    def drop_stale(self, but: LabKey | None = None) -> None:
+        self.labs = {key: claim for key, claim in self.labs.items()
+                     if key == but or hostwide.lab_in_use(Path(key[0]), key[1])}
 
 
 def _settings(value: Any, what: str) -> dict[str, str]:
@@ -163,7 +195,7 @@ def _settings(value: Any, what: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def locked_claims(root: Path | None = None) -> Iterator[KsmClaims]:
-    """The claims, read under their lock, held for the block."""
+    """The claims in `root` (None: the run root), read under their lock, held for the block."""
     with hostwide.locked(CLAIMS_FILE, CLAIMS_LOCK, "KSM claims", root) as where:
         yield KsmClaims.load(where)
 
@@ -230,17 +262,18 @@ def claim(lab: str, settings: Mapping[str, str], explicit: bool, sysfs: Path | N
     """`lab` wants KSM with `settings`: the host's settings become those every claim together needs.
     On failure the lab's claim is taken back (and the settings with it) before the error goes on."""
     folder = ksm_dir(sysfs)
-    with locked_claims() as claims:
-        claims.drop_stale(but=lab)
+    key = lab_key(lab)
+    with locked_claims(claims_root(sysfs)) as claims:
+        claims.drop_stale(but=key)
         if not claims.labs:
             restore_settings(claims, folder)  # what labs that are gone left behind (after a crash)
             claims.foreign = read(folder, "run") != "0"
-        claims.labs[lab] = Claim(dict(settings), explicit)
+        claims.labs[key] = Claim(dict(settings), explicit)
         claims.save()  # the claim first: `down` finds it even if vmlaunch dies in the middle
         try:
             apply_settings(claims, folder, combine(claims.labs, claims.foreign))
         except BaseException:
-            _leave(claims, folder, lab)
+            _leave(claims, folder, key)
             raise
         claims.save()
 
@@ -248,14 +281,14 @@ def claim(lab: str, settings: Mapping[str, str], explicit: bool, sysfs: Path | N
 def release(lab: str, sysfs: Path | None) -> None:
     """`lab` no longer wants KSM: the last lab out puts the host's settings back; otherwise the
     settings become those the other labs need."""
-    with locked_claims() as claims:
-        problems = _leave(claims, ksm_dir(sysfs), lab)
+    with locked_claims(claims_root(sysfs)) as claims:
+        problems = _leave(claims, ksm_dir(sysfs), lab_key(lab))
     if problems:
         raise HostError("KSM's settings could not all be put back: " + "; ".join(problems),
                         "compare /sys/kernel/mm/ksm with what you had")
 
 
-def _leave(claims: KsmClaims, folder: Path, lab: str) -> list[str]:
+def _leave(claims: KsmClaims, folder: Path, lab: LabKey) -> list[str]:
     claims.labs.pop(lab, None)
     claims.drop_stale()
     if claims.labs:
@@ -268,7 +301,7 @@ def _leave(claims: KsmClaims, folder: Path, lab: str) -> list[str]:
         claims.save()
     except OSError as exc:  # the host is as it should be; the file keeps a claim of a lab now gone
         log.warning("%s could not be updated (%s): its claim of lab %s is dropped by the next lab or down",
-                    claims.path, exc.strerror or exc, lab)
+                    claims.path, exc.strerror or exc, lab[1])
     return []
 
 
@@ -298,8 +331,8 @@ def release_unjournaled_ksm(ctx: Context, journaled: Callable[[str, str], bool])
     if journaled(KsmRecord.kind, "host"):
         return []
     try:
-        with locked_claims() as claims:
-            if ctx.lab not in claims.labs:
+        with locked_claims(claims_root(ctx.sysfs)) as claims:
+            if lab_key(ctx.lab) not in claims.labs:
                 return []
         log.info("KSM: finishing what a killed `up` of lab %s left", ctx.lab)
         release(ctx.lab, ctx.sysfs)

@@ -18,9 +18,10 @@ A script is run without a shell, argv `[SCRIPT, TAP]`, from its own folder, stdi
 output (stdout and stderr, in order) captured; with vmlaunch's environment less vmlaunch's own
 `VMLAUNCH_*` settings, plus the NIC's (`ScriptEnv.variables`). It runs in a session of its own, with
 no signal blocked; after SCRIPT_TIMEOUT seconds it is killed with everything it started in that
-session, and it dies with the vmlaunch that runs it (PR_SET_PDEATHSIG), SIGKILL included. It is code run as vmlaunch's user (root, to make taps), so it is refused, before anything
-changes and again just before it runs, when another user than you or root could change it or a folder
-on its path (`diskfiles.py`'s rule, with no opt-in).
+session, and it dies with the vmlaunch that runs it (PR_SET_PDEATHSIG), SIGKILL included. It is
+code run as vmlaunch's user (root, to make taps), so it is refused, before anything changes and
+again just before it runs, when another user than you or root could change it or a folder on its
+path (`diskfiles.py`'s rule, with no opt-in).
 """
 
 from __future__ import annotations
