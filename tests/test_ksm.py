@@ -326,3 +326,15 @@ def test_the_hosts_own_ksm_has_one_claims_file_for_every_run_root(tmp_path: Path
     assert claims_root(tmp_path) is None  # a fake sysfs: the run root's
     if os.geteuid() == 0 and Path("/sys/kernel/mm/ksm").is_dir():
         assert claims_root(Path("/sys")) == HOST_CLAIMS_DIR
+
+
+def test_a_relative_run_root_is_claimed_by_its_absolute_path(sysfs: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("VMLAUNCH_RUN_DIR", "run")
+    record = up(tmp_path, "a", ADVISED)
+    claims = json.loads((tmp_path / "run" / CLAIMS_FILE).read_text())
+    assert [claim["root"] for claim in claims["labs"]] == [str(tmp_path / "run")]
+    up(tmp_path, "b", ADVISED).undo(Context(lab="b"), rollback=False)  # the file reads back
+    record.undo(Context(lab="a"), rollback=False)
+    assert settings_of(sysfs) == HOST_AS_IT_WAS

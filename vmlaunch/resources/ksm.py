@@ -110,8 +110,8 @@ def combine(claims: Mapping[Any, Claim], foreign: bool) -> dict[str, str]:
 
 
 def lab_key(lab: str) -> LabKey:
-    """How a lab is named in the claims: its run root (this process's) and its name."""
-    return (str(run_root()), lab)
+    """How a lab is named in the claims: its run root (this process's, absolute) and its name."""
+    return (os.path.abspath(run_root()), lab)
 
 
 def claims_root(sysfs: Path | None) -> Path | None:

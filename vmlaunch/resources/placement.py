@@ -140,7 +140,7 @@ def where_running(run_dir: RunDir, topology: Topology | None) -> dict[str, tuple
         return {}
     try:
         journal = Journal.load(run_dir)
-    except VmlaunchError:
+    except (VmlaunchError, OSError):
         return {}
     found: dict[str, tuple[int, ...]] = {}
     for name, entry in journal.vms.items():
