@@ -184,3 +184,9 @@ def test_the_test_guest_in_64m_is_refused_with_its_numbers(tmp_path: Path, test_
     err = capsys.readouterr().err
     assert "vm.a.memory: 64 MiB cannot hold kernel" in err and "from the 16 MiB mark" in err
     assert main(["validate", str(write_spec(tmp_path, HEAD + '[vm.a]\nmemory = "96M"\n' + body))]) == 0
+
+
+def test_a_kernel_that_is_a_fifo_is_reported_without_hanging(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "vmlinuz")
+    spec = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 32\nkernel = "vmlinuz"\n')
+    assert problems(spec) == [f"{spec}:5: vm.a.kernel: {tmp_path}/vmlinuz is a FIFO, not a file"]

@@ -152,7 +152,10 @@ def kernel_needs_bytes(kernel: Path, initrd: Path | None) -> tuple[int, int, int
     import struct
 
     try:
-        with open(kernel, "rb") as file:
+        fd = os.open(kernel, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not hang us
+        with os.fdopen(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None  # said as a file problem
             header = file.read(INIT_SIZE + 4)
         initrd_size = os.stat(initrd).st_size if initrd is not None else 0
     except OSError:
