@@ -61,6 +61,19 @@ def try_lock(fd: int) -> bool:
         raise
 
 
+def lock_if_current(fd: int, path: Path) -> int | None:
+    """`fd`, now holding an exclusive flock, when nobody else held one and `path` still names it (see
+    `same_file`); otherwise None, and `fd` is closed (also when the lock raises)."""
+    try:
+        if try_lock(fd) and same_file(fd, path):
+            return fd
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
+
+
 def same_file(fd: int, path: Path) -> bool:
     """Whether `path` still names the file open as `fd`: a lock file its holder removed and another
     process made anew is not the one locked."""

@@ -35,7 +35,7 @@ from typing import IO, TYPE_CHECKING, Any
 import attrs
 
 from vmlaunch.errors import HostError, RuntimeFailure, UsageError, VmlaunchError
-from vmlaunch.fsutil import fsync_dir, same_file, try_lock, write_atomic
+from vmlaunch.fsutil import fsync_dir, lock_if_current, write_atomic
 from vmlaunch.model import DiskFormat, Image
 
 if TYPE_CHECKING:
@@ -389,14 +389,7 @@ def _holding(lock: Path, name: str) -> Iterator[None]:
 
 def _try_lock_file(lock: Path) -> int | None:
     fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        if try_lock(fd) and same_file(fd, lock):
-            return fd
-    except BaseException:
-        os.close(fd)
-        raise
-    os.close(fd)
-    return None
+    return lock_if_current(fd, lock)
 
 
 def _fetch(image: Image, algo: str, part: Path, progress: bool | None) -> tuple[str, int]:

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import attrs
 
 from vmlaunch.errors import RuntimeFailure
-from vmlaunch.fsutil import same_file, try_lock, write_atomic
+from vmlaunch.fsutil import lock_if_current, write_atomic
 from vmlaunch.resources.base import Record
 from vmlaunch.rundir import RunDir, open_in_run_dir
 from vmlaunch.wait import TimedOut, wait_until
@@ -286,10 +286,7 @@ def locked(run_dir: RunDir, timeout: float) -> Iterator[None]:
             if exc.errno != errno.EROFS:
                 raise
             fd = open_in_run_dir(lock_path, os.O_RDONLY)  # a read-only run root: `down` still runs
-        if try_lock(fd) and same_file(fd, lock_path):
-            return fd
-        os.close(fd)
-        return None
+        return lock_if_current(fd, lock_path)
 
     fd = take()
     if fd is None:

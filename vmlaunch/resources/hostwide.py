@@ -21,7 +21,7 @@ from typing import Any
 
 from vmlaunch.dirs import run_root, secure_dir
 from vmlaunch.errors import RuntimeFailure
-from vmlaunch.fsutil import same_file, try_lock
+from vmlaunch.fsutil import lock_if_current, try_lock
 from vmlaunch.rundir import RunDir
 from vmlaunch.wait import TimedOut, wait_until
 
@@ -57,13 +57,10 @@ def locked(file: str, lock: str, what: str, root: Path | None = None,
                                     f"{exc.strerror or exc}") from exc
         try:
             check_owner(fd, lock_path)
-            if try_lock(fd) and same_file(fd, lock_path):
-                return fd
         except BaseException:
             os.close(fd)
             raise
-        os.close(fd)
-        return None
+        return lock_if_current(fd, lock_path)
 
     try:
         fd = wait_until(take, timeout)
