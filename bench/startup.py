@@ -62,6 +62,7 @@ def main() -> int:
     try:
         spec = work / "lab.toml"
         spec.write_text(SPEC)
+        (work / "vmlinuz").write_bytes(b"a kernel")  # validate checks the files a spec names
         env = {**os.environ, "VMLAUNCH_CACHE_DIR": str(work / "cache")}
         env.pop("PYTHONDONTWRITEBYTECODE", None)  # what a user gets: the bytecode cache in use
         tool = vmlaunch_argv()

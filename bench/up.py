@@ -5,9 +5,10 @@
   `qemu-system-x86_64 -daemonize` of the same argv followed by a QMP query-status. Target: <= 2.0x.
 - ten VMs: `vmlaunch up` of a ten-VM lab against ten raw QEMUs started the smartest way a script can:
   all paused (-S) in parallel, then `cont` to each once all answer. Target: <= 1.5x.
-- fifty VMs (64M guests): the same, printed; `down` must leave nothing (checked).
+- fifty VMs (96M guests: the test guest's kernel needs 81 MiB to unpack): the same, printed; `down`
+  must leave nothing (checked).
 
-Guests run under TCG with 64 MiB and are torn down after each sample (not timed).
+Guests run under TCG with 96 MiB and are torn down after each sample (not timed).
     python bench/up.py [--rounds N] [--big-rounds N]
 """
 
@@ -36,7 +37,7 @@ from vmlaunch.rundir import RunDir  # noqa: E402
 def spec_text(name: str, count: int) -> str:
     text = f'[lab]\nname = "{name}"\n[network.out]\ntype = "user"\n'
     for i in range(count):
-        text += (f'[vm.vm{i}]\nmemory = 64\naccel = "tcg"\nkernel = "{GUEST}/vmlinuz"\n'
+        text += (f'[vm.vm{i}]\nmemory = 96\naccel = "tcg"\nkernel = "{GUEST}/vmlinuz"\n'
                  f'initrd = "{GUEST}/initrd.gz"\n[[vm.vm{i}.nic]]\nnetwork = "out"\n')
     return text
 
