@@ -6,6 +6,7 @@ libvirtd) and tests/test_export_kubevirt.py (KubeVirt's published OpenAPI schema
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -239,6 +240,26 @@ def test_export_again_replaces_what_the_lab_no_longer_has(tmp_path: Path) -> Non
     assert run("export", str(spec), "--to", "libvirt", "--out", str(out)).returncode == 0
     assert sorted(p.name for p in (out / "domains").iterdir()) == ["a.xml", "c.xml"]
     assert (out / "mine.txt").read_text() == "a user's file"  # never what vmlaunch did not write
+
+
+def test_a_forged_manifest_or_a_linked_subfolder_reaches_nothing_outside(tmp_path: Path) -> None:
+    """Only names an export writes are ever removed, and never through a symbolic link."""
+    spec = two(tmp_path)
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    (elsewhere / "keep.xml").write_text("keep")
+    (out / ".vmlaunch-export").write_text(json.dumps(
+        {"lab": "two", "target": "libvirt", "files": [str(victim), "domains/keep.xml", "../victim"]}))
+    (out / "domains").symlink_to(elsewhere)
+    done = run("export", str(spec), "--to", "libvirt", "--out", str(out))
+    assert done.returncode == 4 and "is a symbolic link" in done.stderr and "Traceback" not in done.stderr
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["keep.xml"]
+    (out / "domains").unlink()
+    assert run("export", str(spec), "--to", "libvirt", "--out", str(out)).returncode == 0
+    assert victim.read_text() == "keep" and (elsewhere / "keep.xml").read_text() == "keep"
 
 
 def test_strict_is_exit_3_with_every_setting_and_writes_nothing(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("vmlaunch")
 
 MANIFEST = ".vmlaunch-export"
+# what an export writes: the only names an earlier manifest may have removed
+EXPORTED_NAME = re.compile(r"(domains|networks|vms)/[A-Za-z0-9_][A-Za-z0-9_.-]*\.(xml|yaml)")
 
 
 def add_parser(commands: argparse._SubParsersAction[Any]) -> None:
@@ -158,18 +161,23 @@ def write_export(export: Export, out: Path, lab: str, *, partial: bool) -> list[
         raise UsageError(f"{out} holds the {earlier.get('target')} export of lab {earlier.get('lab')}",
                          "choose another folder with --out")
     names = [file.path for file in export.files]
-    old = [name for name in (earlier or {}).get("files", []) if isinstance(name, str)]
+    # only what an export writes: a manifest someone edited never names a file elsewhere to remove
+    old = [name for name in (earlier or {}).get("files", [])
+           if isinstance(name, str) and EXPORTED_NAME.fullmatch(name)]
     keep = sorted(set(names) | set(old)) if partial else sorted(names)
     written = []
     try:
+        for sub in sorted({name.split("/", 1)[0] for name in [*names, *old]}):
+            if (out / sub).is_symlink():  # writing or removing through it would reach elsewhere
+                raise RuntimeFailure(f"{out / sub} is a symbolic link: the export writes only inside "
+                                     f"{out}", "remove the link, or choose another folder with --out")
         for file in export.files:
             path = out / file.path
             path.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(path, file.text, 0o644)
             written.append(path)
         for name in sorted(set(old) - set(keep)):
-            if "/" in name and ".." not in name.split("/"):
-                (out / name).unlink(missing_ok=True)
+            (out / name).unlink(missing_ok=True)
         write_atomic(manifest, json.dumps({"lab": lab, "target": export.target, "files": keep}, indent=1)
                      + "\n", 0o644)
     except OSError as exc:
