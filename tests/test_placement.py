@@ -398,3 +398,14 @@ def test_where_running_reads_the_cgroup_else_the_cpus_allowed(tmp_path: Path,
     assert where_running(run_dir, topology(2)) == {"a": (1,), "b": (0,)}
     assert where_running(run_dir, topology(1)) == {}  # one node: nothing to place beside
     assert where_running(RunDir(tmp_path / "run" / "none"), topology(2)) == {}
+
+
+def test_a_memory_only_node_is_never_where_vcpus_go() -> None:
+    """A node without CPUs (CXL memory) has the most free memory, and still no VM is placed or moved there."""
+    hosts = [Node(0, (0, 1, 2, 3), 4000), Node(1, (), 60000), Node(2, (4, 5, 6, 7), 4000)]
+    placed = place([Demand("a", 2, 2048), Demand("b", 2, 2048), Demand("big", 2, 3900)], hosts)
+    assert {name: p.nodes for name, p in placed.items()} == {"big": (0,), "a": (2,), "b": (2,)}
+    assert all(p.cpus for p in placed.values())
+    busy = [VmLoad("a", 0, 4.0, 1024), VmLoad("b", 0, 4.0, 1024)]
+    decision = balance(hosts, busy, round_no=10)
+    assert decision.move is not None and decision.move.target == 2

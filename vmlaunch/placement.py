@@ -129,8 +129,9 @@ def place(demands: Sequence[Demand], nodes: Sequence[Node],
         for node_id, share in zip(mem_nodes, _split(demand.memory_mib, [max(free[n], 1) for n in mem_nodes],
                                                     demand.page_mib)):
             free[node_id] -= share
+    with_cpus = [n for n in nodes if n.cpus] or list(nodes)  # a memory-only node (CXL) runs no vCPU
     for demand in others:
-        fits = [n for n in nodes if free[n.id] >= demand.memory_mib]
+        fits = [n for n in with_cpus if free[n.id] >= demand.memory_mib]
         if fits:
             best = min(fits, key=lambda n: ((load[n.id] + demand.vcpus) / max(1, len(n.cpus)),
                                             -free[n.id], n.id))
@@ -139,7 +140,7 @@ def place(demands: Sequence[Demand], nodes: Sequence[Node],
             placed[demand.name] = _spread(demand, nodes, free, load)
             continue
         else:  # it would fit a node, were the host's memory free: on the one with the most
-            best = min(nodes, key=lambda n: (-free[n.id], n.id))
+            best = min(with_cpus, key=lambda n: (-free[n.id], n.id))
             why = f"no node has {demand.memory_mib} MiB free; this one has the most"
         free[best.id] -= demand.memory_mib
         load[best.id] += demand.vcpus
@@ -260,6 +261,7 @@ def balance(nodes: Sequence[Node], vms: Sequence[VmLoad], round_no: int,
     """At most one move that evens the load (pure). `history`: VM -> (round it was moved, the node
     it left)."""
     history = history or {}
+    nodes = [node for node in nodes if node.cpus] or list(nodes)  # a memory-only node runs no vCPU
     table = node_loads(nodes, vms)
     if len(table) < 2:
         return Decision(table, None, None, "one node: nothing to balance")
