@@ -172,7 +172,8 @@ def test_a_failing_write_takes_the_claim_back(sysfs: Path, tmp_path: Path,
                                  {"version": 2, "saved": {}, "labs": [{"lab": "a", "settings": {}}]},
                                  {"version": 2, "saved": {}, "labs": [{"lab": "a", "root": "rel",
                                                                        "settings": {}}]},
-                                 {"version": True, "saved": {}, "labs": []}])
+                                 {"version": True, "saved": {}, "labs": []},
+                                 {"version": 2, "saved": {"pages_to_scan": "none"}, "labs": []}])
 def test_a_damaged_claims_file_is_a_clear_error(sysfs: Path, tmp_path: Path, doc: object) -> None:
     path = tmp_path / "run" / CLAIMS_FILE
     path.parent.mkdir(mode=0o700)

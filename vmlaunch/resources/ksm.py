@@ -186,9 +186,10 @@ class KsmClaims:
 
 
 def _settings(value: Any, what: str) -> dict[str, str]:
-    if not isinstance(value, dict) or not all(name in SETTINGS and isinstance(text, str) and text.isascii()
-                                              and (text.isdigit() or text in ("none", "scan-time"))
-                                              for name, text in value.items()):
+    if not isinstance(value, dict) or not all(
+            name in SETTINGS and isinstance(text, str) and text.isascii()
+            and (text in ("none", "scan-time") if name == "advisor_mode" else text.isdigit())
+            for name, text in value.items()):
         raise ValueError(f"{what}: settings must be KSM settings with their values")
     return dict(value)
 
