@@ -50,16 +50,19 @@ class Cpusets:
 
 
 def detect(sysfs: Path | None = None) -> Cpusets | None:
-    """The host's cpuset cgroups, None when it has none vmlaunch may use."""
+    """The host's cpuset cgroups, None when it has none vmlaunch may use: none, or none it may create
+    a cgroup in (not root, a read-only cgroup file system in a container), so placement pins with
+    sched_setaffinity instead."""
     from vmlaunch.pci import sysfs_root
 
     base = (sysfs or sysfs_root()) / "fs" / "cgroup"
+    found = None
     with contextlib.suppress(OSError):
         if "cpuset" in (base / "cgroup.subtree_control").read_text().split():
-            return Cpusets(CgroupVersion.V2, base)
-    if (base / "cpuset" / "cpuset.cpus").exists() and (base / "cpuset" / "tasks").exists():
-        return Cpusets(CgroupVersion.V1, base / "cpuset")
-    return None
+            found = Cpusets(CgroupVersion.V2, base)
+    if found is None and (base / "cpuset" / "cpuset.cpus").exists() and (base / "cpuset" / "tasks").exists():
+        found = Cpusets(CgroupVersion.V1, base / "cpuset")
+    return found if found is not None and os.access(found.root, os.W_OK) else None
 
 
 def _write(path: Path, value: str) -> None:

@@ -100,8 +100,10 @@ def ksm_support() -> KsmSupport | None:
         mode = (folder / "run").stat().st_mode
     except OSError:
         return None
-    # Root's alone, whatever a file's mode says (root could write a fake tree's files)
-    return KsmSupport(writable=os.geteuid() == 0 and bool(mode & 0o200),
+    # Root's alone, whatever a file's mode says (root could write a fake tree's files); and not on a
+    # read-only /sys (a container), which the mode does not show
+    return KsmSupport(writable=os.geteuid() == 0 and bool(mode & 0o200)
+                      and os.access(folder / "run", os.W_OK),
                       advisor=(folder / "advisor_mode").exists())
 
 
