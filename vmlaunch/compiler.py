@@ -311,8 +311,7 @@ def needs_lab_dir(vm: VmSpec) -> bool:
 def memory_notes(vms: Sequence[VmSpec], host: Host, lab: LabSpec | None = None) -> Iterator[str]:
     """The KVM guide's over-commit target: guests together use at most 80 % of host memory. A lab
     manager keeps the guests within the lab's budget: then the budget is what is weighed."""
-    if lab is not None and any(vm.balloon.enabled and vm.balloon.policy is BalloonPolicy.AUTO
-                               for vm in lab.vms):
+    if lab is not None and has_manager(lab):
         budget = lab.memory.budget_mib
         target = int(host.memory_mib * BUDGET_SHARE)
         if budget is not None and budget > target:

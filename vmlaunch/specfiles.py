@@ -105,11 +105,9 @@ def named_problems(named: Iterable[Named], vms: Sequence[str] = (),
 
 def file_problems(lab: LabSpec, vms: Sequence[str] = ()) -> list[Found]:
     """What is wrong with the files of the lab's VMs (those named that it has, or all)."""
-    selected = [vm for vm in lab.vms if not vms or vm.name in vms]
     images = {vm.name: vm.image for vm in lab.vms if vm.image is not None}
-    return [*named_problems(named_in(lab), vms, images),
-            *(item for vm in selected for item in _disk_size_problems(lab, vm)),
-            *(item for vm in selected for item in _kernel_memory_problems(vm))]
+    return [*named_problems(named_in(lab), vms, images), *disk_size_problems(lab, vms),
+            *kernel_memory_problems(lab, vms)]
 
 
 def disk_size_problems(lab: LabSpec, vms: Sequence[str] = ()) -> list[Found]:
