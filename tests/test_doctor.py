@@ -393,6 +393,31 @@ def test_misaligned_partitions_are_found_through_qemu(tmp_path: Path, fmt: str) 
 
 
 @needs_sfdisk
+def test_a_gpt_header_never_decides_how_much_is_read(tmp_path: Path) -> None:
+    """A guest wrote a GPT header whose entries are far into the disk: refused, not read up to there."""
+    import struct
+
+    image = partitioned(tmp_path / "gpt.img", "label: gpt\nstart=2048, size=20480\n")
+    with open(image, "r+b") as file:
+        file.seek(512 + 72)
+        file.write(struct.pack("<Q", 100_000))
+    found = layout(Reader(image, "raw"))
+    assert found.table == "none" and "at sector 100000" in (found.error or "")
+
+
+def test_doctor_does_not_open_a_fifo_named_as_a_disk(tmp_path: Path) -> None:
+    """validate says what it is; doctor must not hang on it either."""
+    import sys
+
+    os.mkfifo(tmp_path / "disk.img")
+    (tmp_path / "vmlinuz").write_bytes(b"a kernel")
+    spec = lab_spec(tmp_path, vm(extra='[[vm.a.disk]]\nfile = "disk.img"\n'))
+    done = subprocess.run([sys.executable, "-m", "vmlaunch", "doctor", str(spec)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode in (0, 1) and "Traceback" not in done.stderr and "checks:" in done.stdout
+
+
+@needs_sfdisk
 def test_writeback_over_an_ext3_file_system_warns(tmp_path: Path) -> None:
     partitioned(tmp_path / "old.img", "label: dos\nstart=2048, size=20480, type=83\n", ext3_at=2048)
     spec = lab_spec(tmp_path, vm(extra='[[vm.a.disk]]\nfile = "old.img"\ncache = "writeback"\n'))

@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 
 SECTOR = 512
+MAX_ENTRIES_LBA = 2048  # a GPT's entries start at sector 2; tools put them within the first MiB
 HEAD_SECTORS = 34  # the MBR, a GPT header and its 128 entries
 EXTENDED_TYPES = {0x05, 0x0F, 0x85}
 GPT_PROTECTIVE = 0xEE
@@ -126,13 +127,16 @@ def _gpt(reader: Reader, head: bytes) -> list[Partition]:
     if header[:8] != b"EFI PART":
         raise ValueError("a protective MBR without a GPT header")
     entries_lba, count, size = struct.unpack_from("<QII", header, 72)
-    if not 0 < size <= 4096 or count > 1024:
-        raise ValueError(f"a GPT header with {count} entries of {size} bytes")
+    if not 0 < size <= 4096 or count > 1024 or not 2 <= entries_lba <= MAX_ENTRIES_LBA:
+        raise ValueError(f"a GPT header with {count} entries of {size} bytes at sector {entries_lba}")
     need = entries_lba * SECTOR + count * size
-    data = head if need <= len(head) else reader.read(0, -(-need // SECTOR))
+    if need <= len(head):
+        data, base = head, entries_lba * SECTOR
+    else:  # only the entries: the image's header decides where they are, never how much is read
+        data, base = reader.read(entries_lba, -(-(count * size) // SECTOR)), 0
     parts = []
     for index in range(count):
-        offset = entries_lba * SECTOR + index * size
+        offset = base + index * size
         type_guid = data[offset:offset + 16]
         if type_guid == bytes(16):
             continue

@@ -64,8 +64,8 @@ def disk_files(lab: LabSpec) -> list[DiskFile]:
             files.append(DiskFile(vm.name, ("vm", vm.name, "image"), overlay, DiskFormat.QCOW2,
                                   CacheMode.NONE, DiskBus.VIRTIO, size, exists))
         for index, disk in enumerate(vm.disks):
-            exists = disk.file.exists()
-            size = disk.size
+            exists = disk.file.is_file() or (disk.block_device and disk.file.is_block_device())
+            size = disk.size  # (a FIFO is not opened: it would hang; validate says what it is)
             if exists and not disk.block_device:
                 with contextlib.suppress(Exception):
                     size = image_info(disk.file, disk.format).virtual_size
