@@ -340,3 +340,17 @@ def test_libvirt_export_says_which_lab_files_up_makes(tmp_path: Path) -> None:
     domain = (tmp_path / "out" / "domains" / "web.xml").read_text()
     assert f"<nvram>{lab_dir}/web/nvram.fd</nvram>" in domain and '<os firmware="efi">' in domain
     assert not lab_dir.exists()  # export makes nothing beside the spec
+
+
+@pytest.mark.parametrize(("target", "said", "absent"), [
+    ("libvirt", "domains/*.xml; do virsh define", "networks/"),
+    ("kubevirt", "kubectl apply -f", "networks"),
+])
+def test_the_next_step_names_only_what_was_written(tmp_path: Path, target: str, said: str,
+                                                    absent: str) -> None:
+    (tmp_path / "k").write_bytes(b"kernel")
+    spec = write_spec(tmp_path, '[lab]\nname = "solo"\n[vm.a]\nmemory = 128\nkernel = "k"\n')
+    done = run("export", str(spec), "--to", target, "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    step = next(line for line in done.stderr.splitlines() if said in line)
+    assert absent not in step

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vmlaunch.units import format_size, parse_size
+from vmlaunch.units import format_size, parse_duration, parse_size
 
 
 @pytest.mark.parametrize(("text", "unit", "expected"), [
@@ -75,3 +75,15 @@ def test_parse_size_is_linear_on_long_text() -> None:
         with pytest.raises(ValueError):
             parse_size(text)
     assert time.monotonic() - start < 1
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("5s", 5.0), ("500ms", 0.5), ("1ms", 0.001), ("1m", 60.0),
+                                               (2, 2.0), ("1440m", 86400.0)])
+def test_durations(text: str | int, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["0.5ms", 0.0001, 0, "0s", -1, "1441m", True, "soon", "1h"])
+def test_durations_outside_1_ms_and_a_day_are_refused(text: object) -> None:
+    with pytest.raises(ValueError):
+        parse_duration(text)  # type: ignore[arg-type]

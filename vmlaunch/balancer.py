@@ -39,7 +39,6 @@ class Balancer:
         self.said = ""  # the kind of the last decision logged: log again when it changes
         self.state: dict[str, Any] = {}
         self.moving: asyncio.Task[None] | None = None
-        self.off_logged = False
 
     def sample(self, vms: Mapping[str, ManagedVm], running: Mapping[str, int]) -> None:
         for name, vm in vms.items():

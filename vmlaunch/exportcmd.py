@@ -142,10 +142,13 @@ def _read_key(path: Path) -> str | None:
 
 
 def _next_step(export: Export, out: Path) -> str:
+    written = {file.path.split("/", 1)[0] for file in export.files}  # no networks/ for a lab without
     if export.target == "libvirt":
-        return (f"define them: for f in {out}/networks/*.xml; do virsh net-define \"$f\"; done; "
-                f"for f in {out}/domains/*.xml; do virsh define \"$f\"; done (then virsh net-start, start)")
-    return f"apply them: kubectl apply -f {out}/networks -f {out}/vms"
+        steps = [f"for f in {out}/{sub}/*.xml; do virsh {verb} \"$f\"; done"
+                 for sub, verb in (("networks", "net-define"), ("domains", "define")) if sub in written]
+        return f"define them: {'; '.join(steps)} (then virsh net-start, start)"
+    return "apply them: kubectl apply " + " ".join(f"-f {out}/{sub}" for sub in ("networks", "vms")
+                                                   if sub in written)
 
 
 def write_export(export: Export, out: Path, lab: str, *, partial: bool) -> list[Path]:

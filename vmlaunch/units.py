@@ -61,7 +61,7 @@ def parse_duration(text: str | float) -> float:
         if not match or len(match[1]) > 12:
             raise ValueError(f"{_short(text)} is not a duration (examples: 5s, 500ms, 1m)")
         seconds = float(match[1]) * _SECONDS[match[2]]
-    if not 0 < seconds <= 86400:
+    if not 0.001 <= seconds <= 86400:
         raise ValueError(f"{_short(str(text))} is not between 1 ms and a day")
     return seconds
 

@@ -14,10 +14,6 @@ class Status(enum.Enum):
     WARN = "warn"  # works, but against the best practice: slower, riskier, or about to fail
     FAIL = "fail"  # will not work as the spec or the host is (doctor exits 1)
 
-    @property
-    def rank(self) -> int:
-        return [Status.OK, Status.NOTE, Status.WARN, Status.FAIL].index(self)
-
 
 @attrs.frozen
 class Finding:

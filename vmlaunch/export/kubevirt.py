@@ -52,7 +52,6 @@ from vmlaunch.naming import default_bridge_name, management_mac
 
 API = "kubevirt.io/v1"
 NAD_API = "k8s.cni.cncf.io/v1"
-CDI_API = "cdi.kubevirt.io/v1beta1"
 CNI_VERSION = "0.3.1"
 PART_OF = "app.kubernetes.io/part-of"
 FREE_PAGE_REPORTING_DISABLED = "kubevirt.io/free-page-reporting-disabled"
