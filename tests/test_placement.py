@@ -409,3 +409,12 @@ def test_a_memory_only_node_is_never_where_vcpus_go() -> None:
     busy = [VmLoad("a", 0, 4.0, 1024), VmLoad("b", 0, 4.0, 1024)]
     decision = balance(hosts, busy, round_no=10)
     assert decision.move is not None and decision.move.target == 2
+
+
+def test_numa_node_naming_a_memory_only_node_is_exit_3(tmp_path: Path) -> None:
+    memory_only = Topology((NumaNode(0, (0, 1), 8192, 6000, (10, 21)),
+                            NumaNode(1, (), 65536, 60000, (21, 10))))
+    lab = load_lab(spec(tmp_path, vm("a", extra="numa_node = 1\n")))
+    with pytest.raises(HostError, match="node 1 has memory but no CPUs") as caught:
+        compile_lab(lab, fake_host(numa=memory_only, cpusets=V1))
+    assert caught.value.exit_code == 3

@@ -163,6 +163,10 @@ def check_placement(lab: LabSpec, vm: VmSpec, topology: Topology) -> None:
         if node is None:
             raise fail("numa_node", f"this host has no NUMA node {vm.numa_node} (its nodes: {nodes})",
                        "name one of its nodes, or leave numa_node out: placement picks one")
+        if not node.cpus and not vm.cpu_pinning:
+            raise fail("numa_node", f"node {node.id} has memory but no CPUs (a CXL or other memory-only "
+                       "node): the VM's vCPUs cannot run there",
+                       "name a node with CPUs (lscpu lists them per node), or add cpu_pinning for the vCPUs")
         if node.memory_mib and vm.memory_mib > node.memory_mib:
             raise fail("numa_node", f"{format_size(vm.memory_mib << 20)} does not fit node {node.id} "
                        f"({format_size(node.memory_mib << 20)} in all)",
