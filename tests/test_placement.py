@@ -341,6 +341,10 @@ def test_pinning_that_over_commits_is_a_note_that_says_which(tmp_path: Path) -> 
             "use every pinned CPU)") in notes
     assert "host CPU 2 is pinned in a and b: their vCPUs take turns on it (over-committed)" in notes
     assert any(note.startswith("a: vCPUs pinned to CPUs 1, 2, off node 1") for note in notes)
+    again = spec(tmp_path, vm("c", cpus=1, extra="cpu_pinning = [0, 0, 5]\n"))
+    notes = compile_lab(load_lab(again), fake_host(numa=topology(2), cpusets=V1)).notes
+    assert ("c: cpu_pinning names 3 host CPUs for 1 vCPU: CPU 5 carries no vCPU (QEMU's other threads use "
+            "every pinned CPU)") in notes  # CPU 0, named twice, runs vCPU 0
 
 
 def test_up_of_more_vms_places_them_beside_the_running_ones_where_they_are_now(tmp_path: Path) -> None:

@@ -186,11 +186,13 @@ def pinning_notes(lab: LabSpec, host: Host) -> Iterator[str]:
             continue
         for cpu in sorted(set(pins)):
             owners.setdefault(cpu, []).append(vm.name)
+        idle = sorted(set(pins[vm.cpus:]) - set(pins[:vm.cpus]))  # a CPU named twice may still run one
         if len(pins) > vm.cpus:
+            carry = (f"CPU{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} carr"
+                     f"{'y' if len(idle) > 1 else 'ies'} no vCPU (QEMU's other threads use every pinned CPU)"
+                     if idle else "the extra entries repeat CPUs that run vCPUs already")
             yield (f"{vm.name}: cpu_pinning names {len(pins)} host CPUs for {vm.cpus} vCPU"
-                   f"{'s' if vm.cpus > 1 else ''}: CPU{'s' if len(pins) - vm.cpus > 1 else ''} "
-                   f"{', '.join(map(str, pins[vm.cpus:]))} carry no vCPU (QEMU's other threads use "
-                   "every pinned CPU)")
+                   f"{'s' if vm.cpus > 1 else ''}: {carry}")
         shared = {cpu: [i for i in range(vm.cpus) if pins[i % len(pins)] == cpu] for cpu in set(pins)}
         doubled = {cpu: vcpus for cpu, vcpus in shared.items() if len(vcpus) > 1}
         if doubled:
