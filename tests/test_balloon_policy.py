@@ -167,6 +167,35 @@ def test_reason(budget: int, host: Host, guests: list[Guest], expected: dict[str
     assert reasons(decide(budget * M, host, guests)) == expected
 
 
+def floored(guest: Guest, floor: int) -> Guest:
+    return attrs.evolve(guest, floor=floor * M)
+
+
+@pytest.mark.parametrize(("budget", "guest", "expected"), [
+    # A 128M guest without stats, squeezed toward its 64M minimum, stopped at 77M: raised to 77 + 32.
+    pytest.param(640, floored(vm("a", 64, None, maximum=128, minimum=64, actual=77), 77), 109,
+                 id="without stats: raised over its floor"),
+    # The same guest over a budget that wants it at its minimum: never under its floor either.
+    pytest.param(64, floored(vm("a", 128, None, maximum=128, minimum=64), 77), 109,
+                 id="over budget: gives down to its floor only"),
+    # With stats that say it could give more, the floor it showed still holds.
+    pytest.param(200, floored(vm("a", 128, 20, maximum=128, minimum=40), 60), 92,
+                 id="with stats: plenty gives down to its floor only"),
+    # A floor near the maximum: the minimum is the maximum.
+    pytest.param(640, floored(vm("a", 100, None, maximum=128, minimum=64, actual=120), 120), 128,
+                 id="floor near the maximum: held at the maximum"),
+])
+def test_a_guest_is_never_asked_below_its_observed_floor(budget: int, guest: Guest, expected: int) -> None:
+    decisions = decide(budget * M, ROOMY, [guest], Params(shrink_step=1.0))
+    assert targets(decisions) == {"a": expected}
+    reason = decisions[0].reason
+    if guest.available is None:  # moved for its floor alone
+        assert "floor (it stopped giving at" in reason or f"its minimum {expected}M" in reason, reason
+    # and no later round takes it lower
+    settled = attrs.evolve(guest, target=expected * M, actual=expected * M)
+    assert all(d.target >= expected * M for d in decide(budget * M, ROOMY, [settled], Params(shrink_step=1.0)))
+
+
 @pytest.mark.parametrize(("fields", "message"), [
     ({"short": 0.5, "plenty": 0.4}, "short < plenty"),
     ({"plenty": 1.0}, "plenty < 1"),

@@ -19,7 +19,10 @@ Words used below, all for one guest in one round:
 - *plenty*: spare over `plenty` of its size, and available over `plenty` of its actual size (a
   step of growth that the balloon has not reached yet is not given back before the guest used it).
 - *floor*: the least it may give back to: its minimum, and used + margin (`margin` of used, at least
-  `margin_floor`).
+  `margin_floor`); for a guest whose balloon once stopped short of a lower target (`Guest.floor`:
+  its driver found no page to give, which the manager sees as a balloon that stopped moving or as
+  "Out of puff" or the OOM killer on its console), also that size + margin: its minimum rises to it,
+  so no round asks it for what it cannot give, and a target already under it is raised at once.
 - the *cap*: the budget, further capped by what the host can give the lab, host.available plus the
   guests' actual sizes less `host_reserve` of the host's total memory.
 
@@ -83,6 +86,9 @@ class Guest:
     total: int | None  # stat-total-memory: the guest's total as it sees it
     major_faults: float  # per second since the last sample; 0.0 when unknown
     swap_in: float  # bytes per second since the last sample; 0.0 when unknown
+    # Where its balloon stopped giving, short of a lower target (its driver found no more pages to
+    # give: the guest's own floor, as observed); None when never seen. Never asked below it again.
+    floor: int | None = None
 
 
 @attrs.frozen
@@ -211,7 +217,7 @@ class _Slot:
 def decide(budget: int, host: Host, guests: Sequence[Guest], params: Params = Params()) -> list[Decision]:
     """The targets to set this round, one Decision for each guest whose target changes, in the order
     of `guests`. `budget` is the lab's memory budget in bytes."""
-    slots = [_slot(guest, order) for order, guest in enumerate(guests)]
+    slots = [_slot(guest, order, params) for order, guest in enumerate(guests)]
     share = host.available + sum(guest.actual for guest in guests) - int(params.host_reserve * host.total)
     cap = min(budget, share)
     minimums = sum(slot.lo for slot in slots)
@@ -238,15 +244,22 @@ def _committed(guest: Guest) -> int:
     return guest.target if guest.target is not None else guest.actual
 
 
-def _slot(guest: Guest, order: int) -> _Slot:
+def _slot(guest: Guest, order: int, params: Params) -> _Slot:
     hi = _floor_mib(max(0, guest.maximum))
     # Both whole MiB in a lab (memory and balloon.min are MiB in the spec); when not, the minimum
     # rounds up, and gives way to the maximum should the two cross.
-    lo = min(_ceil_mib(max(0, guest.minimum)), hi)
+    least, what = guest.minimum, "minimum"
+    if guest.floor is not None:
+        # At its observed floor a guest has nothing free: it keeps the same margin over it as over
+        # what it uses (see *floor*), or its next allocation OOM-kills one of its programs.
+        kept = guest.floor + max(int(params.margin * guest.floor), params.margin_floor)
+        if kept > least:
+            least, what = kept, f"floor (it stopped giving at {_size(guest.floor)}) plus margin,"
+    lo = min(_ceil_mib(max(0, least)), hi)
     committed = _committed(guest)
     slot = _Slot(guest, order, lo, hi, committed, committed)
-    if committed < guest.minimum or committed < lo:
-        slot.move(lo, f"under its minimum {_size(lo)}: raised to it")
+    if committed < least or committed < lo:
+        slot.move(lo, f"under its {what} {_size(lo)}: raised to it")
     elif committed > guest.maximum or committed > hi:
         slot.move(hi, f"over its maximum {_size(hi)}: lowered to it")
     slot.size = slot.target

@@ -295,6 +295,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     import json
 
     from vmlaunch.control import status
+    from vmlaunch.textsafe import printable
     from vmlaunch.units import human_size
 
     run_dir, lab = _lab_vm(args.spec)
@@ -316,6 +317,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         most, free = (memory.max, memory.guest_free) if memory else (None, None)
         print(f"{row.name:<16} {row.state:<8} {row.pid or '-':>8} {row.accel or '-':<5} "
               f"{size(row.balloon_bytes):>8} {uptime:>8} {size(most):>6} {target:>7} {size(free):>6}{ssh}")
+        if row.why:
+            print(f"  {row.state}: {printable(row.why)}")
         for nic in row.nics:
             print(f"  nic{nic.index} {nic.describe()}")
     lab_memory = rows[0].lab_memory if rows else None

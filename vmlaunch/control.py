@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import select
@@ -25,6 +26,7 @@ from vmlaunch.wait import TimedOut, wait_until
 if TYPE_CHECKING:
     from vmlaunch.model import LabSpec, VmSpec
 
+log = logging.getLogger(__name__)
 DETACH_KEY = b"\x1d"  # Ctrl-]
 
 
@@ -81,7 +83,8 @@ class LabMemoryStatus:
 @attrs.frozen
 class VmStatus:
     name: str
-    state: str  # running | stopped (not up) | off (up, the guest powered itself off) | crashed
+    state: str  # running | stopped (not up) | off (up, the guest powered itself off) | crashed |
+    # panicked | unresponsive (its QMP does not answer) | paused | shutdown | internal-error | ...
     pid: int | None = None
     accel: str | None = None
     balloon_bytes: int | None = None
@@ -91,6 +94,8 @@ class VmStatus:
     memory: MemoryStatus | None = None  # when the lab's spec was given
     lab_memory: LabMemoryStatus | None = None  # the same for every VM of the lab: `status --json` stays
     # keyed by VM name
+    run_state: str | None = None  # QEMU's own (QMP query-status), when it answered
+    why: str | None = None  # what makes `state` other than running: the panic line, QEMU's run state
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -136,13 +141,15 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
             result.append(VmStatus(name, gone_state(run_dir.vm(name)), vm.pid, vm.accel, nics=nics,
                                    memory=spec_memory))
             continue
-        balloon, stats = None, {}
+        balloon, stats, run_state = None, {}, None
         try:
-            with QuickQmp(run_dir.vm(name).qmp, timeout=1) as qmp:
-                balloon = int(qmp.cmd("query-balloon")["actual"])
+            with QuickQmp(run_dir.vm(name).qmp, timeout=STATUS_QMP_TIMEOUT) as qmp:
+                run_state = read_run_state(qmp)
+                balloon = read_balloon(qmp)
                 stats = guest_stats(qmp.cmd("qom-get", path=BALLOON, property="guest-stats"))
         except QmpError:
             pass  # no balloon device, or QMP busy: the rest of the status still holds
+        state, why = vm_state(run_dir.vm(name), run_state)
         memory = None
         if spec_memory is not None:
             from vmlaunch.hostmem import ksm_merging
@@ -150,8 +157,8 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
             memory = attrs.evolve(spec_memory, actual=balloon, guest_free=stats.get("stat-free-memory"),
                                   guest_available=stats.get("stat-available-memory"),
                                   ksm_merged=ksm_merging(pid))
-        result.append(VmStatus(name, "running", pid, vm.accel, balloon, time.time() - vm.started, nics,
-                               vm.ssh_port, memory))
+        result.append(VmStatus(name, state, pid, vm.accel, balloon, time.time() - vm.started, nics,
+                               vm.ssh_port, memory, run_state=run_state, why=why))
     if lab is not None:
         lab_memory = lab_memory_status(run_dir, lab, result)
         result = [attrs.evolve(row, lab_memory=lab_memory) for row in result]
@@ -159,6 +166,39 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
 
 
 BALLOON = "/machine/peripheral/balloon0"  # the balloon's QOM path (its id is balloon0)
+STATUS_QMP_TIMEOUT = 2.0  # seconds `status` gives a VM's QMP to connect and answer each question
+# QEMU's run states (QMP query-status) as `status` names them; any other is shown as QEMU says it.
+_SHOWN_STATES = {"running": "running", "guest-panicked": "panicked", "internal-error": "internal-error",
+                 "shutdown": "shutdown", "paused": "paused", "suspended": "suspended",
+                 "io-error": "io-error", "watchdog": "watchdog"}
+
+
+def read_run_state(qmp: QuickQmp | Qmp) -> str | None:
+    """QEMU's run state ("running", "paused", "guest-panicked", ...), None when it cannot be read."""
+    reply = qmp.cmd("query-status")
+    state = reply.get("status") if isinstance(reply, dict) else None
+    return state if isinstance(state, str) else None
+
+
+def read_balloon(qmp: QuickQmp | Qmp) -> int | None:
+    """The balloon's actual size in bytes, None when QEMU has no balloon or does not say (a VM whose
+    snapshot job still runs may answer without it)."""
+    reply = qmp.cmd("query-balloon")
+    actual = reply.get("actual") if isinstance(reply, dict) else None
+    return actual if isinstance(actual, int) and not isinstance(actual, bool) else None
+
+
+def vm_state(files: VmFiles, run_state: str | None) -> tuple[str, str | None]:
+    """What `status` says of a VM whose QEMU runs, and why when it is not plainly running: QEMU's run
+    state, else "unresponsive" when its QMP did not answer; a guest whose console shows a kernel
+    panic since it booted is "panicked" whatever QEMU thinks (without a pvpanic driver in the guest,
+    QEMU goes on running a guest that panicked)."""
+    panic = qemu.console_panic(files)
+    if run_state == "guest-panicked" or panic is not None:
+        return "panicked", panic or "QEMU reported a guest panic (pvpanic)"
+    if run_state is None:
+        return "unresponsive", f"its QMP did not answer within {STATUS_QMP_TIMEOUT:g} s"
+    return _SHOWN_STATES.get(run_state, run_state), None if run_state == "running" else f"QEMU: {run_state}"
 
 
 def guest_stats(reply: Any) -> dict[str, int]:
@@ -244,8 +284,6 @@ class LabUp:
 def labs_up(root: Path) -> list[LabUp]:
     """Every lab with a run dir under `root` (vmlaunch's: marked) and a VM in its journal, by name.
     A run dir whose journal cannot be read is a warning, not the end of the list."""
-    import logging
-
     try:
         entries = sorted(os.listdir(root))
     except FileNotFoundError:
@@ -263,7 +301,7 @@ def labs_up(root: Path) -> list[LabUp]:
         try:
             journal = Journal.load(run_dir)
         except (VmlaunchError, OSError) as exc:
-            logging.getLogger(__name__).warning("%s: %s", run_dir, exc)
+            log.warning("%s: %s", run_dir, exc)
             continue
         if not journal.vms:
             continue
@@ -319,6 +357,9 @@ def qmp_command(run_dir: RunDir, name: str, command: str, args: dict[str, Any] |
 
 
 PAGE = 4096
+# A guest whose balloon has not moved for this long while it is short of its target has stopped:
+# its driver found no page it could give (the guest's floor), or it has none.
+BALLOON_STALL = 3.0
 
 
 def balloon(run_dir: RunDir, name: str, size: int | None = None, timeout: float = 10.0,
@@ -326,6 +367,10 @@ def balloon(run_dir: RunDir, name: str, size: int | None = None, timeout: float 
     """Set the balloon target to `size` bytes (and wait until the guest follows), or read it.
 
     `memory`, the VM's RAM, bounds the target: QEMU caps it there, so a larger one is never reached.
+    A guest that stops short of a smaller size (its floor: what its kernel and programs hold), shows
+    that it is out of memory, or does not follow within `timeout` gets its target set back to where
+    the balloon was, so it is never left squeezed towards a size that would kill it; the
+    RuntimeFailure says how far it got and that the target is back.
     """
     if size is not None:
         size -= size % PAGE  # the balloon moves whole pages
@@ -333,51 +378,107 @@ def balloon(run_dir: RunDir, name: str, size: int | None = None, timeout: float 
             limit = f" and {memory >> 20} MiB (the VM's memory)" if memory is not None else ""
             raise UsageError(f"balloon size must be between 4 KiB{limit}")
     running_pid(run_dir, name)
-    with Qmp(run_dir.vm(name).qmp) as qmp:
+    files = run_dir.vm(name)
+    with Qmp(files.qmp) as qmp:
         try:
-            actual = int(qmp.cmd("query-balloon")["actual"])
+            read = read_balloon(qmp)
         except QmpError as exc:
             raise RuntimeFailure(f"{name}: {exc.message}", "the VM has no balloon device: "
                                  "[vm.NAME.balloon] enabled = false?") from None
+        if read is None:
+            raise RuntimeFailure(f"{name}: QEMU did not say where the balloon is", "try again")
+        actual: int = read
+        panic = qemu.console_panic(files)
+        if size is not None and panic is not None:
+            raise RuntimeFailure(f"{name}: the guest panicked ({panic}); its balloon driver cannot answer",
+                                 f"`vmlaunch logs SPEC {name}` shows the console; `vmlaunch down` and "
+                                 "`up` start it again")
         if size is None or size == actual:
             return actual
         before = actual
+        console_from = qemu.console_size(files)
         qmp.cmd("balloon", value=size)
+        moved_at, last, sign = time.monotonic(), actual, None
 
-        def settled() -> int | None:
-            nonlocal actual
-            actual = int(qmp.cmd("query-balloon")["actual"])
-            return actual if actual == size else None
+        def settled() -> int | bool | None:
+            nonlocal actual, moved_at, last, sign
+            now_at = read_balloon(qmp)
+            actual = now_at if now_at is not None else actual
+            if actual == size:
+                return actual
+            now = time.monotonic()
+            if actual != last:
+                moved_at, last = now, actual
+            if size < before:
+                sign = qemu.console_line_since(files, console_from, qemu.OUT_OF_MEMORY)
+                # A guest that gave something and then stopped is at its floor; one that gave nothing
+                # yet may still be loading its driver, and gets the whole timeout.
+                if sign is not None or (actual != before and now - moved_at >= BALLOON_STALL):
+                    return True
+            return None
 
         try:
-            return wait_until(settled, timeout, interval=0.2)
+            if wait_until(settled, timeout, interval=0.2) == size:
+                return size
         except TimedOut:
             pass
-    raise _not_followed(name, size, timeout, before, actual, memory)
+        except BaseException:
+            if size < before:
+                _set_back(qmp, name, before)  # interrupted: never left squeezing
+            raise
+        back = _set_back(qmp, name, before) if size < before else None
+    raise _not_followed(name, size, timeout, before, actual, memory, back, sign)
+
+
+SET_BACK_WAIT = 10.0  # seconds a balloon set back waits for the guest to take its memory back
+
+
+def _set_back(qmp: Qmp, name: str, before: int) -> int | None:
+    """The balloon's target back at `before`, where the guest was, and the guest given a moment to
+    take its memory back (so the next command finds it there); None when QEMU refused."""
+    try:
+        qmp.cmd("balloon", value=before)
+        wait_until(lambda: read_balloon(qmp) == before or None, SET_BACK_WAIT, interval=0.1)
+    except QmpError as exc:
+        log.warning("%s: the balloon target could not be set back to %s: %s", name, _shown(before),
+                    exc.message)
+        return None
+    except TimedOut:
+        log.warning("%s: the guest is still taking its memory back towards %s", name, _shown(before))
+    return before
+
+
+def _shown(size: int) -> str:
+    from vmlaunch.units import format_size
+
+    return format_size(size)
 
 
 def _not_followed(name: str, size: int, timeout: float, before: int, actual: int,
-                  memory: int | None) -> RuntimeFailure:
+                  memory: int | None, back: int | None = None, sign: str | None = None) -> RuntimeFailure:
     """Why the guest's memory stopped short of `size`: it never moved (no driver answers), or it moved
-    and stopped (the guest keeps a floor: what its kernel and running programs cannot give up). A
-    guest already below its RAM has a driver: one that does not move is at its floor."""
-    from vmlaunch.units import format_size as shown
-
+    and stopped (the guest keeps a floor: what its kernel and programs cannot give up). A
+    guest already below its RAM has a driver: one that does not move is at its floor. `back`: the
+    target was set back there; `sign`: what the guest printed when it ran out of memory."""
+    shown = _shown
+    then = (f"; the target is back at {shown(back)}, where the guest was, so it keeps running"
+            if back is not None else "")
+    seen = f" (its console: {sign!r})" if sign else ""
     floor = (f"{shown(actual)} is about the guest's floor now: what its kernel and programs hold and "
-             "cannot give back; a larger size works, or free memory in the guest first (a longer "
-             "--timeout helps only a guest that is still giving memory back)")
-    if actual == before:
+             "cannot give back; a size well above it works, or free memory in the guest first (a "
+             "longer --timeout helps only a guest that is still giving memory back)")
+    if actual == before and sign is None:
         if memory is not None and before < memory and size < before:
             return RuntimeFailure(f"{name}: the guest gave nothing more within {timeout:g} s: it stays "
-                                  f"at {shown(actual)}, short of {shown(size)}", floor)
+                                  f"at {shown(actual)}, short of {shown(size)}{then}", floor)
         return RuntimeFailure(
             f"{name}: the guest did not move its memory towards {shown(size)} within {timeout:g} s "
-            f"(it stays at {shown(actual)})", "no balloon driver answered: is the guest still "
+            f"(it stays at {shown(actual)}){then}", "no balloon driver answered: is the guest still "
             "booting, or is its virtio_balloon driver not loaded?")
     if size < before:
         return RuntimeFailure(
             f"{name}: the guest gave up {shown(before - actual)} and stopped at {shown(actual)}, short "
-            f"of {shown(size)}, within {timeout:g} s", floor)
+            f"of {shown(size)}{seen}{then}", floor)
     return RuntimeFailure(
         f"{name}: the guest took back {shown(actual - before)} and is at {shown(actual)}, short of "
         f"{shown(size)}, within {timeout:g} s", "a longer --timeout may let it finish")

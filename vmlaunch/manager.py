@@ -40,6 +40,7 @@ from vmlaunch.balancer import Balancer
 from vmlaunch.balloon_policy import Guest, Host, decide
 from vmlaunch.fsutil import write_atomic
 from vmlaunch.hostmem import ksm_counters, meminfo
+from vmlaunch.qemu import OUT_OF_MEMORY, console_line_since, console_size
 from vmlaunch.qmp import AsyncQmp, QmpError
 from vmlaunch.resources.manager import INTERVAL, ManagedVm, ManagerConfig, read_config
 from vmlaunch.rundir import RunDir
@@ -62,6 +63,10 @@ class Watched:
     target: int | None = None  # bytes: the target this manager (or the one before it) set
     faults: tuple[float, int, int] | None = None  # (last-update, major faults, swap-in bytes) last seen
     seen: dict[str, Any] = attrs.Factory(dict)  # the last sample, for the state file
+    set_from: int | None = None  # bytes: the balloon's actual size when the target was set last
+    last_actual: int | None = None  # bytes: its actual size at the last sample
+    floor: int | None = None  # bytes: where it stopped giving, short of a lower target (observed)
+    console_seen: int = 0  # bytes of its console log already looked at for signs of its floor
 
 
 def stat(stats: dict[str, Any], key: str) -> int | None:
@@ -80,12 +85,14 @@ class Manager:
         self.journaled = False  # seen in the lab's journal: from then on it must stay there
         self.balancer = Balancer()
 
-    def _saved_targets(self) -> dict[str, tuple[int, int]]:
-        """name -> (QEMU pid, target) from the state file a previous manager of this lab left."""
+    def _saved_targets(self) -> dict[str, tuple[int, int, int | None]]:
+        """name -> (QEMU pid, target, observed floor) from the state file a previous manager of this
+        lab left."""
         try:
             doc = json.loads(self.run_dir.manager_state.read_text())
-            return {name: (int(vm["pid"]), int(vm["target"])) for name, vm in doc["vms"].items()
-                    if vm.get("target") is not None}
+            return {name: (int(vm["pid"]), int(vm["target"]),
+                           int(vm["floor"]) if vm.get("floor") is not None else None)
+                    for name, vm in doc["vms"].items() if vm.get("target") is not None}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return {}
 
@@ -189,10 +196,12 @@ class Manager:
             await qmp.close()
             return None
         saved = self.saved_targets.get(vm.name)
-        target = saved[1] if saved is not None and saved[0] == pid else None
-        log.info("%s: watched (QEMU pid %d%s)", vm.name, pid,
-                 f", target {target // MIB} MiB as set before" if target is not None else "")
-        return Watched(vm.name, pid, qmp, target=target)
+        target, floor = (saved[1], saved[2]) if saved is not None and saved[0] == pid else (None, None)
+        log.info("%s: watched (QEMU pid %d%s%s)", vm.name, pid,
+                 f", target {target // MIB} MiB as set before" if target is not None else "",
+                 f", its floor {floor // MIB} MiB as seen before" if floor is not None else "")
+        return Watched(vm.name, pid, qmp, target=target, floor=floor,
+                       console_seen=console_size(self.run_dir.vm(vm.name)))
 
     async def sample(self, vm: ManagedVm) -> Guest | None:
         """The VM as the policy sees it; a VM without an auto balloon is held where it is."""
@@ -219,16 +228,38 @@ class Manager:
             swap_rate = max(0, swap_in - watched.faults[2]) / elapsed
         if updated and (watched.faults is None or updated > watched.faults[0]):
             watched.faults = (float(updated), faults, swap_in)
+        if vm.auto:
+            self.observe_floor(watched, actual)
         watched.seen = {"pid": watched.pid, "actual": actual, "target": watched.target,
                         "available": available, "free": free, "major_faults_per_s": round(fault_rate, 1),
-                        "swap_in_per_s": round(swap_rate), "auto": vm.auto}
+                        "swap_in_per_s": round(swap_rate), "auto": vm.auto, "floor": watched.floor}
         if vm.auto:
             return Guest(name=vm.name, maximum=maximum, minimum=vm.minimum_mib * MIB, actual=actual,
                          target=watched.target, available=available, free=free,
-                         total=stat(values, "stat-total-memory"), major_faults=fault_rate, swap_in=swap_rate)
+                         total=stat(values, "stat-total-memory"), major_faults=fault_rate, swap_in=swap_rate,
+                         floor=watched.floor)
         # Held where it is: counted against the budget, never moved.
         return Guest(name=vm.name, maximum=actual, minimum=actual, actual=actual, target=None,
                      available=None, free=free, total=None, major_faults=0.0, swap_in=0.0)
+
+    def observe_floor(self, watched: Watched, actual: int) -> None:
+        """Note the guest's floor when its balloon stopped short of a lower target: it gave some of the
+        way and then stopped moving for a round, or its console says it ran out of pages to give
+        ("Out of puff") or of memory (the OOM killer). The policy never asks it below that again, and
+        raises a target already under it: squeezing on would have the guest kill its own programs,
+        or panic."""
+        files = self.run_dir.vm(watched.name)
+        sign = console_line_since(files, watched.console_seen, OUT_OF_MEMORY)
+        watched.console_seen = console_size(files)
+        short = watched.target is not None and actual > watched.target
+        gave = watched.set_from is not None and actual < watched.set_from
+        stopped = short and gave and actual == watched.last_actual
+        watched.last_actual = actual
+        if (stopped or (short and sign is not None)) and (watched.floor is None or actual > watched.floor):
+            watched.floor = actual
+            log.warning("%s: its balloon stopped at %d MiB, short of the target %d MiB: its floor%s; "
+                        "it is not asked below it again", watched.name, actual // MIB,
+                        (watched.target or 0) // MIB, f" (its console: {sign!r})" if sign else "")
 
     async def set_target(self, name: str, target: int, reason: str) -> None:
         watched = self.watched.get(name)
@@ -241,6 +272,7 @@ class Manager:
             log.warning("%s: balloon target %d MiB not set: %s", name, target // MIB, exc.message)
             return
         watched.target = target
+        watched.set_from = watched.seen.get("actual")
         watched.seen["target"] = target
         shown = f"{before // MIB} -> " if isinstance(before, int) else ""
         log.info("%s: target %s%d MiB: %s", name, shown, target // MIB, reason)

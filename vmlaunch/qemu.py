@@ -94,14 +94,61 @@ def kill_serving(vms: Sequence[VmFiles]) -> None:
         kill_all(found)
 
 
-def read_text(path: Path) -> str:
-    """A file of the run dir as text ("" when missing), never read through a symlink."""
+def read_text(path: Path, tail: int | None = None) -> str:
+    """A file of the run dir as text ("" when missing), never read through a symlink; with `tail`, only
+    its last `tail` bytes."""
     try:
         fd = open_in_run_dir(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return ""
     with os.fdopen(fd, "rb") as f:
+        if tail is not None and os.fstat(fd).st_size > tail:
+            f.seek(-tail, os.SEEK_END)
         return f.read().decode(errors="replace")
+
+
+# What a Linux guest prints when it panics, and what it prints first when it boots (so a panic
+# before a reboot is not taken for the state of the guest that booted after it).
+_PANIC = "Kernel panic - not syncing"
+_BOOTED = "Linux version "
+
+
+def console_panic(files: VmFiles) -> str | None:
+    """The panic line on the VM's serial console when its guest panicked since it last booted, else
+    None. QEMU knows of a panic only through a pvpanic device whose driver the guest loaded; the
+    console tells of one at any instant, the first second of a boot included."""
+    text = read_text(files.serial_log, tail=64 << 10)
+    panic = text.rfind(_PANIC)
+    if panic < 0 or text.rfind(_BOOTED) > panic:
+        return None
+    line = text[panic:].splitlines()[0] if text[panic:] else _PANIC
+    return " ".join(printable(line).split())[:200]
+
+
+# What a Linux guest prints when its balloon driver can take no more pages, or when it starts killing
+# its own processes: the balloon reached the guest's floor, and squeezing on would kill the guest.
+OUT_OF_MEMORY = ("Out of puff", "invoked oom-killer", "Out of memory: Kill")
+
+
+def console_size(files: VmFiles) -> int:
+    """How many bytes the VM's console log holds (0 when there is none)."""
+    try:
+        return files.serial_log.stat().st_size
+    except OSError:
+        return 0
+
+
+def console_line_since(files: VmFiles, since: int, marks: Sequence[str]) -> str | None:
+    """The first console line, among what the guest printed after byte `since`, that holds one of
+    `marks`, without its escapes; None when there is none."""
+    size = console_size(files)
+    if size <= since:
+        return None
+    text = read_text(files.serial_log, tail=min(size - since, 1 << 20))
+    for line in text.splitlines():
+        if any(mark in line for mark in marks):
+            return " ".join(printable(line).split())[:160]
+    return None
 
 
 def messages(files: VmFiles) -> str:
@@ -225,15 +272,20 @@ async def _stop(name: str, pid: int | None, files: VmFiles, timeout: float, step
     try:
         steps[name] = "connecting to QMP"
         await qmp.connect()
-        await qmp.cmd("system_powerdown")
-        steps[name] = f"the guest has {timeout:g} s to power off after the ACPI power button"
-        if await wait_until_async(lambda: not alive(pid), timeout):
-            return "powered off"
-        steps[name] = "QEMU was told to quit (the guest did not power off)"
+        # A guest that cannot answer the power button (it panicked, or it is paused) is not waited for.
+        state = (await qmp.cmd("query-status")).get("status")
+        deaf = "the guest panicked" if state == "guest-panicked" or console_panic(files) else \
+            f"the VM is {state}" if state != "running" else None
+        if deaf is None:
+            await qmp.cmd("system_powerdown")
+            steps[name] = f"the guest has {timeout:g} s to power off after the ACPI power button"
+            if await wait_until_async(lambda: not alive(pid), timeout):
+                return "powered off"
+        steps[name] = f"QEMU was told to quit ({deaf or 'the guest did not power off'})"
         with contextlib.suppress(QmpError):
             await qmp.cmd("quit")
         if await wait_until_async(lambda: not alive(pid), 5):
-            return f"quit (the guest did not power off within {timeout:g} s)"
+            return f"quit ({deaf or f'the guest did not power off within {timeout:g} s'})"
     except QmpError:
         pass
     finally:
