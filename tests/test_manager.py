@@ -158,3 +158,44 @@ def test_a_manager_missing_from_its_journal_stops_itself(tmp_path: Path) -> None
     assert asyncio.run(rounds(journaled=True)) is False
     run_dir.state.unlink()
     assert asyncio.run(rounds(journaled=False)) is True
+
+
+def test_the_manager_notes_a_guests_floor_when_its_balloon_stops_short(tmp_path: Path) -> None:
+    """A balloon that gave some of the way to a lower target and then stopped for a round, or a guest
+    whose console says it ran out of pages ("Out of puff") or of memory: the floor the policy then
+    keeps it over. One that has not moved yet (its driver is still loading) has shown no floor."""
+    from typing import Any, cast
+
+    from vmlaunch.manager import Manager, Watched
+
+    run_dir = RunDir(tmp_path / "t")
+    run_dir.create()
+    log = run_dir.vm("a").serial_log
+    log.write_text("[    1.0] booted\n")
+    manager = Manager(run_dir)
+
+    def watched() -> Watched:
+        vm = Watched("a", 1, cast(Any, None), target=64 * M, console_seen=log.stat().st_size)
+        vm.set_from = 128 * M
+        return vm
+
+    vm = watched()
+    for actual in (128 * M, 128 * M, 100 * M):  # not moved yet, then on its way
+        manager.observe_floor(vm, actual)
+        assert vm.floor is None
+    manager.observe_floor(vm, 77 * M)
+    assert vm.floor is None
+    manager.observe_floor(vm, 77 * M)  # a round without a move, still short
+    assert vm.floor == 77 * M
+    vm = watched()
+    with log.open("a") as f:
+        f.write("[    9.9] virtio_balloon virtio0: Out of puff! Can't get 1 pages\n")
+    manager.observe_floor(vm, 90 * M)
+    assert vm.floor == 90 * M
+    vm = watched()
+    manager.observe_floor(vm, 90 * M)  # the same console line is not read twice
+    assert vm.floor is None
+    vm.target = 100 * M
+    manager.observe_floor(vm, 100 * M)  # at its target: no floor to see
+    manager.observe_floor(vm, 100 * M)
+    assert vm.floor is None
