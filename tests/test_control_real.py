@@ -93,3 +93,20 @@ def test_a_balloon_below_the_floor_leaves_the_guest_alive_and_a_panic_shows(
     # `down` does not wait for the power button of a guest that cannot answer it.
     assert main(["down", str(spec)]) == 0
     assert "web: quit (the guest panicked)" in capsys.readouterr().err
+
+
+def test_a_panic_ends_the_wait_for_a_console_line_at_once(tmp_path: Path, run_dir: Path, test_guest: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A guest that panics while booting will never print its ready line: `up` fails then, naming the
+    panic, and rolls back; its console stays readable with `logs`."""
+    spec = tmp_path / "lab.toml"
+    spec.write_text(f'[lab]\nname = "boom"\n[vm.p]\nmemory = "128M"\naccel = "tcg"\n'
+                    f'kernel = "{test_guest}/vmlinuz"\ninitrd = "{test_guest}/initrd.gz"\n'
+                    'append = "console=ttyS0 rdinit=/no-such-init root=/dev/nowhere"\n')
+    assert main(["-q", "up", str(spec), "--wait-for", READY, "--timeout", "600"]) == 4
+    err = capsys.readouterr().err
+    assert "p: the guest panicked before its console printed 'VMLAUNCH-GUEST-READY': Kernel panic" in err
+    assert "Traceback" not in err
+    assert not (run_dir / "boom").exists()
+    assert main(["logs", str(spec), "p"]) == 0
+    assert "Kernel panic - not syncing" in capsys.readouterr().out

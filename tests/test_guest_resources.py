@@ -155,3 +155,38 @@ def test_a_guest_refusing_its_cpu_ends_the_wait_with_the_fix() -> None:
     assert raised.value.message == ('rhel: its OS needs an x86-64-v2 CPU (its console says "CPU does not '
                                     'support x86-64-v2"), and -cpu qemu64 is not one')
     assert raised.value.hint == 'set cpu_model = "max" in vm.rhel: every x86-64 level'
+
+
+def vmlaunch_in_new_netns(*args: str, lo_up: bool, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """The CLI in a network namespace of its own (the host's network is never touched), whose
+    loopback is left down as `unshare -n` makes it, or brought up first."""
+    import sys
+
+    command = " ".join(["exec", sys.executable, "-m", "vmlaunch", *(f"'{arg}'" for arg in args)])
+    script = f"{'ip link set lo up; ' if lo_up else ''}{command}"
+    return subprocess.run(["unshare", "-n", "--", "sh", "-c", script], capture_output=True, text=True,
+                          timeout=240, check=False, env={**os.environ, **env})
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a network namespace of its own needs root here")
+def test_wait_ssh_says_why_ssh_fails_and_ends_at_once_when_waiting_cannot_help(
+        tmp_path: Path, run_dir: Path, test_guest: Path) -> None:
+    """The loopback of the namespace down: no probe can reach the forwarded port, so `up --wait ssh`
+    ends at once, with the fix, and rolls back. With it up, the test guest (no sshd) never answers:
+    every progress line and the timeout say what SSH said last."""
+    spec = spec_of(tmp_path, test_guest)
+    env = {"VMLAUNCH_RUN_DIR": str(run_dir)}
+    down = vmlaunch_in_new_netns("up", str(spec), "--wait", "ssh", "--timeout", "300", lo_up=False, env=env)
+    assert down.returncode == 4, down.stderr
+    assert "a: SSH cannot reach 127.0.0.1:" in down.stderr
+    assert "Network is unreachable; waiting would not help" in down.stderr
+    assert "`ip link set lo up`" in down.stderr and "Traceback" not in down.stderr
+    assert not (run_dir / "gr").exists()  # rolled back: no QEMU, no run dir
+
+    up = vmlaunch_in_new_netns("up", str(spec), "--wait", "ssh", "--timeout", "12", lo_up=True, env=env)
+    assert up.returncode == 4, up.stderr
+    progress = [line for line in up.stderr.splitlines() if "a: waiting for SSH" in line]
+    assert progress and all("; SSH: " in line for line in progress), up.stderr
+    assert "timed out after 12 s waiting for SSH on a" in up.stderr
+    assert "a: SSH said last: " in up.stderr
+    assert not (run_dir / "gr").exists()

@@ -8,6 +8,7 @@ handled the same way (`resources/base.py`); nothing here knows bridges from imag
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -338,6 +339,8 @@ def _wait_console(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str, ti
             elif not qemu.alive(pids[name]):
                 raise RuntimeFailure(f"{name}: QEMU exited before its console printed {wait_for!r}"
                                      f"{_tail(vm.files.serial_log)}{_tail(vm.files.qemu_log, empty='')}")
+            else:
+                check_panic(vm, f"its console printed {wait_for!r}")
         return not waiting
 
     def progress(waited: float) -> None:
@@ -353,6 +356,16 @@ def _wait_console(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str, ti
         tails = "".join(f"\n{name}:{_tail(vm.files.serial_log)}" for name, vm in sorted(waiting.items()))
         raise RuntimeFailure(f"timed out after {timeout:g} s waiting for {wait_for!r} on the "
                              f"console of {', '.join(sorted(waiting))}; the last lines:{tails}") from None
+
+
+def check_panic(vm: VmPlan, before: str) -> None:
+    """Raise RuntimeFailure when the guest's console shows a kernel panic: it will never get ready,
+    so the wait ends now (and `up` rolls back), not at its timeout."""
+    panic = qemu.console_panic(vm.files)
+    if panic is not None:
+        raise RuntimeFailure(f"{vm.name}: the guest panicked before {before}: {panic}"
+                             f"{_tail(vm.files.serial_log)}", f"`vmlaunch logs SPEC {vm.name}` shows its "
+                             "whole console (kept after this failed up)")
 
 
 # How long `up` waits by default: for the VMs to run (and a console text), and with --wait ssh for a
@@ -402,17 +415,24 @@ def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports:
     unset = set(clocks)  # VMs whose clock is still to be set
 
     deadline = time.monotonic() + timeout
+    tried: dict[str, str] = {}  # VM -> why SSH did not answer it last
 
     def answers(vm: VmPlan) -> bool:
         """SSH runs a command, and cloud-init (when the guest has it) has finished: until then it may
-        still restart sshd with the host key it was given, or not have made the user yet."""
+        still restart sshd with the host key it was given, or not have made the user yet. Why it did
+        not (yet) goes to `tried[vm.name]`."""
         port = ports.get(vm.name)
         assert port is not None and vm.ssh_user is not None
+        unreachable = port_unreachable(port)
+        if unreachable is not None:
+            tried[vm.name] = unreachable
+            return False
         argv_of = functools.partial(ssh_argv, lab_dir, vm.name, vm.ssh_user, port)
         if vm.name in unset:
             session = clock_session(argv_of, then=_CLOUD_INIT_DONE, timeout=remaining(deadline, SSH_ATTEMPT))
             if session.status is None or session.status == 255:
                 log.debug("%s: SSH: %s", vm.name, session.error)
+                tried[vm.name] = session.error or "SSH did not answer"
                 return False  # SSH did not answer (yet)
             unset.discard(vm.name)
             if session.error is not None:
@@ -427,8 +447,12 @@ def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports:
                                       capture_output=True, check=False, text=True,
                                       timeout=remaining(deadline, SSH_ATTEMPT))
             except subprocess.TimeoutExpired:
+                tried[vm.name] = f"SSH did not finish within {SSH_ATTEMPT:g} s"
                 return False
             status, output = done.returncode, done.stdout
+            if status != 0:
+                lines = [line for line in done.stderr.splitlines() if line.strip()]
+                tried[vm.name] = lines[-1].strip() if lines else f"ssh exited with status {status}"
         if status != 0:
             return False  # 255: ssh could not connect or log in (yet)
         said = output.strip().rpartition("cloud-init:")[2]
@@ -438,16 +462,23 @@ def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports:
         return True
 
     def all_ready() -> bool:
-        tried = list(waiting.values())
-        with ThreadPoolExecutor(len(tried)) as pool:
-            answered = list(pool.map(answers, tried))
-        for vm, ok in zip(tried, answered):
+        trying = list(waiting.values())
+        with ThreadPoolExecutor(len(trying)) as pool:
+            answered = list(pool.map(answers, trying))
+        for vm, ok in zip(trying, answered):
             if ok:
                 log.info("%s: ready (SSH answers on 127.0.0.1:%s)", vm.name, ports[vm.name])
                 del waiting[vm.name]
+                tried.pop(vm.name, None)
             elif not qemu.alive(pids[vm.name]):
                 raise RuntimeFailure(f"{vm.name}: QEMU exited before SSH answered"
                                      f"{_tail(vm.files.serial_log)}{_tail(vm.files.qemu_log, empty='')}")
+            else:
+                check_panic(vm, "SSH answered")
+                fix = cannot_heal(tried.get(vm.name, ""))
+                if fix is not None:
+                    raise RuntimeFailure(f"{vm.name}: SSH cannot reach 127.0.0.1:{ports[vm.name]}: "
+                                         f"{tried[vm.name]}; waiting would not help", fix)
         return not waiting
 
     def progress(waited: float) -> None:
@@ -455,15 +486,46 @@ def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports:
             console = qemu.read_text(vm.files.serial_log)
             check_cpu_level(vm, console)
             line = last_line(console) or "(nothing on the console yet)"
-            log.info("%s: waiting for SSH, %.0f s: %s", name, waited, line)
+            ssh = f"; SSH: {printable(tried[name])[:120]}" if name in tried else ""
+            log.info("%s: waiting for SSH, %.0f s: %s%s", name, waited, line, ssh)
 
     try:
         wait_until(all_ready, timeout, interval=1.0, progress=progress)
     except TimedOut:
         tails = "".join(f"\n{name}:{_tail(vm.files.serial_log)}" for name, vm in sorted(waiting.items()))
+        last = "".join(f"\n{name}: SSH said last: {printable(tried[name])[:200]}"
+                       for name in sorted(waiting) if name in tried)
         raise RuntimeFailure(f"timed out after {timeout:.0f} s waiting for SSH on "
-                             f"{', '.join(sorted(waiting))}; the last console lines:{tails}",
+                             f"{', '.join(sorted(waiting))}; the last console lines:{tails}{last}",
                              "a cold boot under TCG takes a minute or two: a longer --timeout?") from None
+
+
+# Errors of a connection to a forwarded port on 127.0.0.1 that no wait heals: the loopback interface
+# of this network namespace is down (a fresh `unshare -n` or `ip netns add` leaves it so), or it has
+# no 127.0.0.1.
+_NO_LOOPBACK = (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL)
+_NO_LOOPBACK_TEXT = tuple(os.strerror(code) for code in _NO_LOOPBACK)
+_LOOPBACK_FIX = ("the loopback interface is down in this network namespace: `ip link set lo up` "
+                 "(as root, in the namespace vmlaunch runs in), then `vmlaunch up` again")
+
+
+def port_unreachable(port: int, host: str = "127.0.0.1") -> str | None:
+    """Why a TCP connection to host:port fails at once for a reason no wait heals, else None (it
+    connects, is refused, or is slow: a guest that is still booting)."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return None
+    except OSError as exc:
+        if exc.errno in _NO_LOOPBACK:
+            return f"connect to {host} port {port}: {exc.strerror}"
+        return None
+
+
+def cannot_heal(error: str) -> str | None:
+    """The fix for an SSH error that waiting cannot heal, None for one that it may."""
+    return _LOOPBACK_FIX if any(text in error for text in _NO_LOOPBACK_TEXT) else None
 
 
 # What glibc (2.33 and later) prints when the CPU lacks the x86-64 level the distribution was built
