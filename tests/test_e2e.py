@@ -510,3 +510,22 @@ def test_bad_inputs_and_host_problems_are_messages(tmp_path: Path, netns: Netns,
     run_dir.rmdir()
     done = netns.vmlaunch("up", str(spec), env={"VMLAUNCH_RUN_DIR": "/proc/no-such-place"})
     assert done.returncode == 4 and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("damage", ["truncated", "emptied"])
+def test_down_force_after_an_unreadable_journal_takes_everything_down(
+        tmp_path: Path, netns: Netns, test_guest: Path, damage: str) -> None:
+    """What does not depend on the journal: the QEMUs by their pidfiles, the taps by their mark, the
+    bridge by the registry; the lab is gone and the run root clean afterwards."""
+    spec = lab(tmp_path, test_guest, pair("lost", '[network.lan]\nbridge = "vlbr-lost"'))
+    assert netns.vmlaunch("up", str(spec)).returncode == 0
+    assert {"vlbr-lost"} < netns.links() and len([n for n in netns.links() if n.startswith("vl-")]) == 2
+    state = netns.run_root / "lost" / "state.json"
+    state.write_text(state.read_text()[:40] if damage == "truncated" else "")
+    refused = netns.vmlaunch("status", str(spec))
+    assert refused.returncode == 4 and "--force" in refused.stderr and "Traceback" not in refused.stderr
+    done = netns.vmlaunch("down", str(spec), "--force", "--timeout", "5")
+    assert done.returncode == 0, done.stderr
+    assert "a: " in done.stderr and "b: " in done.stderr and "found by its pidfile" in done.stderr
+    assert netns.links() == {"lo"}
+    assert_clean(netns, "lost")

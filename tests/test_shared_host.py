@@ -288,6 +288,59 @@ def test_a_wrong_journal_is_a_clear_error(root: Path, tmp_path: Path, content: s
     assert not run_dir.path.exists()
 
 
+def stand_in_qemu(run_dir: RunDir, vm: str) -> subprocess.Popen[bytes]:
+    """A process whose command line is that of the VM's QEMU (its QMP socket path): what `down
+    --force` looks for when the journal cannot say which QEMUs the lab runs."""
+    qmp = run_dir.vm(vm).qmp
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "qemu-system-x86_64",
+                             "-chardev", f"socket,id=qmp,path={qmp},server=on,wait=off"])
+
+
+@pytest.mark.parametrize("content", ["", '{"version": 1, "spec": "/x.toml", "resources": [{"ki'])
+def test_down_force_stops_the_qemus_an_unreadable_journal_does_not_list(
+        root: Path, tmp_path: Path, content: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by their pidfile or their command line, stopped, and the run dir removed; exit 0."""
+    monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(root))
+    run_dir = RunDir.of(root, "sh")
+    run_dir.create()
+    run_dir.state.write_text(content)
+    by_pidfile, by_cmdline = stand_in_qemu(run_dir, "a"), stand_in_qemu(run_dir, "b")
+    try:
+        run_dir.vm("a").pidfile.write_text(f"{by_pidfile.pid}\n")
+        spec = spec_file(tmp_path)
+        assert main(["status", str(spec)]) == EXIT_RUNTIME
+        assert "down SPEC --force" in capsys.readouterr().err
+        assert main(["down", str(spec), "--force", "--timeout", "1"]) == 0
+        err = capsys.readouterr().err
+        assert "a: killed (found by its pidfile or command line)" in err
+        assert "b: killed (found by its pidfile or command line)" in err
+        assert by_pidfile.wait(10) and by_cmdline.wait(10)
+        assert not run_dir.path.exists()
+    finally:
+        for proc in (by_pidfile, by_cmdline):
+            proc.kill()
+            proc.wait()
+
+
+def test_down_force_that_cannot_stop_a_qemu_says_so_and_fails(
+        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(root))
+    run_dir = RunDir.of(root, "sh")
+    run_dir.create()
+    run_dir.state.write_text('{"vers')
+    proc = stand_in_qemu(run_dir, "a")
+    monkeypatch.setattr(qemu, "stop_all", lambda vms, timeout: {name: "not stopped" for name in vms})
+    try:
+        assert main(["down", str(spec_file(tmp_path)), "--force"]) == EXIT_RUNTIME
+        err = capsys.readouterr().err
+        assert f"still there:\nQEMU of VM a (pid {proc.pid}) still runs" in err
+        assert run_dir.state.exists()  # kept for the next down --force
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_a_fifo_journal_does_not_hang(root: Path) -> None:
     run_dir = RunDir.of(root, "sh")
     run_dir.create()

@@ -579,6 +579,7 @@ def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, fo
         if not journal.unreadable:  # what an `up` killed before journaling left (resources/registry.py)
             _release_unjournaled(run_dir, journal.has)
         known = set(journal.vms)  # whose files the run dir may hold
+        journal_vms = set(known)
         if journal.empty and not journal.unreadable:
             _settle(journal, known)
             return False
@@ -611,9 +612,17 @@ def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, fo
         for line in journal.unreadable:  # only with force: anything else raised in load
             log.warning("not recognised, so not undone (check by hand): %s", line)
         if journal.unreadable and not journal.vms and not journal.resources:
-            # the lab is down, whatever the part that could not be read said: a bridge or KSM claim
-            # of it in the host-wide registries is stale, and released like one a killed `up` left
-            _release_unjournaled(run_dir, lambda kind, key: False)
+            # The lab is down as far as the journal knows; what it could not say is found without it:
+            # QEMUs by their pidfiles and command lines, taps by their mark, the lab's claims in the
+            # host-wide registries (stale now, released like those of a killed `up`).
+            from vmlaunch import salvage
+
+            known |= salvage.vm_names(run_dir)  # their files go with the run dir
+            left = salvage.take_down(run_dir, journal_vms, timeout)
+            if left:
+                raise RuntimeFailure("down --force could not take everything down; still there:\n"
+                                     + "\n".join(left), f"the journal is kept in {run_dir}; stop "
+                                     "what is listed by hand, then run down --force again")
         failures += _settle(journal, known)
         if failures:
             raise RuntimeFailure("down could not undo everything:\n" + "\n".join(failures),
