@@ -193,7 +193,8 @@ def test_a_guest_is_never_asked_below_its_observed_floor(budget: int, guest: Gue
         assert "floor (it stopped giving at" in reason or f"its minimum {expected}M" in reason, reason
     # and no later round takes it lower
     settled = attrs.evolve(guest, target=expected * M, actual=expected * M)
-    assert all(d.target >= expected * M for d in decide(budget * M, ROOMY, [settled], Params(shrink_step=1.0)))
+    later = decide(budget * M, ROOMY, [settled], Params(shrink_step=1.0))
+    assert all(decision.target >= expected * M for decision in later)
 
 
 @pytest.mark.parametrize(("fields", "message"), [

@@ -324,7 +324,8 @@ def test_down_force_stops_the_qemus_an_unreadable_journal_does_not_list(
 
 
 def test_down_force_that_cannot_stop_a_qemu_says_so_and_fails(
-        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(root))
     run_dir = RunDir.of(root, "sh")
     run_dir.create()
