@@ -36,7 +36,8 @@ VM_SUFFIXES = (".qmp", ".manager.qmp", ".console", ".console.lock", ".serial.log
 MANAGER_LOG = "manager.log"
 MANAGER_CONFIG = "manager.json"
 MANAGER_STATE = "manager.state.json"
-LAB_FILES = (MANAGER_LOG, MANAGER_CONFIG, MANAGER_STATE)
+INTENT = "intent.json"  # an operation on the running lab under way, or interrupted (intent.py)
+LAB_FILES = (MANAGER_LOG, MANAGER_CONFIG, MANAGER_STATE, INTENT)
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -149,6 +150,10 @@ class RunDir:
     def manager_state(self) -> Path:
         return self.path / MANAGER_STATE
 
+    @property
+    def intent(self) -> Path:
+        return self.path / INTENT
+
     def secure(self, *, create: bool = False) -> bool:
         """Check the run root and this run dir against the ownership rule (`dirs.secure_dir`); with
         `create`, make what is missing. Returns whether the run dir exists."""
@@ -191,7 +196,7 @@ class RunDir:
             names = os.listdir(fd)
             if MARK not in names:
                 return f"it has no {MARK} mark, so vmlaunch did not make it"
-            temps = (STATE, MANAGER_CONFIG, MANAGER_STATE)  # what write_atomic writes
+            temps = (STATE, MANAGER_CONFIG, MANAGER_STATE, INTENT)  # what write_atomic writes
             strangers = [n for n in names if not (n in known or any(is_temp_of(n, f) for f in temps))
                          or stat.S_ISDIR(os.lstat(n, dir_fd=fd).st_mode)]
             if strangers:
