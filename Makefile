@@ -8,7 +8,7 @@ VENV := .venv
 VMLAUNCH := $(VENV)/bin/vmlaunch
 PYTEST := $(VENV)/bin/python -m pytest
 
-.PHONY: setup demo test lint bench bench-boot bench-density clean install uninstall
+.PHONY: setup demo test lint readme bench bench-boot bench-density clean install uninstall
 
 setup:
 	@tools/setup.sh
@@ -24,9 +24,15 @@ uninstall:
 demo: setup
 	@tools/demo.sh
 
-# Branch coverage of the package, measured in the test process (see pyproject.toml).
+# Branch coverage of the package, measured in the test process (see pyproject.toml). Part of the
+# tests: make test PYTEST_ARGS=tests/test_spec.py, make test PYTEST_ARGS="-k snapshot".
 test: setup
 	$(PYTEST) --cov --cov-report=term $(PYTEST_ARGS)
+
+# The README's transcripts written anew from the commands' real output (root: the demo lab, in a
+# private network namespace, ~15 s); tests/test_readme.py fails when they drift from it.
+readme: setup
+	$(VENV)/bin/python tools/readme_transcripts.py --write
 
 lint: setup
 	$(VENV)/bin/python -m pip install -q -e '.[lint]' --config-settings editable_mode=compat

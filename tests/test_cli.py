@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -48,13 +49,41 @@ def test_cmdline_json_and_shell(capsys: pytest.CaptureFixture[str], qemu_binary:
     argvs = json.loads(out)
     assert list(argvs) == ["alpha", "beta"]
     assert argvs["alpha"][0].endswith("qemu-system-x86_64")
-    # the choice and its reason, once for every VM that has it
-    assert "alpha, beta: tcg (" in err or "alpha, beta: kvm (" in err
-    assert len(err.splitlines()) == 1, err
+    # the choice (and its reason, when first told today), once for every VM that has it
+    assert re.fullmatch(r"vmlaunch: alpha, beta: (tcg|kvm)( \(.+\))?\n", err), err
     assert main(["cmdline", str(EXAMPLES / "lab.toml"), "beta"]) == 0
     line = capsys.readouterr().out.strip()
     assert "\n" not in line
     assert shlex.split(line) == argvs["beta"]  # pasteable: the shell gives back the same argv
+
+
+def test_the_accelerator_reason_is_told_once_a_day(capsys: pytest.CaptureFixture[str],
+                                                   qemu_binary: str) -> None:
+    from vmlaunch.dirs import cache_dir
+    from vmlaunch.host import ACCEL_TOLD
+
+    stamp = cache_dir() / ACCEL_TOLD
+    stamp.unlink(missing_ok=True)
+    spec = str(EXAMPLES / "lab.toml")
+
+    def stderr_of(*args: str) -> str:
+        assert main([*args]) == 0
+        return capsys.readouterr().err
+
+    first = stderr_of("cmdline", spec)  # the first today on this host: the reason in full
+    assert re.fullmatch(r"vmlaunch: alpha, beta: (tcg|kvm) \(.{20,}\)\n", first), first
+    short = first.split(" (", 1)[0] + "\n"
+    assert stderr_of("cmdline", spec) == short  # the same day: the accelerator alone
+    assert stderr_of("cmdline", spec, "beta") == short.replace("alpha, ", "")
+    assert first in stderr_of("-v", "cmdline", spec)  # -v: in full, every time
+    assert stderr_of("-q", "cmdline", spec) == ""
+    saved = json.loads(stamp.read_text())
+    assert saved["host"] == os.uname().nodename
+    stamp.write_text(json.dumps({**saved, "day": "2000-01-01"}))  # another day: in full again
+    assert stderr_of("cmdline", spec) == first
+    assert stderr_of("cmdline", spec) == short
+    stamp.write_text("{not json")  # a stamp that cannot be read is as none
+    assert stderr_of("cmdline", spec) == first
 
 
 @pytest.mark.parametrize(("args", "code", "message"), [

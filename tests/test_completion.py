@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -415,9 +416,12 @@ class Installer:
         self.bin = root / "bin"
         self.bash = root / "share" / "bash-completion" / "completions"
         self.zsh = root / "share" / "zsh" / "site-functions"
+        # VMLAUNCH_ROOT_ONLY: as root, this checkout's venv may be root's alone (a Python under
+        # /root); whether other users can run it is tested below, with fake checkouts
         self.env = {**os.environ, "HOME": str(root / "home"), "VMLAUNCH_BIN_DIR": str(self.bin),
                     "VMLAUNCH_BASH_COMPLETION_DIR": str(self.bash),
-                    "VMLAUNCH_ZSH_COMPLETION_DIR": str(self.zsh), "PATH": "/usr/bin:/bin"}
+                    "VMLAUNCH_ZSH_COMPLETION_DIR": str(self.zsh), "PATH": "/usr/bin:/bin",
+                    "VMLAUNCH_ROOT_ONLY": "1"}
         self.link = self.bin / "vmlaunch"
         self.bash_file = self.bash / "vmlaunch"
         self.zsh_file = self.zsh / "_vmlaunch"
@@ -526,3 +530,142 @@ def test_uninstall_leaves_another_checkouts_link(installer: Installer, tmp_path:
     other.unlink()  # that checkout is gone: its dangling link is ours to remove
     installer.run("--uninstall")
     assert not installer.link.is_symlink()
+
+
+# --- as root, installed for every user or not at all ------------------------------------------------
+
+FAKE_VMLAUNCH = """#!{python}
+import os, sys
+{extra}
+if sys.argv[1:] == ["--version"]:
+    print("vmlaunch 0+fake")
+elif sys.argv[1:2] == ["completion"]:
+    print("# {generated} " + sys.argv[2] + "` (a fake checkout)")
+"""
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+
+
+def fake_checkout(where: Path, python: str, extra: str = "") -> Path:
+    """A checkout with tools/install.sh and a venv whose Python is `python` (a symlink to it, as venv
+    makes) and whose vmlaunch is a stand-in that needs the standard library alone."""
+    checkout = where / "checkout"
+    (checkout / "tools").mkdir(parents=True)
+    shutil.copy(INSTALL, checkout / "tools")
+    venv_bin = checkout / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").symlink_to(python)
+    script = venv_bin / "vmlaunch"
+    script.write_text(FAKE_VMLAUNCH.format(python=venv_bin / "python", generated=GENERATED_BY,
+                                           extra=extra))
+    script.chmod(0o755)
+    return checkout
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A folder every user may enter (pytest's tmp_path is under a 0700 folder of root's)."""
+    import tempfile
+
+    made = Path(tempfile.mkdtemp(prefix="vl-install-"))
+    made.chmod(0o755)
+    yield made
+    shutil.rmtree(made)
+
+
+def install_as_root(checkout: Path, installer: Installer,
+                    **env: str) -> subprocess.CompletedProcess[str]:
+    full = {**{key: value for key, value in installer.env.items() if key != "VMLAUNCH_ROOT_ONLY"}, **env}
+    return subprocess.run([str(checkout / "tools" / "install.sh")], capture_output=True, text=True,
+                          check=False, env=full, timeout=120)
+
+
+needs_root_and_setpriv = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None or not Path("/usr/bin/python3").exists(),
+    reason="installing for every user is root's, checked as user nobody with setpriv")
+
+
+@needs_root_and_setpriv
+def test_root_installs_for_every_user(open_dir: Path) -> None:
+    checkout = fake_checkout(open_dir, "/usr/bin/python3")
+    installer = Installer(open_dir / "installed")
+    done = install_as_root(checkout, installer)
+    assert done.returncode == 0, done.stderr
+    assert os.readlink(installer.link) == str(checkout / ".venv" / "bin" / "vmlaunch")
+    assert installer.bash_file.exists() and installer.zsh_file.exists()
+    ran = subprocess.run([*NOBODY, str(installer.link), "--version"], capture_output=True, text=True,
+                         check=False, timeout=60, cwd="/")
+    assert ran.stdout == "vmlaunch 0+fake\n", ran.stderr
+
+
+@needs_root_and_setpriv
+def test_root_does_not_install_a_venv_whose_python_others_cannot_run(
+        open_dir: Path, installer: Installer) -> None:
+    """A venv made from root's pyenv (/root/.pyenv/..., /root being 0700): every other user would get
+    "bad interpreter: Permission denied" from the link, so there is no link."""
+    private = open_dir / "root-home"
+    (private / "bin").mkdir(parents=True)
+    (private / "bin" / "python3.11").symlink_to("/usr/bin/python3")
+    private.chmod(0o700)
+    checkout = fake_checkout(open_dir, str(private / "bin" / "python3.11"))
+    done = install_as_root(checkout, installer)
+    assert done.returncode == 1
+    assert done.stdout == ""
+    venv_python = checkout / ".venv" / "bin" / "python"
+    assert done.stderr.splitlines() == [
+        f"install: not installing for every user: other users cannot run {venv_python.parent}/vmlaunch:",
+        f"install:   its Python, {venv_python} (/usr/bin/python3.11): {private} is closed to other users "
+        "(mode 700)",
+        f"install: make the venv from a Python every user can run: cd {checkout} && rm -rf .venv && "
+        "PYTHON=/usr/bin/python3 make setup",
+        "install: or, where root alone runs vmlaunch: VMLAUNCH_ROOT_ONLY=1 make install (nothing was "
+        "linked or written)",
+    ]
+    assert not installer.link.is_symlink() and not installer.bin.exists()
+    assert not installer.bash_file.exists() and not installer.zsh_file.exists()
+    # on purpose, for root alone
+    done = install_as_root(checkout, installer, VMLAUNCH_ROOT_ONLY="1")
+    assert done.returncode == 0, done.stderr
+    assert os.readlink(installer.link) == str(venv_python.parent / "vmlaunch")
+
+
+@needs_root_and_setpriv
+def test_root_does_not_install_from_a_checkout_others_cannot_enter(open_dir: Path,
+                                                                   installer: Installer) -> None:
+    """A checkout under /root (0700), with a Python every user can run."""
+    home = open_dir / "root-home"
+    home.mkdir(mode=0o700)
+    checkout = fake_checkout(home, "/usr/bin/python3")
+    done = install_as_root(checkout, installer)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[:3] == [
+        f"install: not installing for every user: other users cannot run {checkout}/.venv/bin/vmlaunch:",
+        f"install:   {home} is closed to other users (mode 700)",
+        "install: keep the checkout where every user can enter (e.g. under /opt or /srv), then make "
+        "setup there",
+    ]
+    assert not installer.link.is_symlink() and not installer.bash_file.exists()
+    # the README shows it so, for a checkout in /root/vmlaunch
+    readme = (ROOT / "README.md").read_text()
+    shown = readme.split("```console\n# make install\n", 1)[1].split("```", 1)[0]
+    assert shown.replace("/root/vmlaunch", str(checkout)).replace("/root ", f"{home} ") == done.stderr
+
+
+@needs_root_and_setpriv
+def test_root_runs_it_as_nobody_before_installing(open_dir: Path, installer: Installer) -> None:
+    """Every folder open, and yet it fails for others (say, site-packages root alone may read): the
+    run as user nobody says so; a link of an earlier install is named, and left for uninstall."""
+    checkout = fake_checkout(open_dir, "/usr/bin/python3", extra=(
+        "if os.geteuid() != 0:\n"
+        "    sys.exit(\"ModuleNotFoundError: No module named 'attrs'\")"))
+    target = checkout / ".venv" / "bin" / "vmlaunch"
+    installer.bin.mkdir(parents=True)
+    installer.link.symlink_to(target)
+    done = install_as_root(checkout, installer)
+    assert done.returncode == 1
+    lines = done.stderr.splitlines()
+    assert lines[1] == (f"install:   `{target} --version` fails as user nobody: ModuleNotFoundError: "
+                        "No module named 'attrs'")
+    assert lines[2].startswith("install: make the venv from a Python every user can run: ")
+    assert lines[-1] == (f"install: {installer.link}, of an earlier install, is left as it is: make "
+                         "uninstall removes it")
+    assert not installer.bash_file.exists()

@@ -190,3 +190,38 @@ def test_a_kernel_that_is_a_fifo_is_reported_without_hanging(tmp_path: Path) -> 
     os.mkfifo(tmp_path / "vmlinuz")
     spec = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 32\nkernel = "vmlinuz"\n')
     assert problems(spec) == [f"{spec}:5: vm.a.kernel: {tmp_path}/vmlinuz is a FIFO, not a file"]
+
+
+def test_a_test_guest_not_built_yet_says_how_to_build_it(tmp_path: Path) -> None:
+    """A fresh clone: the demo lab names examples/guest/, which `make demo` (tools/build_guest.py)
+    builds; the command a user types first must say so, not only that the kernel is missing."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.conftest import EXAMPLES, ROOT
+
+    (tmp_path / "tools").mkdir()
+    shutil.copy(ROOT / "tools" / "build_guest.py", tmp_path / "tools")
+    (tmp_path / "examples").mkdir()
+    shutil.copy(EXAMPLES / "lab.toml", tmp_path / "examples")
+    done = subprocess.run([sys.executable, "-m", "vmlaunch", "up", "examples/lab.toml"], cwd=tmp_path,
+                          capture_output=True, text=True, check=False, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 2, done.stderr
+    hint = (f"(the test guest is not built yet: `make demo` in {tmp_path} builds it, or `make setup` "
+            "(tools/build_guest.py) to only build it)")
+    lines = done.stderr.splitlines()
+    assert lines[:2] == [
+        f"examples/lab.toml:20: vm.alpha.kernel: {tmp_path}/examples/guest/vmlinuz does not exist {hint}",
+        f"examples/lab.toml:21: vm.alpha.initrd: {tmp_path}/examples/guest/initrd.gz does not exist {hint}",
+    ]
+    assert len(lines) == 5 and "Traceback" not in done.stderr
+    # a file the builder does not make, or a folder that is not a checkout's: the usual hint
+    spec = tmp_path / "examples" / "lab.toml"
+    spec.write_text(spec.read_text().replace('"guest/vmlinuz"', '"guest/bzImage"', 1))
+    assert problems(spec)[0].endswith("guest/bzImage does not exist (relative paths are relative to "
+                                      "the spec file)")
+    (tmp_path / "tools" / "build_guest.py").unlink()
+    assert problems(spec)[1].endswith("guest/initrd.gz does not exist (relative paths are relative to "
+                                      "the spec file)")

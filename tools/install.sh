@@ -14,6 +14,13 @@
 #
 # What is ours: a symlink to some checkout's .venv/bin/vmlaunch (repointed to this one), and
 # completion files vmlaunch generated. Anything else in those places is left alone, with a word.
+#
+# As root the link is for every user, so it is made only when an unprivileged user (nobody) can run
+# what it points to: every folder on the way to .venv/bin/vmlaunch and to the venv's Python (each
+# symlink followed) must let others in. A venv made from a Python under /root (a pyenv), or a
+# checkout under /root (mode 0700), works for root alone: other users would get "bad interpreter:
+# Permission denied". Then nothing is installed, and it says why and what to do (exit 1);
+# VMLAUNCH_ROOT_ONLY=1 installs all the same, for a host where root alone runs vmlaunch.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd -P)
@@ -71,6 +78,78 @@ install_link() {
         *) say "note: $bin_dir is not on your PATH; add it (e.g. in ~/.profile):" \
                "export PATH=\"$bin_dir:\$PATH\"" ;;
     esac
+}
+
+# May an unprivileged user (nobody) enter the folder, or run the file, $1? setpriv asks the kernel
+# (ACLs and all); without it, the mode bits for others are read.
+others_may_x() {
+    if command -v setpriv >/dev/null; then
+        setpriv --reuid=65534 --regid=65534 --clear-groups -- test -x "$1" 2>/dev/null
+        return
+    fi
+    local mode
+    mode=$(stat -L -c %a "$1" 2>/dev/null) || return 1
+    [ $((8#$mode & 1)) -ne 0 ]
+}
+
+# Why an unprivileged user could not run the file $1, or nothing: the first folder on its way that
+# others may not enter (or the file, when they may not run it); each symlink on the way is followed.
+closed_to_others() {
+    local path=$1 hops=0 folder next part parts
+    while :; do
+        folder=
+        IFS=/ read -ra parts <<<"${path#/}"
+        for part in "${parts[@]:0:${#parts[@]}-1}"; do  # each folder above it, from the top
+            [ -n "$part" ] || continue
+            folder=$folder/$part
+            if ! others_may_x "$folder"; then
+                echo "$folder is closed to other users (mode $(stat -c %a "$folder"))"
+                return
+            fi
+        done
+        if [ -L "$path" ] && [ $hops -lt 40 ]; then
+            next=$(readlink "$path")
+            case $next in /*) path=$next ;; *) path=$(dirname "$path")/$next ;; esac
+            hops=$((hops + 1))
+            continue
+        fi
+        if ! others_may_x "$path"; then
+            echo "$path is not executable by other users (mode $(stat -c %a "$path" 2>/dev/null || echo '?'))"
+        fi
+        return
+    done
+}
+
+# As root: can every user run the vmlaunch the link points to? Else say why and what to do.
+usable_by_others() {
+    local interpreter why fix out
+    local rebuild="make the venv from a Python every user can run: cd $repo && rm -rf .venv && PYTHON=/usr/bin/python3 make setup"
+    local move="keep the checkout where every user can enter (e.g. under /opt or /srv), then make setup there"
+    interpreter=$(head -n 1 "$target" | sed -n 's/^#![[:space:]]*\([^[:space:]]*\).*/\1/p')
+    why=$(closed_to_others "$target")
+    fix=$move
+    if [ -z "$why" ] && [ -n "$interpreter" ]; then
+        why=$(closed_to_others "$interpreter")
+        [ -z "$why" ] || why="its Python, $interpreter ($(readlink -f "$interpreter")): $why"
+        fix=$rebuild
+    fi
+    if [ -z "$why" ] && command -v setpriv >/dev/null; then  # the proof: run it as nobody
+        if ! out=$(cd / && setpriv --reuid=65534 --regid=65534 --clear-groups -- \
+                   env -i PATH=/usr/bin:/bin "$target" --version 2>&1); then
+            why="\`$target --version\` fails as user nobody: $(printf '%s\n' "$out" | tail -n 1)"
+            fix="$rebuild; or $move"
+        fi
+    fi
+    [ -n "$why" ] || return 0
+    echo "install: not installing for every user: other users cannot run $target:" >&2
+    echo "install:   $why" >&2
+    echo "install: $fix" >&2
+    echo "install: or, where root alone runs vmlaunch: VMLAUNCH_ROOT_ONLY=1 make install" \
+         "(nothing was linked or written)" >&2
+    if [ -n "$link" ] && is_our_link "$link"; then
+        echo "install: $link, of an earlier install, is left as it is: make uninstall removes it" >&2
+    fi
+    return 1
 }
 
 # Write `vmlaunch completion $1` to the file $2, unless it holds that already or is not ours.
@@ -140,6 +219,10 @@ esac
 if [ ! -x "$target" ]; then
     echo "install: $target is missing: run make setup first" >&2
     exit 1
+fi
+if [ "$(id -u)" -eq 0 ] && [ "${VMLAUNCH_ROOT_ONLY-}" != 1 ] \
+        && { [ -n "$link" ] || [ -n "$bash_file" ] || [ -n "$zsh_file" ]; }; then
+    usable_by_others || exit 1
 fi
 [ -z "$link" ] || install_link
 [ -z "$bash_file" ] || install_completion bash "$bash_file"

@@ -4,6 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# As root the venv is for every user (`make install` links it into /usr/local/bin), so it is made
+# from the system's Python, not from the first python3 on root's PATH, which may live under /root (a
+# pyenv) where other users cannot run it. PYTHON=... names another.
+if [ -z "${PYTHON:-}" ] && [ "$(id -u)" -eq 0 ] && [ -x /usr/bin/python3 ]; then
+    PYTHON=/usr/bin/python3
+fi
 PYTHON=${PYTHON:-python3}
 # qemu-system-x86 + qemu-utils: QEMU and qemu-img; iproute2: `ip`, used by the tests' network
 # namespaces; util-linux: `unshare`; ovmf: UEFI firmware (firmware = "uefi"); openssh-client: `ssh`
@@ -15,6 +21,12 @@ PYTHON=${PYTHON:-python3}
 # libvirtd (tools/private_libvirt.py). Installing them starts no daemon.
 DEB_PACKAGES=(qemu-system-x86 qemu-utils iproute2 util-linux ovmf openssh-client zsh ethtool fdisk e2fsprogs
               libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients libxml2-utils iptables)
+# Debian's own Python makes a venv only with python3-venv (ensurepip).
+if [ ! -x .venv/bin/python ]; then
+    case $(readlink -f "$(command -v "$PYTHON" || echo "$PYTHON")") in
+        /usr/bin/*) DEB_PACKAGES+=(python3-venv) ;;
+    esac
+fi
 
 missing=()
 for pkg in "${DEB_PACKAGES[@]}"; do

@@ -27,6 +27,7 @@ log = logging.getLogger("vmlaunch")
 
 if TYPE_CHECKING:
     from vmlaunch.model import LabSpec
+    from vmlaunch.plan import Plan
     from vmlaunch.rundir import RunDir
 
 
@@ -508,8 +509,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         for line in executor.describe(plan):
             print(line)
         return 0
-    for line in plan.accel_lines():
-        log.info("%s", line)
+    _log_accel(plan, args.verbose)
     from vmlaunch.journal import Journal
 
     before = executor.running_vms(Journal.load(plan.run_dir))
@@ -532,6 +532,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         left = ", already: left alone" if before.get(vm.name) == pids[vm.name] else ""
         print(f"{vm.name}: running (pid {pids[vm.name]}, {vm.accel.accel.value}{left})")
     return 0
+
+
+def _log_accel(plan: Plan, verbose: bool) -> None:
+    """Each VM's accelerator, and why in full the first time each day on this host (and always with
+    -v): `alpha, beta: tcg (KVM not usable: ...)`; else `alpha, beta: tcg`. `doctor` has the why."""
+    if not log.isEnabledFor(logging.INFO):  # -q: nothing shown, so nothing counts as told
+        return
+    from vmlaunch.host import told_today
+
+    told = told_today(sorted({vm.accel.reason for vm in plan.vms}))
+    for line in plan.accel_lines(why=verbose or not told):
+        log.info("%s", line)
 
 
 def cmd_ssh(args: argparse.Namespace) -> int:
@@ -608,8 +620,7 @@ def cmd_cmdline(args: argparse.Namespace) -> int:
     plan = compile_lab(lab, detect_host(), args.vms)
     for note in plan.notes:
         log.info("note: %s", note)
-    for line in plan.accel_lines():
-        log.info("%s", line)
+    _log_accel(plan, args.verbose)
     for vm in plan.vms:
         for note in vm.notes:
             log.info("note: %s", note)

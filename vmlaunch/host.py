@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -224,6 +225,34 @@ def _cached_probe(binary: str) -> tuple[QemuInfo, KvmStatus]:
     if cache is not None:
         _write_cache(cache, json.dumps(record, indent=1))
     return qemu, kvm
+
+
+ACCEL_TOLD = "accel-told.json"  # in the cache dir: the accelerator reasons printed in full today
+
+
+def told_today(reasons: Collection[str]) -> bool:
+    """Whether each of these reasons (why an accelerator was chosen) was printed in full today on this
+    host; records them when not. `up` and `cmdline` give the reason once a day and then only the
+    accelerator: it is about the host, the same at every run (`doctor` has it). Without a usable
+    cache: False, the reason every time."""
+    import time
+
+    folder = usable_cache_dir()
+    if folder is None:
+        return False
+    path = folder / ACCEL_TOLD
+    stamp = {"host": os.uname().nodename, "day": time.strftime("%Y-%m-%d")}
+    told: list[str] = []
+    try:
+        saved = json.loads(path.read_text())
+        if all(saved[key] == value for key, value in stamp.items()) and isinstance(saved["reasons"], list):
+            told = [reason for reason in saved["reasons"] if isinstance(reason, str)]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        pass
+    if all(reason in told for reason in reasons):
+        return True
+    _write_cache(path, json.dumps({**stamp, "reasons": sorted({*told, *reasons})}, indent=1))
+    return False
 
 
 def _qemu_from_json(data: dict[str, Any]) -> QemuInfo:

@@ -46,11 +46,12 @@ class Plan:
                 return vm
         raise KeyError(name)
 
-    def accel_lines(self) -> list[str]:
+    def accel_lines(self, *, why: bool = True) -> list[str]:
         """The accelerator chosen and why, once per choice rather than per VM: `alpha, beta: tcg
-        (KVM not usable: ...)` (the reason is about the host, the same for every VM)."""
+        (KVM not usable: ...)` (the reason is about the host, the same for every VM); without `why`,
+        `alpha, beta: tcg`."""
         chosen: dict[AccelChoice, list[str]] = {}
         for vm in self.vms:
             chosen.setdefault(vm.accel, []).append(vm.name)
-        return [f"{', '.join(names)}: {choice.accel.value} ({choice.reason})"
+        return [f"{', '.join(names)}: {choice.accel.value}" + (f" ({choice.reason})" if why else "")
                 for choice, names in chosen.items()]

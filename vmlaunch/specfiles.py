@@ -215,6 +215,21 @@ def _folder_problem(path: Path) -> str | None:
     return None
 
 
+# What tools/build_guest.py writes into a checkout's examples/guest/: the test guest of the demo lab.
+TEST_GUEST_FILES = ("vmlinuz", "initrd.gz")
+
+
+def _test_guest_hint(path: Path) -> str | None:
+    """How to build the test guest, for a file of it that a fresh checkout does not have yet."""
+    folder = Path(os.path.abspath(path)).parent
+    checkout = folder.parent.parent
+    if (path.name not in TEST_GUEST_FILES or folder.name != "guest" or folder.parent.name != "examples"
+            or not (checkout / "tools" / "build_guest.py").is_file()):
+        return None
+    return (f"the test guest is not built yet: `make demo` in {_p(checkout)} builds it, or `make setup` "
+            "(tools/build_guest.py) to only build it")
+
+
 def _problem(path: Path, *, disk: bool, writable: bool = False, device_ok: bool = False,
              may_be_missing: bool = False, executable: bool = False) -> tuple[str, str | None] | None:
     """What is wrong with `path` (a message and a hint), or None."""
@@ -224,7 +239,7 @@ def _problem(path: Path, *, disk: bool, writable: bool = False, device_ok: bool 
         if may_be_missing:
             return None
         hint = ("give the disk a size to have `up` create it" if disk
-                else "relative paths are relative to the spec file")
+                else _test_guest_hint(path) or "relative paths are relative to the spec file")
         return f"{_p(path)} does not exist", hint
     except OSError as exc:  # EACCES on a folder of the path, ELOOP, ENAMETOOLONG, ENOTDIR
         return f"{_p(path)} cannot be looked at: {exc.strerror or exc}", None
