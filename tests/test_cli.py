@@ -155,6 +155,22 @@ def test_timeout_must_be_a_sane_number_of_seconds(
     assert "argument --timeout:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("size", "message"), [
+    ("128MB", "SIZE: '128MB': MB is ambiguous (10^6 or 2^20 bytes?); vmlaunch sizes are binary: write 128M "
+              "(= 128 MiB = 134217728 bytes)"),
+    ("1 gb", "SIZE: '1 gb': GB is ambiguous (10^9 or 2^30 bytes?); vmlaunch sizes are binary: write 1G "
+             "(= 1 GiB = 1073741824 bytes)"),
+    ("268435456", "SIZE: 268435456 MiB (a bare number is MiB) is not between 4K (a page) and the memory of "
+                  "alpha, 256M (256 MiB)"),
+    ("100B", "SIZE: '100B' is not between 4K (a page) and the memory of alpha, 256M (256 MiB)"),
+])
+def test_balloon_size_is_read_like_every_size(size: str, message: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A bare SIZE is MiB, MB and GB are refused: before the lab is asked, so it need not run."""
+    assert main(["balloon", str(EXAMPLES / "lab.toml"), "alpha", size]) == 64
+    assert capsys.readouterr().err == f"vmlaunch: error: {message}\n"
+
+
 def test_down_timeout_zero_stops_at_once() -> None:
     from vmlaunch.cli import build_parser
 

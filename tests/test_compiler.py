@@ -181,8 +181,8 @@ def test_long_run_dir_is_refused(tmp_path: Path) -> None:
 def test_overcommit_is_noted() -> None:
     plan = compile_lab(load_lab(EXAMPLES / "seed-passthrough.toml"), fake_host(memory_mib=3000))
     assert "8 vCPUs on a host with 2 CPUs" in plan.vms[0].notes[0]
-    assert plan.notes == ("the VMs ask for 3072 MiB, more than 80% of the host's 3000 MiB; "
-                          "ballooning and KSM help, swapping hurts every guest",)
+    assert plan.notes == ("VM lenny64guest1 asks for 3G (3072 MiB) of memory, more than 80% of the host's "
+                          "3000 MiB; ballooning and KSM help, swapping hurts every guest",)
     assert compile_lab(load_lab(EXAMPLES / "seed-passthrough.toml"), fake_host()).notes == ()
 
 

@@ -278,10 +278,32 @@ def test_memory_over_commit_against_80_percent(tmp_path: Path) -> None:
     spec = lab_spec(tmp_path, vm("a", "12G") + vm("b", "12G"))
     finding = one(lab_findings(spec, "lab.memory", memory_mib=24000))
     assert finding.status is Status.WARN
-    assert finding.found == "the VMs ask for 24G of the host's 24000M: more than 80 %"
+    assert finding.found == ("the lab's 2 VMs ask for 24G (24576 MiB) together, more than 80 % of the host's "
+                             "23.4G (24000 MiB)")
     assert "balloon.policy" in (finding.fix or "")
     small = lab_spec(tmp_path, vm("a", "1G"))
     assert one(lab_findings(small, "lab.memory", memory_mib=24000)).status is Status.OK
+
+
+def test_up_of_one_vm_notes_its_memory_and_doctor_the_labs(tmp_path: Path) -> None:
+    """`up SPEC web` with memory = "1T": the note weighs web (the VM started), the doctor line the
+    whole lab; each says which, in a form a human reads first."""
+    from vmlaunch.compiler import compile_lab
+
+    lab = load_lab(lab_spec(tmp_path, vm("web", "1T") + vm("db", "256M")))
+    host = fake_host(memory_mib=16000)
+    assert compile_lab(lab, host, ["web"]).notes == (
+        "VM web asks for 1T (1048576 MiB) of memory, more than 80% of the host's 15.6G (16000 MiB); "
+        "ballooning and KSM help, swapping hurts every guest",)
+    assert compile_lab(lab, host).notes == (
+        "the lab's 2 VMs ask for 1024.2G (1048832 MiB) of memory together, more than 80% of the host's "
+        "15.6G (16000 MiB); ballooning and KSM help, swapping hurts every guest",)
+    assert one(check_lab(lab, host), "lab.memory").found == (
+        "the lab's 2 VMs ask for 1024.2G (1048832 MiB) together, more than 80 % of the host's 15.6G "
+        "(16000 MiB)")
+    three = load_lab(lab_spec(tmp_path, vm("web", "1T") + vm("db", "256M") + vm("cache", "512M")))
+    assert compile_lab(three, host, ["web", "db"]).notes[0].startswith(
+        "the 2 VMs started (web, db) ask for 1024.2G (1048832 MiB) of memory together, more than 80%")
 
 
 def test_a_budget_past_80_percent_warns_at_its_line(tmp_path: Path) -> None:

@@ -122,7 +122,8 @@ def test_logs_of_a_lab_whose_manager_never_ran(tmp_path: Path, run_dir: Path,
 def test_notes_weigh_the_budget_when_a_manager_keeps_to_it(tmp_path: Path) -> None:
     over = write_spec(tmp_path, lab_text(auto("a", memory="8G"), memory='[lab.memory]\nbudget = "9G"\n'))
     notes = compile_lab(load_lab(over), fake_host(memory_mib=10240)).notes
-    assert any("budget (9216 MiB) is more than 80% of the host's 10240 MiB" in note for note in notes)
+    assert ("the lab's memory budget, 9G (9216 MiB), is more than 80% of the host's 10G (10240 MiB): the "
+            "host may swap, which hurts every guest") in notes
     fits = write_spec(tmp_path, lab_text(auto("a", memory="16G"), memory='[lab.memory]\nbudget = "6G"\n'),
                       name="fits.toml")
     assert compile_lab(load_lab(fits), fake_host(memory_mib=10240)).notes == ()  # 16G over-committed

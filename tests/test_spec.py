@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.conftest import EXAMPLES, write_spec
 from vmlaunch.errors import SpecError
@@ -93,7 +95,7 @@ def test_defaults_qcow2_from_extension_and_pci_normalised(tmp_path: Path) -> Non
     (HEAD + '[vm.a]\nmemory = "1.0001G"\nkernel = "k"\n',
      "lab.toml:4: vm.a.memory: '1.0001G' is not a whole number of bytes"),
     (HEAD + '[vm.a]\nmemory = 8\nkernel = "k"\n',
-     "lab.toml:4: vm.a.memory: 8 is too little memory (at least 16M)"),
+     "lab.toml:4: vm.a.memory: 8 MiB (a bare number is MiB) is too little memory; at least 16M (16 MiB)"),
     # bridge names
     (HEAD + '[network.n]\nbridge = "this-bridge-is-too-long"\n' + VM,
      "lab.toml:4: network.n.bridge: bridge 'this-bridge-is-too-long' is 23 bytes; interface "
@@ -305,7 +307,8 @@ def test_nesting(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("text", "expected"), [
     (HEAD + '[vm.a]\nmemory = 1' + "0" * 400 + '\nkernel = "k"\n',
-     "lab.toml:4: vm.a.memory: 100000000000000000000000000000...(401 characters) is too large"),
+     "lab.toml:4: vm.a.memory: 100000000000000000000000000000...(401 digits) MiB (a bare number is MiB) "
+     "is too large"),
     (HEAD + '[vm.a]\nmemory = "' + "9" * 400 + 'G"\nkernel = "k"\n',
      "lab.toml:4: vm.a.memory: '99999999999999999999999999999...(403 characters) is too large"),
     (HEAD + VM + "cpus = 1" + "0" * 400 + "\n",
@@ -314,9 +317,9 @@ def test_nesting(tmp_path: Path) -> None:
     (HEAD + VM + "x = 1" + "0" * 5000 + "\n", "lab.toml:6: a number has thousands of digits"),
     # absurd sizes
     (HEAD + '[vm.a]\nmemory = "17T"\nkernel = "k"\n',
-     "lab.toml:4: vm.a.memory: '17T' is more memory than a VM can have (at most 16T)"),
+     "lab.toml:4: vm.a.memory: '17T' is more memory than a VM can have; at most 16T (16 TiB)"),
     (HEAD + VM + '[[vm.a.disk]]\nfile = "d"\nsize = "1025T"\n',
-     "lab.toml:8: vm.a.disk[0].size: '1025T' is larger than a disk image can be (at most 1024T)"),
+     "lab.toml:8: vm.a.disk[0].size: '1025T' is larger than a disk image can be; at most 1024T (1024 TiB)"),
     (HEAD + VM + '[[vm.a.disk]]\nfile = "d"\nsize = "0M"\n',
      "lab.toml:8: vm.a.disk[0].size: '0M' is no size (e.g. 64M or 20G)"),
     (HEAD + VM + '[[vm.a.disk]]\nfile = "d"\nsize = "1000B"\n',
@@ -364,6 +367,100 @@ def test_hardening_bad_input(tmp_path: Path, text: str, expected: str) -> None:
 def test_memory_up_to_16t_is_fine(tmp_path: Path) -> None:
     spec = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = "16T"\nkernel = "k"\n')
     assert load_lab(spec).vms[0].memory_mib == 16 << 20
+
+
+# --- sizes: one rule for every key ------------------------------------------------------------------
+
+IMAGE = f'[image.deb]\nurl = "https://example.org/debian.qcow2"\nsha512 = "{"ab" * 64}"\n'
+
+
+@pytest.mark.parametrize(("size", "expected"), [
+    ("1024", 1 << 30), ('"2048"', 2 << 30), ('" 512 "', 512 << 20), ('"1.5"', 1536 << 10),
+    (1048575, 1048575 << 20), ('"64M"', 64 << 20), ('"1.5GiB"', 1536 << 20), ('"64k"', 64 << 10),
+    ('"20 G"', 20 << 30), ('"1073741824B"', 1 << 30), ('"4096 b"', 4096),
+])
+def test_a_bare_disk_size_is_mib_like_every_size(tmp_path: Path, size: str | int, expected: int) -> None:
+    spec = write_spec(tmp_path, HEAD + VM + f'[[vm.a.disk]]\nfile = "d.img"\nsize = {size}\n'
+                      + IMAGE + f'[vm.g]\nmemory = 64\nimage = "deb"\ndisk_size = {size}\n')
+    a, g = load_lab(spec).vms
+    assert (a.disks[0].size, g.disk_size) == (expected, expected)
+
+
+@pytest.mark.parametrize("size", ["1073741824", '"1073741824"'])
+def test_a_bare_disk_size_meant_as_bytes_is_refused_and_told(tmp_path: Path, size: str) -> None:
+    """A bare disk size was bytes in earlier versions: as MiB, any byte count of 1 MiB or more makes a
+    disk of a TiB or more, refused with how to write bytes."""
+    found = problems(tmp_path, HEAD + VM + f'[[vm.a.disk]]\nfile = "d"\nsize = {size}\n'
+                     + IMAGE + f'[vm.g]\nmemory = 64\nimage = "deb"\ndisk_size = {size}\n')
+    said = ("1073741824 MiB (a bare number is MiB) would make a 1024T disk; a bare disk size meant bytes "
+            "in earlier vmlaunch versions, so one of 1T or more is refused (bytes take a B suffix: "
+            "\"1073741824B\", that is \"1G\"; write a disk of 1T or more with a unit: \"1024T\")")
+    assert found == [f"lab.toml:8: vm.a.disk[0].size: {said}", f"lab.toml:15: vm.g.disk_size: {said}"]
+
+
+def test_a_huge_bare_disk_size_says_its_unit_and_the_limit(tmp_path: Path) -> None:
+    found = problems(tmp_path, HEAD + VM + '[[vm.a.disk]]\nfile = "d"\nsize = 10737418240\n')
+    assert found == ["lab.toml:8: vm.a.disk[0].size: 10737418240 MiB (a bare number is MiB) would make a "
+                     "10240T disk; a bare disk size meant bytes in earlier vmlaunch versions, so one of 1T "
+                     "or more is refused (bytes take a B suffix: \"10737418240B\", that is \"10G\"; a disk "
+                     "image is at most 1024T)"]
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("memory = 134217728", "134217728 MiB (a bare number is MiB) is more memory than a VM can have; at most "
+                           "16T (16 TiB)"),
+    ('memory = "16777217"', "16777217 MiB (a bare number is MiB) is more memory than a VM can have; at "
+                            "most 16T (16 TiB)"),
+    ('memory = "8"', "8 MiB (a bare number is MiB) is too little memory; at least 16M (16 MiB)"),
+    ('memory = "64.5"', "64.5 MiB (a bare number is MiB) is not a whole number of MiB"),
+    ("memory = 0", "0 MiB (a bare number is MiB) is no size"),
+    ("memory = -64", "-64 MiB (a bare number is MiB) is negative"),
+])
+def test_a_bare_memory_says_it_is_mib(tmp_path: Path, text: str, expected: str) -> None:
+    found = problems(tmp_path, HEAD + f'[vm.a]\n{text}\nkernel = "k"\n')
+    assert found == [f"lab.toml:4: vm.a.memory: {expected}"]
+
+
+@given(st.text(alphabet=" 0123456789.kKmMgGtTiIbBx", max_size=8))
+def test_the_schema_takes_the_shape_of_size_that_parse_size_takes(text: str) -> None:
+    """An editor with the schema flags "128MB" too: the size pattern refuses what parse_size refuses
+    for its shape (not a size, or MB and the like), and no more."""
+    import json
+
+    from vmlaunch.spec import SCHEMA_FILE, _ecma_search
+    from vmlaunch.units import parse_size
+
+    pattern = json.loads(SCHEMA_FILE.read_text())["$defs"]["size"]["pattern"]
+    try:
+        parse_size(text)
+        shape = True
+    except ValueError as exc:
+        shape = "is not a size" not in str(exc) and "is ambiguous" not in str(exc)
+    assert _ecma_search(pattern, text) == shape
+
+
+@pytest.mark.parametrize(("value", "meaning"), [
+    ("128MB", "MB is ambiguous (10^6 or 2^20 bytes?); vmlaunch sizes are binary: write 128M (= 128 MiB = "
+              "134217728 bytes)"),
+    ("2gb", "GB is ambiguous (10^9 or 2^30 bytes?); vmlaunch sizes are binary: write 2G (= 2 GiB = "
+            "2147483648 bytes)"),
+    ("512 MB", "MB is ambiguous (10^6 or 2^20 bytes?); vmlaunch sizes are binary: write 512M (= 512 MiB = "
+               "536870912 bytes)"),
+    ("1 TB", "TB is ambiguous (10^12 or 2^40 bytes?); vmlaunch sizes are binary: write 1T (= 1 TiB = "
+             "1099511627776 bytes)"),
+    ("65536kb", "KB is ambiguous (10^3 or 2^10 bytes?); vmlaunch sizes are binary: write 65536K (= 65536 "
+                "KiB = 67108864 bytes)"),
+])
+def test_mb_and_gb_are_refused_for_every_size_key(tmp_path: Path, value: str, meaning: str) -> None:
+    text = (HEAD + f'[lab.memory]\nbudget = "{value}"\n'
+            + f'[vm.a]\nmemory = "{value}"\nkernel = "k"\n[vm.a.balloon]\nmin = "{value}"\n'
+            + f'[[vm.a.disk]]\nfile = "d"\nsize = "{value}"\n'
+            + IMAGE + f'[vm.g]\nmemory = 64\nimage = "deb"\ndisk_size = "{value}"\n')
+    found = problems(tmp_path, text)
+    keys = ["4: lab.memory.budget", "6: vm.a.memory", "9: vm.a.balloon.min", "12: vm.a.disk[0].size",
+            "19: vm.g.disk_size"]
+    assert found == [f"lab.toml:{key}: {value!r}: {meaning}" for key in keys]
+
 
 
 def test_every_unknown_key_once(tmp_path: Path) -> None:

@@ -74,3 +74,30 @@ def test_memory_mistakes(tmp_path: Path, text: str, expected: list[str]) -> None
     """Each problem once, at its line (its hint after it, in brackets)."""
     found = problems(tmp_path, text)
     assert len(found) == len(expected) and all(f.startswith(e) for f, e in zip(found, expected)), found
+
+
+@pytest.mark.parametrize("number", ["{n}", '"{n}"', '" {n} "'])
+def test_a_bare_number_is_mib_for_every_memory_key(tmp_path: Path, number: str) -> None:
+    """memory, balloon.min and lab.memory.budget: an integer or digits alone count MiB."""
+    lab = load_lab(spec(tmp_path, f"[lab.memory]\nbudget = {number.format(n=2048)}\n"
+                                  f'[vm.a]\nmemory = {number.format(n=512)}\nkernel = "k"\n'
+                                  f'[vm.a.balloon]\npolicy = "auto"\nmin = {number.format(n=128)}\n'))
+    assert (lab.memory.budget_mib, lab.vms[0].memory_mib, lab.vms[0].balloon.min_mib) == (2048, 512, 128)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ('[lab.memory]\nbudget = 0\n' + VM.format(name="a", memory="256M"),
+     "lab.toml:4: lab.memory.budget: 0 MiB (a bare number is MiB) is no size"),
+    (VM.format(name="a", memory="256M") + '[vm.a.balloon]\nmin = 0\n',
+     "lab.toml:7: vm.a.balloon.min: 0 MiB (a bare number is MiB) is no size"),
+    (VM.format(name="a", memory="256M") + '[vm.a.balloon]\nmin = "0.5"\n',
+     "lab.toml:7: vm.a.balloon.min: 0.5 MiB (a bare number is MiB) is not a whole number of MiB"),
+    ('[lab.memory]\nbudget = "4 GB"\n' + VM.format(name="a", memory="256M"),
+     "lab.toml:4: lab.memory.budget: '4 GB': GB is ambiguous (10^9 or 2^30 bytes?); vmlaunch sizes are "
+     "binary: write 4G (= 4 GiB = 4294967296 bytes)"),
+    (VM.format(name="a", memory="256 mb"),
+     "lab.toml:4: vm.a.memory: '256 mb': MB is ambiguous (10^6 or 2^20 bytes?); vmlaunch sizes are "
+     "binary: write 256M (= 256 MiB = 268435456 bytes)"),
+])
+def test_memory_size_messages_name_their_unit(tmp_path: Path, text: str, expected: str) -> None:
+    assert problems(tmp_path, text) == [expected]

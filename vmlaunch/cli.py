@@ -219,11 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     balloon = commands.add_parser("balloon", help="print or set a VM's balloon size",
                                   description="Without SIZE, print the memory the guest has now. With "
-                                  "SIZE (256M, 1G, or MiB), set the balloon target and wait until the "
-                                  "guest follows.")
+                                  "SIZE, set the balloon target and wait until the guest follows.")
     balloon.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
     balloon.add_argument("vm", metavar="VM")
-    balloon.add_argument("size", metavar="SIZE", nargs="?")
+    balloon.add_argument("size", metavar="SIZE", nargs="?",
+                         help="binary, as every size: 256M, 1G, 512MiB, or a bare number of MiB (512); "
+                         "MB and GB are refused (10^6 or 2^20 bytes?)")
     balloon.add_argument("--timeout", metavar="S", type=_seconds(zero_ok=False), default=10.0,
                          help="seconds the guest gets to follow; default 10")
     balloon.set_defaults(run=cmd_balloon)
@@ -441,17 +442,20 @@ def cmd_console(args: argparse.Namespace) -> int:
 
 
 def cmd_balloon(args: argparse.Namespace) -> int:
-    from vmlaunch.control import balloon
-    from vmlaunch.units import format_size, parse_size
+    from vmlaunch.control import PAGE, balloon
+    from vmlaunch.units import bare_shown, format_size, parse_size, spelled
 
     run_dir, lab = _lab_vm(args.spec, args.vm)
+    memory = lab.vm(args.vm).memory_mib << 20
     size = None
     if args.size is not None:
         try:
-            size = parse_size(args.size, default_unit="M")
+            size = parse_size(args.size)
         except ValueError as exc:
             raise UsageError(f"SIZE: {exc}") from None
-    memory = lab.vm(args.vm).memory_mib << 20
+        if not PAGE <= size <= memory:
+            raise UsageError(f"SIZE: {bare_shown(args.size) or repr(args.size)} is not between 4K (a page) "
+                             f"and the memory of {args.vm}, {spelled(memory)}")
     print(f"{args.vm}: {format_size(balloon(run_dir, args.vm, size, args.timeout, memory))}")
     return 0
 

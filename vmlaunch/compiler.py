@@ -51,7 +51,7 @@ from vmlaunch.resources.placement import VmPlacement
 from vmlaunch.resources.script import ScriptEnv, TapScript
 from vmlaunch.resources.tap import Tap
 from vmlaunch.rundir import RunDir
-from vmlaunch.units import format_size
+from vmlaunch.units import format_size, mib_words
 
 # The CPU under TCG when the spec names none: QEMU's default model (qemu64) plus what x86-64-v2 adds
 # to it (SSSE3, SSE4.1, SSE4.2, POPCNT), the level RHEL 9 and its rebuilds are built for. Measured by
@@ -316,24 +316,33 @@ def needs_lab_dir(vm: VmSpec) -> bool:
 
 def memory_notes(vms: Sequence[VmSpec], host: Host, lab: LabSpec | None = None) -> Iterator[str]:
     """The KVM guide's over-commit target: guests together use at most 80 % of host memory. A lab
-    manager keeps the guests within the lab's budget: then the budget is what is weighed."""
+    manager keeps the guests within the lab's budget: then the budget is what is weighed. `vms` are the
+    VMs being started (all the lab's, or those named): the notes say which they weigh."""
     if lab is not None and has_manager(lab):
         budget = lab.memory.budget_mib
         target = int(host.memory_mib * BUDGET_SHARE)
         if budget is not None and budget > target:
-            yield (f"the lab's memory budget ({budget} MiB) is more than {BUDGET_SHARE:.0%} of the host's "
-                   f"{host.memory_mib} MiB: the host may swap, which hurts every guest")
+            yield (f"the lab's memory budget, {mib_words(budget)}, is more than {BUDGET_SHARE:.0%} of the "
+                   f"host's {mib_words(host.memory_mib)}: the host may swap, which hurts every guest")
         floors = sum(balloon_min_mib(vm) if vm.balloon.policy is BalloonPolicy.AUTO else vm.memory_mib
                      for vm in lab.vms)
         if budget is None and floors > target:
-            yield (f"the VMs keep at least {floors} MiB (balloon.min of the auto ones, memory of the "
-                   f"others), more than the default budget of {target} MiB ({BUDGET_SHARE:.0%} of the "
-                   "host): the lab manager holds them at their minimums")
+            yield (f"the lab's VMs keep at least {mib_words(floors)} together "
+                   f"(balloon.min of the auto ones, memory of the others), more than the default budget "
+                   f"of {mib_words(target)} ({BUDGET_SHARE:.0%} of the host): the lab manager holds them "
+                   "at their minimums")
         return
     total = sum(vm.memory_mib for vm in vms)
     if total > host.memory_mib * MEMORY_TARGET:
-        yield (f"the VMs ask for {total} MiB, more than {MEMORY_TARGET:.0%} of the host's "
-               f"{host.memory_mib} MiB; ballooning and KSM help, swapping hurts every guest")
+        if len(vms) == 1:
+            asked = f"VM {vms[0].name} asks for {mib_words(total)} of memory"
+        elif lab is None or len(vms) == len(lab.vms):
+            asked = f"the lab's {len(vms)} VMs ask for {mib_words(total)} of memory together"
+        else:
+            names = ", ".join(vm.name for vm in vms)
+            asked = f"the {len(vms)} VMs started ({names}) ask for {mib_words(total)} of memory together"
+        yield (f"{asked}, more than {MEMORY_TARGET:.0%} of the host's {mib_words(host.memory_mib)}; "
+               "ballooning and KSM help, swapping hurts every guest")
 
 
 def host_resources(lab: LabSpec, vms: Sequence[VmSpec], host: Host | None = None) -> Iterator[Resource]:

@@ -69,7 +69,7 @@ from vmlaunch.naming import (
     normalise_pci_address,
 )
 from vmlaunch.sourcemap import SourceMap
-from vmlaunch.units import format_size, parse_duration, parse_size
+from vmlaunch.units import bare_shown, format_size, parse_duration, parse_size, spelled
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -85,6 +85,8 @@ MAX_SPEC_BYTES = 1 << 20  # a 50-VM lab is 10 KiB; more is a mistake (or /dev/ze
 MAX_DEPTH = 16  # the deepest key a lab has is vm.NAME.disk[0].file (5): 16 is generous
 MAX_MEMORY = 16 << 40  # 16 TiB: more than any host has, and past the guest physical address bits
 MAX_DISK_SIZE = 1 << 50  # 1 PiB: qcow2 with its default 64 KiB clusters takes up to 2 PiB
+# A bare disk size meant bytes in earlier versions: as MiB, the byte count of even a 1 MiB disk is 1 TiB.
+BARE_DISK_LIMIT = 1 << 40
 # Values that make QEMU print a list and exit instead of starting a VM (QEMU's is_help_option).
 _QEMU_QUERIES = ("help", "?")
 
@@ -118,6 +120,16 @@ def _printable_path(path: KeyPath) -> KeyPath:
 
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _as_bytes(value: str | int) -> str:
+    """How a bare number is written as bytes: 'bytes take a B suffix: "1073741824B", that is "1G"'."""
+    digits = str(value).strip(" ")
+    if len(digits) > 24 or not digits.isdigit():
+        return "bytes take a B suffix: \"4096B\""
+    size = int(digits)
+    short = format_size(size)
+    return f"bytes take a B suffix: \"{size}B\"" + ("" if short.endswith("B") else f", that is \"{short}\"")
 
 
 def _shown(value: object) -> str:
@@ -479,6 +491,8 @@ def _describe(error: Any) -> Iterator[tuple[KeyPath, str, str | None]]:
         yield path, f"expected {_type_words(error.validator_value)}, got {_toml_type(value)}", None
     elif kind == "minProperties":
         yield path, _schema_message(error), None
+    elif kind == "minimum" and schema.get("x-size"):
+        yield path, f"{bare_shown(value) or _shown(value)} is {'no size' if value == 0 else 'negative'}", None
     elif kind == "minimum":
         yield path, f"{_shown(value)} is less than the minimum {error.validator_value}", None
     elif kind == "maximum":
@@ -487,10 +501,21 @@ def _describe(error: Any) -> Iterator[tuple[KeyPath, str, str | None]]:
         yield path, "must not be empty", None
     elif kind == "uniqueItems":
         yield path, "has duplicate entries", None
+    elif kind == "pattern" and schema.get("x-size"):
+        yield path, _size_message(value) or f"{_shown(value)} {_schema_message(error)}", None
     elif kind == "pattern":
         yield path, f"{_shown(value)} {_schema_message(error)}", None
     else:
         yield path, str(error.message), None
+
+
+def _size_message(value: str) -> str | None:
+    """Why the size pattern refused `value`, as parse_size says it ("128MB" is ambiguous)."""
+    try:
+        parse_size(value)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _schema_message(error: Any) -> str:
@@ -1107,19 +1132,19 @@ class _Builder:
     def memory_mib(self, path: KeyPath, value: str | int, *, floor: bool = True,
                    most: int | None = MAX_MEMORY) -> int | None:
         try:
-            size = parse_size(value, default_unit="M")
+            size = parse_size(value)
         except ValueError as exc:
             self.problems.add(path, str(exc))
             return None
+        shown = bare_shown(value) or _shown(value)
         if size % (1 << 20):
-            self.problems.add(path, f"{_shown(value)} is not a whole number of MiB")
+            self.problems.add(path, f"{shown} is not a whole number of MiB")
             return None
         if floor and size < 16 << 20:
-            self.problems.add(path, f"{_shown(value)} is too little memory", "at least 16M")
+            self.problems.add(path, f"{shown} is too little memory; at least {spelled(16 << 20)}")
             return None
         if most is not None and size > most:
-            self.problems.add(path, f"{_shown(value)} is more memory than a VM can have",
-                              f"at most {format_size(MAX_MEMORY)}")
+            self.problems.add(path, f"{shown} is more memory than a VM can have; at most {spelled(most)}")
             return None
         return size >> 20
 
@@ -1184,19 +1209,30 @@ class _Builder:
         )
 
     def disk_bytes(self, path: KeyPath, value: str | int) -> int | None:
-        """A disk's size in bytes (whole 512-byte sectors, up to MAX_DISK_SIZE), or a problem."""
+        """A disk's size in bytes (whole 512-byte sectors, up to MAX_DISK_SIZE), or a problem. A bare
+        number is MiB, as for every size; it meant bytes for a disk in earlier versions, so one that makes
+        a disk of a TiB or more (1048576: any byte count from 1 MiB up) is refused, not taken."""
         try:
             size = parse_size(value)
         except ValueError as exc:
             self.problems.add(path, str(exc))
             return None
+        bare = bare_shown(value)
+        shown = bare or _shown(value)
+        if bare is not None and size >= BARE_DISK_LIMIT:
+            self.problems.add(path, f"{bare} would make a {format_size(size)} disk; a bare disk size meant "
+                              "bytes in earlier vmlaunch versions, so one of 1T or more is refused",
+                              f"{_as_bytes(value)}; " + (f"write a disk of 1T or more with a unit: "
+                              f"\"{format_size(size)}\"" if size <= MAX_DISK_SIZE else
+                              f"a disk image is at most {format_size(MAX_DISK_SIZE)}"))
+            return None
         if size == 0 or size % 512:
             what = "no size" if size == 0 else "not a whole number of 512-byte sectors"
-            self.problems.add(path, f"{_shown(value)} is {what}", "e.g. 64M or 20G")
+            self.problems.add(path, f"{shown} is {what}", "e.g. 64M or 20G")
             return None
         if size > MAX_DISK_SIZE:
-            self.problems.add(path, f"{_shown(value)} is larger than a disk image can be",
-                              f"at most {format_size(MAX_DISK_SIZE)}")
+            self.problems.add(path, f"{shown} is larger than a disk image can be; at most "
+                              f"{spelled(MAX_DISK_SIZE)}")
             return None
         return size
 

@@ -25,7 +25,7 @@ from vmlaunch.model import (
     VmSpec,
     balloon_min_mib,
 )
-from vmlaunch.units import format_size, human_size
+from vmlaunch.units import format_size, human_size, mib_words
 
 
 @attrs.frozen
@@ -113,22 +113,25 @@ def check_memory(lab: LabSpec, host: Host) -> Iterator[Finding]:
     target = int(host.memory_mib * BUDGET_SHARE)
     why = (f"target system use at 80 % or lower, and over-commit memory with page sharing (KSM) or "
            f"ballooning rather than swapping ({GUIDE})")
+    vms = f"the lab's {len(lab.vms)} VMs" if len(lab.vms) != 1 else f"the lab's one VM, {lab.vms[0].name},"
+    together = " together" if len(lab.vms) != 1 else ""
+    of_host = f"of the host's {mib_words(host.memory_mib)}"
     if auto:
         budget = lab.memory.budget_mib or target
         floors = sum(balloon_min_mib(vm) if vm.balloon.policy is BalloonPolicy.AUTO else vm.memory_mib
                      for vm in lab.vms)
-        found = (f"the VMs may grow to {format_size(total << 20)}; the lab manager keeps them within a "
-                 f"budget of {format_size(budget << 20)} (at least {format_size(floors << 20)})")
+        within = (f"{vms} may grow to {mib_words(total)}{together}; the lab manager keeps them within a "
+                  f"budget of {mib_words(budget)}")
+        found = f"{within}, never below {format_size(floors << 20)}"
         if budget > target:
-            yield Finding("lab.memory", Status.WARN, f"{found}, more than 80 % of the host's "
-                          f"{format_size(host.memory_mib << 20)}", why, "lower lab.memory.budget",
-                          where(lab, ("lab", "memory", "budget")))
+            yield Finding("lab.memory", Status.WARN, f"{within}, more than 80 % {of_host}", why,
+                          "lower lab.memory.budget", where(lab, ("lab", "memory", "budget")))
             return
     else:
-        found = (f"the VMs ask for {format_size(total << 20)} of the host's "
-                 f"{format_size(host.memory_mib << 20)}")
+        asked = f"{vms} ask{'s' if len(lab.vms) == 1 else ''} for {mib_words(total)}{together}"
+        found = f"{asked}, {of_host}"
         if total > target:
-            yield Finding("lab.memory", Status.WARN, f"{found}: more than 80 %", why,
+            yield Finding("lab.memory", Status.WARN, f"{asked}, more than 80 % {of_host}", why,
                           "balloon.policy = \"auto\" with a lab.memory.budget, KSM (lab.memory.ksm), or "
                           "smaller VMs")
             return
