@@ -586,7 +586,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         else f"{net.name} ({net.type.value})"
         for net in lab.networks
     )
-    disks = sum(len(vm.disks) for vm in lab.vms)
+    disks = sum(len(vm.disks) + (vm.image is not None) for vm in lab.vms)  # an image: its overlay
     print(f"{args.spec}: valid: lab {lab.name}: {_count(len(lab.vms), 'VM')} "
           f"({', '.join(vm.name for vm in lab.vms)}), {_count(len(lab.networks), 'network')}"
           f"{f' ({nets})' if nets else ''}, {_count(disks, 'disk')}")
