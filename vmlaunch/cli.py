@@ -580,7 +580,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from vmlaunch.model import BridgeNetwork
     from vmlaunch.spec import load_lab
 
-    lab = load_lab(args.spec, files=True)
+    lab = load_lab(args.spec, files=True, up_refusals=True)
     nets = ", ".join(
         f"{net.name} (bridge {net.bridge})" if isinstance(net, BridgeNetwork)
         else f"{net.name} ({net.type.value})"
