@@ -248,6 +248,24 @@ def _folder_problem(path: Path) -> str | None:
     return None
 
 
+def not_a_file(path: Path, mode: int, *, disk: bool,
+               device_ok: bool = False) -> tuple[str, str | None] | None:
+    """What `path` (of st_mode `mode`) is when it is no file a spec may name there (a folder, a FIFO,
+    a device, a socket; a block device unless `device_ok`): a message and a hint. `doctor` asks it too."""
+    if stat.S_ISDIR(mode):
+        return f"{_p(path)} is a folder, not a file", None
+    if stat.S_ISBLK(mode):
+        if device_ok:
+            return None
+        return (f"{_p(path)} is a block device", "add block_device = true to the disk if that is meant"
+                if disk else None)
+    if not stat.S_ISREG(mode):
+        kind = ("a character device" if stat.S_ISCHR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+        return f"{_p(path)} is {kind}, not a file", None
+    return None
+
+
 def _problem(path: Path, *, disk: bool, writable: bool = False, device_ok: bool = False,
              may_be_missing: bool = False, executable: bool = False) -> tuple[str, str | None] | None:
     """What is wrong with `path` (a message and a hint), or None."""
@@ -262,17 +280,10 @@ def _problem(path: Path, *, disk: bool, writable: bool = False, device_ok: bool 
     except OSError as exc:  # EACCES on a folder of the path, ELOOP, ENAMETOOLONG, ENOTDIR
         return f"{_p(path)} cannot be looked at: {exc.strerror or exc}", None
     mode = info.st_mode
-    if stat.S_ISDIR(mode):
-        return f"{_p(path)} is a folder, not a file", None
-    if stat.S_ISBLK(mode):
-        if not device_ok:
-            return (f"{_p(path)} is a block device", "add block_device = true to the disk if that is meant"
-                    if disk else None)
-    elif not stat.S_ISREG(mode):
-        kind = ("a character device" if stat.S_ISCHR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
-        return f"{_p(path)} is {kind}, not a file", None
-    elif info.st_size == 0 and not may_be_missing:
+    kind = not_a_file(path, mode, disk=disk, device_ok=device_ok)
+    if kind is not None:
+        return kind
+    if stat.S_ISREG(mode) and info.st_size == 0 and not may_be_missing:
         return f"{_p(path)} is empty", None
     if not os.access(path, os.R_OK):
         return f"{_p(path)} is not readable by you", None
