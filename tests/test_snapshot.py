@@ -13,6 +13,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -198,6 +199,43 @@ def test_a_lab_that_cannot_be_snapshotted_is_refused_and_left_alone(
     assert "cannot start lab refused from snapshot 'first':" in capsys.readouterr().err
     assert main(["snapshot", str(spec), "list", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {}
+
+
+# A qemu-img whose `snapshot -d X` deletes the snapshot with the ID X first, as old releases did: the real
+# one, given the name of the snapshot with that ID instead.
+ID_FIRST = """#!PYTHON
+import json, os, subprocess, sys
+args = sys.argv[1:]
+if args[:1] == ["snapshot"] and "-d" in args:
+    image = args[-1]
+    path = image.split("file.filename=", 1)[1].replace(",,", ",") if "--image-opts" in args else image
+    info = subprocess.run(["qemu-img", "info", "-U", "--output=json", path], capture_output=True, text=True)
+    ids = {snap["id"]: snap["name"] for snap in json.loads(info.stdout).get("snapshots", [])}
+    at = args.index("-d") + 1
+    args[at] = ids.get(args[at], args[at])
+os.execvp("qemu-img", ["qemu-img", *args])
+"""
+
+
+def test_delete_leaves_a_disk_alone_where_qemu_img_would_take_the_name_for_an_id(tmp_path: Path) -> None:
+    """This machine's qemu-img deletes by name; one that took a number for an ID first is found out on
+    a scratch image, and a disk where the name is another snapshot's ID is then left as it is."""
+    fake = tmp_path / "qemu-img"
+    fake.write_text(ID_FIRST.replace("PYTHON", sys.executable))
+    fake.chmod(0o755)
+    assert snapshot._deletes_by_name("qemu-img") and not snapshot._deletes_by_name(str(fake))
+    disk = tmp_path / "a,b.qcow2"  # a comma: the file goes to qemu-img in --image-opts
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(disk), "1M"], check=True)
+    for name in ("first", "1", "other"):
+        subprocess.run(["qemu-img", "snapshot", "-c", name, str(disk)], check=True)
+    before = disk.read_bytes()
+    assert snapshot._delete_down(str(fake), disk, "1") == (
+        f"{disk}: not deleted: its snapshot 'first' has the ID 1, and {fake} could take '1' for that ID")
+    assert disk.read_bytes() == before
+    assert snapshot._delete_down(str(fake), disk, "other") is None  # no snapshot has the ID "other"
+    assert table(disk) == [("1", "first"), ("2", "1")]
+    assert snapshot._delete_down("qemu-img", disk, "1") is None  # by name: "first" stays
+    assert table(disk) == [("1", "first")]
 
 
 def test_a_clock_is_set_to_the_time_sent_once_the_command_runs(tmp_path: Path,
