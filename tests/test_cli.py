@@ -29,6 +29,29 @@ def test_validate_summary(capsys: pytest.CaptureFixture[str]) -> None:
     assert "valid: lab demo: 2 VMs (alpha, beta), 2 networks" in out
 
 
+def test_validate_counts_the_overlay_of_an_image_as_a_disk(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    base = tmp_path / "base.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(base), "1M"], check=True)
+    (tmp_path / "data.img").write_bytes(bytes(512))
+    spec = write_spec(tmp_path, '[lab]\nname = "img"\n[image.base]\nfile = "base.qcow2"\n'
+                      '[vm.web]\nmemory = 256\nimage = "base"\n[vm.db]\nmemory = 256\nimage = "base"\n'
+                      '[[vm.db.disk]]\nfile = "data.img"\n')
+    assert main(["validate", str(spec)]) == 0
+    assert capsys.readouterr().out == f"{spec}: valid: lab img: 2 VMs (web, db), 0 networks, 3 disks\n"
+
+
+def test_ssh_to_a_vm_without_ssh_names_the_line_of_its_table(tmp_path: Path, run_dir: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "k").write_bytes(b"kernel")
+    spec = write_spec(tmp_path, '[lab]\nname = "nossh"\n# the VMs\n[vm.a]\nmemory = 64\nkernel = "k"\n'
+                      '[vm.b]\nmemory = 64\nkernel = "k"\n')
+    assert main(["ssh", str(spec), "b"]) == 64
+    assert capsys.readouterr().err.splitlines() == [
+        "vmlaunch: error: VM b has no SSH port",
+        f"  hint: give it ssh = true in [vm.b], {spec}:7 (and an image or [vm.b.cloud_init])"]
+
+
 def test_validate_lists_every_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     spec = write_spec(tmp_path, '[lab]\nname = "x"\n[vm.a]\nmemory = "1X"\nkernel = "k"\n'
                       '[[vm.a.nic]]\nnetwork = "nowhere"\n')

@@ -434,9 +434,14 @@ def test_doctor_does_not_open_a_fifo_named_as_a_disk(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "disk.img")
     (tmp_path / "vmlinuz").write_bytes(b"a kernel")
     spec = lab_spec(tmp_path, vm(extra='[[vm.a.disk]]\nfile = "disk.img"\n'))
-    done = subprocess.run([sys.executable, "-m", "vmlaunch", "doctor", str(spec)], capture_output=True,
-                          text=True, timeout=120, check=False)
-    assert done.returncode in (0, 1) and "Traceback" not in done.stderr and "checks:" in done.stdout
+    done = subprocess.run([sys.executable, "-m", "vmlaunch", "doctor", str(spec), "--json"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    found = [f for f in json.loads(done.stdout)["lab"] if f["id"] == "lab.disk_file"]
+    assert found == [{"id": "lab.disk_file", "status": "fail",
+                      "found": f"a: {tmp_path}/disk.img is a FIFO, not a file",
+                      "why": "QEMU opens a disk's file as an image: up refuses anything else",
+                      "fix": "name an image file", "where": f"{spec}:8: vm.a.disk[0].file"}]
 
 
 @needs_sfdisk

@@ -354,3 +354,16 @@ def test_the_next_step_names_only_what_was_written(tmp_path: Path, target: str, 
     assert done.returncode == 0, done.stderr
     step = next(line for line in done.stderr.splitlines() if said in line)
     assert absent not in step
+
+
+def test_a_lab_with_only_socket_networks_is_told_no_network_step(tmp_path: Path) -> None:
+    """No network XML is written for a socket network: the next step names no net-define, net-start."""
+    (tmp_path / "k").write_bytes(b"kernel")
+    spec = write_spec(tmp_path, '[lab]\nname = "sock"\n[network.lan]\ntype = "socket"\n'
+                      '[vm.a]\nmemory = 128\nkernel = "k"\n[[vm.a.nic]]\nnetwork = "lan"\n')
+    done = run("export", str(spec), "--to", "libvirt", "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "out" / "networks").exists()
+    step = next(line for line in done.stderr.splitlines() if "define them:" in line)
+    assert step.endswith(f'for f in {tmp_path / "out"}/domains/*.xml; do virsh define "$f"; done '
+                         "(then virsh start)"), step

@@ -147,6 +147,32 @@ def test_a_failing_up_rolls_everything_back(tmp_path: Path, run_dir: Path, test_
     assert "/nonexistent/initrd" in control.read_log(plan.run_dir, "b", qemu_messages=True)
 
 
+def test_a_rollback_step_that_fails_is_said_and_the_up_keeps_its_error(
+        tmp_path: Path, run_dir: Path, test_guest: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Undoing a resource fails during the rollback (as releasing a KSM claim can): the up's own error
+    is raised, with its exit code, the failure is said, and the resource stays for `down`."""
+    from vmlaunch.errors import HostError
+    from vmlaunch.resources.image import ImageRecord
+
+    def failing(record: ImageRecord, ctx: object, *, rollback: bool) -> None:
+        raise HostError("cannot write /sys/kernel/mm/ksm/run (made up by the test)")
+
+    one_vm = SPEC[:SPEC.index("[vm.b]")].replace('"GUEST/initrd.gz"', '"/nonexistent/initrd"')
+    plan = plan_of(tmp_path, test_guest, one_vm)
+    monkeypatch.setattr(ImageRecord, "undo", failing)
+    with pytest.raises(qemu.QemuFailed, match="a: QEMU exited with status 1") as caught:
+        executor.up(plan, spec=tmp_path / "lab.toml", timeout=30)
+    assert caught.value.exit_code == 4
+    assert f"rolling back, could not undo image {tmp_path / 'a.img'}" in caplog.text
+    assert "cannot write /sys/kernel/mm/ksm/run (made up by the test) (it stays in the journal: " \
+           "`vmlaunch down SPEC` tries again)" in caplog.text
+    assert [entry.kind for entry in Journal.load(plan.run_dir).resources] == ["image"]
+    monkeypatch.undo()
+    assert executor.down(plan.run_dir, timeout=1)
+    assert not plan.run_dir.path.exists()
+
+
 def test_down_force_removes_what_it_recognises(lab: Plan, tmp_path: Path,
                                                caplog: pytest.LogCaptureFixture) -> None:
     pids = executor.up(lab, spec=tmp_path / "lab.toml", timeout=60)

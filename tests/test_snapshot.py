@@ -13,6 +13,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -145,11 +146,21 @@ def test_the_snapshot_holds_the_writable_qcow2_nodes_the_compiler_made(tmp_path:
     assert {"seed", "fw-vars"} <= {node["node-name"] for node in nodes}  # there, and not in it
 
 
-def test_names_start_with_a_letter() -> None:
-    assert snapshot.check_name("before-upgrade.2") == "before-upgrade.2"
-    for bad in ("1", "", "a b", "x" * 65, "-a", "a/b"):
+def test_names_of_any_script_but_not_numbers() -> None:
+    """A number would be taken for a snapshot's ID by a load; delete goes by name, so it takes one."""
+    for good in ("before-upgrade.2", "2026-11-22", "vor-Änderung_ü", "v1", "x" * 64, "快照"):
+        assert snapshot.check_name(good) == good
+    for bad in ("1", "", "a b", "x" * 65, "-a", "a/b", ".a", "a\nb", "a\u202eb", "a\U0001f600"):
         with pytest.raises(UsageError, match="is not a snapshot name"):
             snapshot.check_name(bad)
+    with pytest.raises(UsageError, match="QEMU takes a number for the ID of a snapshot"):
+        snapshot.check_name("12")
+    assert snapshot.check_name("12", number_ok=True) == "12"
+    with pytest.raises(UsageError, match="is not a snapshot name"):
+        snapshot.check_name("1 2", number_ok=True)
+    assert snapshot.check_name("\U0001d400" * 63) == "\U0001d400" * 63  # a letter of 4 bytes in UTF-8
+    with pytest.raises(UsageError, match="at most 255 bytes"):
+        snapshot.check_name("\U0001d400" * 64)  # 256 bytes: QEMU would cut it short
 
 
 def test_the_command_line_checks_what_goes_with_which_subcommand(
@@ -161,6 +172,8 @@ def test_the_command_line_checks_what_goes_with_which_subcommand(
                           (["restore", "x", "--force"], "--force goes with save only"),
                           (["save", "x", "--json"], "--json goes with list only"),
                           (["save", "1"], "'1' is not a snapshot name"),
+                          (["restore", "2"], "'2' is not a snapshot name: QEMU takes a number"),
+                          (["delete", "a b"], "'a b' is not a snapshot name"),
                           (["keep"], "invalid choice: 'keep'")):
         assert main(["snapshot", str(spec), *argv]) == 64
         assert message in capsys.readouterr().err
@@ -186,6 +199,43 @@ def test_a_lab_that_cannot_be_snapshotted_is_refused_and_left_alone(
     assert "cannot start lab refused from snapshot 'first':" in capsys.readouterr().err
     assert main(["snapshot", str(spec), "list", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {}
+
+
+# A qemu-img whose `snapshot -d X` deletes the snapshot with the ID X first, as old releases did: the real
+# one, given the name of the snapshot with that ID instead.
+ID_FIRST = """#!PYTHON
+import json, os, subprocess, sys
+args = sys.argv[1:]
+if args[:1] == ["snapshot"] and "-d" in args:
+    image = args[-1]
+    path = image.split("file.filename=", 1)[1].replace(",,", ",") if "--image-opts" in args else image
+    info = subprocess.run(["qemu-img", "info", "-U", "--output=json", path], capture_output=True, text=True)
+    ids = {snap["id"]: snap["name"] for snap in json.loads(info.stdout).get("snapshots", [])}
+    at = args.index("-d") + 1
+    args[at] = ids.get(args[at], args[at])
+os.execvp("qemu-img", ["qemu-img", *args])
+"""
+
+
+def test_delete_leaves_a_disk_alone_where_qemu_img_would_take_the_name_for_an_id(tmp_path: Path) -> None:
+    """This machine's qemu-img deletes by name; one that took a number for an ID first is found out on
+    a scratch image, and a disk where the name is another snapshot's ID is then left as it is."""
+    fake = tmp_path / "qemu-img"
+    fake.write_text(ID_FIRST.replace("PYTHON", sys.executable))
+    fake.chmod(0o755)
+    assert snapshot._deletes_by_name("qemu-img") and not snapshot._deletes_by_name(str(fake))
+    disk = tmp_path / "a,b.qcow2"  # a comma: the file goes to qemu-img in --image-opts
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(disk), "1M"], check=True)
+    for name in ("first", "1", "other"):
+        subprocess.run(["qemu-img", "snapshot", "-c", name, str(disk)], check=True)
+    before = disk.read_bytes()
+    assert snapshot._delete_down(str(fake), disk, "1") == (
+        f"{disk}: not deleted: its snapshot 'first' has the ID 1, and {fake} could take '1' for that ID")
+    assert disk.read_bytes() == before
+    assert snapshot._delete_down(str(fake), disk, "other") is None  # no snapshot has the ID "other"
+    assert table(disk) == [("1", "first"), ("2", "1")]
+    assert snapshot._delete_down("qemu-img", disk, "1") is None  # by name: "first" stays
+    assert table(disk) == [("1", "first")]
 
 
 def test_a_clock_is_set_to_the_time_sent_once_the_command_runs(tmp_path: Path,
@@ -334,13 +384,14 @@ def test_restoring_what_is_not_there_changes_nothing(rig: Rig, capsys: pytest.Ca
 
 
 def test_delete(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
-    assert rig.cli("snapshot", "save", "gone") == 0
-    assert set(listed(rig, capsys)) == {"first", "gone"}
-    assert rig.cli("snapshot", "delete", "gone") == 0
-    assert capsys.readouterr().out == "gone: deleted (a, b)\n"
+    gone = "vor-Änderung_2.ü"
+    assert rig.cli("snapshot", "save", gone) == 0
+    assert set(listed(rig, capsys)) == {"first", gone}
+    assert rig.cli("snapshot", "delete", gone) == 0
+    assert capsys.readouterr().out == f"{gone}: deleted (a, b)\n"
     assert set(listed(rig, capsys)) == {"first"}
-    assert rig.cli("snapshot", "delete", "gone") == 4
-    assert "no VM of lab snap has a snapshot 'gone'" in capsys.readouterr().err
+    assert rig.cli("snapshot", "delete", gone) == 4
+    assert f"no VM of lab snap has a snapshot {gone!r}" in capsys.readouterr().err
 
 
 def test_a_failed_save_resumes_every_vm_and_leaves_no_part(rig: Rig, capsys: pytest.CaptureFixture[str],
@@ -360,10 +411,69 @@ def test_a_failed_save_resumes_every_vm_and_leaves_no_part(rig: Rig, capsys: pyt
     assert set(listed(rig, capsys)) == {"first"}  # a's part was deleted
 
 
-def test_up_from_snapshot_starts_without_booting(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
+DOWN_NAME = "2026-11-22.prä"  # saved while up, deleted while down
+
+
+def disk_of(rig: Rig, vm: str) -> Path:
+    return rig.spec.parent / f"{vm}.qcow2"
+
+
+def table(file: Path) -> list[tuple[str, str]]:
+    """(ID, name) of each snapshot of a qcow2 file, from this machine's qemu-img."""
+    done = subprocess.run(["qemu-img", "info", "-U", "--output=json", str(file)], capture_output=True,
+                          text=True, check=True)
+    return [(snap["id"], snap["name"]) for snap in json.loads(done.stdout).get("snapshots", [])]
+
+
+def test_from_snapshot_is_refused_while_up(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
     assert rig.cli("up", "--from-snapshot", "first") == 4  # up: restore is for that
     assert "a, b run already: --from-snapshot starts VMs that are down" in capsys.readouterr().err
+    assert rig.cli("snapshot", "save", DOWN_NAME) == 0
     assert rig.cli("down", "--timeout", "5") == 0
+
+
+def test_every_verb_while_the_lab_is_down(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
+    """save and restore are refused with the lines of the VMs; list and delete read and write the
+    disks with qemu-img."""
+    capsys.readouterr()
+    spec = rig.spec
+    for verb, doing in (("save", "snapshot"), ("restore", "restore")):
+        assert rig.cli("snapshot", verb, "first") == 4
+        err = capsys.readouterr().err
+        assert err.startswith(f"vmlaunch: error: cannot {doing} lab snap:\n"
+                              f"{spec}:6: vm.a: VM a is not running\n"
+                              f"{spec}:18: vm.b: VM b is not running\n"), err
+        assert "hint: bring the lab up first; a lab that is down starts from a snapshot with `vmlaunch " \
+               "up SPEC --from-snapshot NAME`" in err
+    doc = listed(rig, capsys)
+    assert set(doc) == {"first", DOWN_NAME} and all(set(doc[name]) == {"a", "b"} for name in doc)
+    assert all(entry["complete"] for per_vm in doc.values() for entry in per_vm.values())
+    assert rig.cli("snapshot", "list") == 0
+    assert [line.split()[:2] for line in capsys.readouterr().out.splitlines()[1:]] == [
+        ["2026-11-22.prä", "a"], ["2026-11-22.prä", "b"], ["first", "a"], ["first", "b"]]
+
+    assert rig.cli("snapshot", "delete", DOWN_NAME) == 0
+    assert capsys.readouterr().out == f"{DOWN_NAME}: deleted (a, b)\n"
+    assert set(listed(rig, capsys)) == {"first"}
+    assert rig.cli("snapshot", "delete", DOWN_NAME) == 4
+    assert f"no VM of lab snap has a snapshot {DOWN_NAME!r}" in capsys.readouterr().err
+
+    # A snapshot named "1" beside "first", whose ID is 1: delete goes by the name.
+    subprocess.run(["qemu-img", "snapshot", "-c", "1", str(disk_of(rig, "a"))], check=True)
+    before = table(disk_of(rig, "a"))
+    assert ("1", "first") in before and any(name == "1" and id != "1" for id, name in before), before
+    first = listed(rig, capsys)["first"]
+    assert rig.cli("snapshot", "delete", "1") == 0
+    assert capsys.readouterr().out == "1: deleted (a)\n"
+    assert table(disk_of(rig, "a")) == [entry for entry in before if entry[1] != "1"]
+    assert listed(rig, capsys) == {"first": first}
+    assert rig.cli("snapshot", "delete", "1") == 4  # nothing named "1": the ID 1 is not taken for it
+    assert "no VM of lab snap has a snapshot '1'" in capsys.readouterr().err
+    assert table(disk_of(rig, "a")) == [entry for entry in before if entry[1] != "1"]
+    subprocess.run(["qemu-img", "snapshot", "-c", "1", str(disk_of(rig, "a"))], check=True)  # for later
+
+
+def test_up_from_snapshot_starts_without_booting(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
     assert set(listed(rig, capsys)["first"]) == {"a", "b"}  # read from the disks
     assert rig.cli("up", "--from-snapshot", "first", "--fresh") == 64
     assert "--fresh and --from-snapshot do not go together" in capsys.readouterr().err
@@ -379,6 +489,26 @@ def test_up_from_snapshot_starts_without_booting(rig: Rig, capsys: pytest.Captur
         uptime = float(on_console(rig, vm, "cut -d' ' -f1 /proc/uptime"))
         assert uptime > time.time() - started  # up longer than its QEMU: it ran before, and runs on
     assert set(Journal.load(rig.run_dir).vms) == {"a", "b"}
+
+
+def test_delete_by_a_number_while_up(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
+    """QEMU's snapshot-delete job goes by the name too: the snapshot whose ID is 1 stays."""
+    from vmlaunch.control import qmp_command
+
+    def ids() -> dict[str, str]:
+        nodes = qmp_command(rig.run_dir, "a", "query-named-block-nodes", {"flat": True})
+        node = next(node for node in nodes if node["node-name"] == "disk0")
+        return {snap["name"]: snap["id"] for snap in node["image"].get("snapshots", [])}
+
+    assert ids()["first"] == "1" and "1" in ids()
+    doc = listed(rig, capsys)
+    assert set(doc) == {"first", "1"} and doc["1"]["a"]["missing"] == [str(disk_of(rig, "a"))]  # no RAM
+    assert rig.cli("snapshot", "delete", "1") == 0
+    assert capsys.readouterr().out == "1: deleted (a)\n"
+    assert ids() == {"first": "1"}
+    assert listed(rig, capsys) == {"first": doc["first"]}
+    assert rig.cli("snapshot", "restore", "first") == 0  # still whole
+    assert running(rig) == ["running", "running"]
 
 
 def test_a_clock_session_runs_more_after_the_clock(tmp_path: Path) -> None:

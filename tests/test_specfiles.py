@@ -225,3 +225,55 @@ def test_a_test_guest_not_built_yet_says_how_to_build_it(tmp_path: Path) -> None
     (tmp_path / "tools" / "build_guest.py").unlink()
     assert problems(spec)[1].endswith("guest/initrd.gz does not exist (relative paths are relative to "
                                       "the spec file)")
+
+
+# --- what `up` refuses of files that are there: validate says it too, in up's words ------------------
+
+
+def up_and_validate(spec: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, int, str]:
+    """`up`'s exit code and message, then validate's."""
+    up = main(["up", str(spec)])
+    up_err = capsys.readouterr().err
+    valid = main(["validate", str(spec)])
+    return up, up_err, valid, capsys.readouterr().err
+
+
+def test_validate_refuses_an_image_that_names_a_backing_file_as_up_does(
+        tmp_path: Path, run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+
+    backing = 'json:{"driver":"raw","file":{"driver":"file","filename":"/etc/shadow"}}'
+    subprocess.run(["qemu-img", "create", "-q", "-u", "-f", "qcow2", "-b", backing, "-F", "raw",
+                    str(tmp_path / "base.qcow2"), "1M"], check=True)
+    spec = write_spec(tmp_path, HEAD + '[image.base]\nfile = "base.qcow2"\n'
+                      '[vm.a]\nmemory = 64\naccel = "tcg"\nimage = "base"\nssh = false\n')
+    up, up_err, valid, err = up_and_validate(spec, capsys)
+    message = (f"image base ({tmp_path}/base.qcow2): the qcow2 image names a backing file ({backing!r}); "
+               "QEMU would open it for the guest, so an image could make the guest read any file on this "
+               "host. vmlaunch boots only self-contained images")
+    hint = ("flatten it into one file (qemu-img convert -O qcow2 IMAGE flat.qcow2) and use that, with its "
+            "own checksum")
+    assert up == 4 and f"vmlaunch: error: {message}\n  hint: {hint}\n" in up_err, up_err
+    assert valid == 2
+    assert err.splitlines() == [f"{spec}:4: image.base.file: {message} ({hint})",
+                                "vmlaunch: 1 problem in the spec"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (a file of another user)")
+def test_validate_refuses_a_script_of_another_user_as_up_does(
+        tmp_path: Path, run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    wire = tmp_path / "ifup"
+    wire.write_text("#!/bin/sh\nexit 0\n")
+    wire.chmod(0o755)
+    os.chown(wire, 65534, 65534)
+    spec = lab_with(tmp_path, 'kernel = "vmlinuz"\naccel = "tcg"\n[[vm.a.nic]]\nnetwork = "n"\n'
+                    '[network.n]\ntype = "tap"\nup_script = "ifup"\n')
+    up, up_err, valid, err = up_and_validate(spec, capsys)
+    message = f"{wire} belongs to uid 65534 (nobody)"
+    assert up == 3 and f"{spec}:11: network.n.up_script: {message}" in up_err, up_err
+    shown = next(line for line in up_err.splitlines() if message in line).removeprefix("vmlaunch: error: ")
+    hint = ("vmlaunch runs only scripts that no user but you and root can change, by a path no other "
+            "user can change either")
+    assert f"  hint: {hint}" in up_err
+    assert valid == 2
+    assert err.splitlines() == [f"{shown} ({hint})", "vmlaunch: 1 problem in the spec"]

@@ -599,13 +599,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from vmlaunch.model import BridgeNetwork
     from vmlaunch.spec import load_lab
 
-    lab = load_lab(args.spec, files=True)
+    lab = load_lab(args.spec, files=True, up_refusals=True)
     nets = ", ".join(
         f"{net.name} (bridge {net.bridge})" if isinstance(net, BridgeNetwork)
         else f"{net.name} ({net.type.value})"
         for net in lab.networks
     )
-    disks = sum(len(vm.disks) for vm in lab.vms)
+    disks = sum(len(vm.disks) + (vm.image is not None) for vm in lab.vms)  # an image: its overlay
     print(f"{args.spec}: valid: lab {lab.name}: {_count(len(lab.vms), 'VM')} "
           f"({', '.join(vm.name for vm in lab.vms)}), {_count(len(lab.networks), 'network')}"
           f"{f' ({nets})' if nets else ''}, {_count(disks, 'disk')}")

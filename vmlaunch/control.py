@@ -320,8 +320,9 @@ def ssh_argv_of(run_dir: RunDir, lab: LabSpec, name: str, command: Sequence[str]
 
     vm = lab.vm(name)
     if not vm.ssh:
-        raise UsageError(f"VM {name} has no SSH port", f"give it ssh = true (and an image or "
-                         f"[vm.{name}.cloud_init]) in {lab.file}")
+        raise UsageError(f"VM {name} has no SSH port", f"give it ssh = true in [vm.{name}], "
+                         f"{lab.file}:{lab.source.line_of(('vm', name))} (and an image or "
+                         f"[vm.{name}.cloud_init])")
     running_pid(run_dir, name)
     entry = Journal.load(run_dir).vms[name]
     if entry.ssh_port is None:

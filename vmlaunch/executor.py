@@ -85,12 +85,27 @@ def _apply(resource: Resource, ctx: Context, journal: Journal, stack: contextlib
 
 
 def _roll_back(entry: Entry, ctx: Context, journal: Journal) -> None:
+    """Undo one thing a failing `up` did. A failure is said, never raised: the error of the failing
+    `up` stays the one it exits with, and the rest of the rollback runs. What could not be undone
+    stays in the journal, for `down` to try again."""
     try:
         entry.record.undo(ctx, rollback=True)
-    except UndoneWithError as exc:  # said, not raised: the error of the failing `up` is the one to see
+    except UndoneWithError as exc:  # done as far as it goes: never again
         log.warning("%s", exc)
+    except Exception as exc:  # whatever it is, the error of the `up` comes first
+        log.warning("rolling back, could not undo %s: %s (it stays in the journal: `vmlaunch down SPEC` "
+                    "tries again)", entry.record.describe(), _reason(exc))
+        return
     with contextlib.suppress(OSError):  # the run dir goes away after a failed up anyway
         journal.drop(entry)
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, VmlaunchError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    return f"{type(exc).__name__}: {exc}"  # a bug: still said, and the rollback goes on
 
 
 def up(plan: Plan, *, spec: str | os.PathLike[str], qemu_img: str | None = None, wait_for: str | None = None,
@@ -191,6 +206,9 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
                 finally:
                     for vm in to_start:
                         journal.vms.pop(vm.name, None)
+                    if not journal.empty:  # the run dir stays (for VMs that run, or what was not undone)
+                        for vm in to_start:  # but not these files: their logs were kept
+                            _remove_files(vm.files)
                     _settle(journal, [vm.name for vm in plan.vms])
             raise
         stack.pop_all()  # success: keep everything for `down`

@@ -144,9 +144,11 @@ def _read_key(path: Path) -> str | None:
 def _next_step(export: Export, out: Path) -> str:
     written = {file.path.split("/", 1)[0] for file in export.files}  # no networks/ for a lab without
     if export.target == "libvirt":
-        steps = [f"for f in {out}/{sub}/*.xml; do virsh {verb} \"$f\"; done"
-                 for sub, verb in (("networks", "net-define"), ("domains", "define")) if sub in written]
-        return f"define them: {'; '.join(steps)} (then virsh net-start, start)"
+        kinds = [(sub, define, start) for sub, define, start in (("networks", "net-define", "net-start"),
+                                                                  ("domains", "define", "start"))
+                 if sub in written]
+        steps = [f"for f in {out}/{sub}/*.xml; do virsh {define} \"$f\"; done" for sub, define, _ in kinds]
+        return f"define them: {'; '.join(steps)} (then virsh {', '.join(start for *_, start in kinds)})"
     return "apply them: kubectl apply " + " ".join(f"-f {out}/{sub}" for sub in ("networks", "vms")
                                                    if sub in written)
 

@@ -313,8 +313,16 @@ def _ensure_file(image: Image, progress: bool | None) -> Path:
                                          "check the file, or the checksum in the spec")
                 if _stamp(os.fstat(fd)) == _stamp(before):  # not changed while it was read
                     _remember_verified(path, before, algo, digest)
-    _inspect(path, image.format, what)
+    inspect_file_image(image)
     return path
+
+
+def inspect_file_image(image: Image) -> ImageInfo:
+    """A local `file` image's format and size, as `up` reads them; UnsafeImage (or RuntimeFailure)
+    when it names another file or is not what its format says. `validate` asks this too."""
+    if image.file is None:
+        raise UsageError(f"image {image.name} has no file")
+    return _inspect(image.file, image.format, f"image {image.name} ({image.file})")
 
 
 def _stamp(st: os.stat_result) -> list[int]:

@@ -47,6 +47,7 @@ from vmlaunch.errors import KeyPath, Location, RuntimeFailure, UsageError
 from vmlaunch.journal import Journal, locked
 from vmlaunch.labdir import LabDir
 from vmlaunch.model import Disk, DiskFormat, LabSpec, VmSpec
+from vmlaunch.qemuopts import escape
 from vmlaunch.qmp import QuickQmp
 from vmlaunch.rundir import RunDir
 from vmlaunch.wait import remaining
@@ -57,8 +58,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# A letter first: QEMU finds a snapshot by its name *or* its numeric id, so "1" could load another.
-NAME = re.compile(r"[A-Za-z][A-Za-z0-9._-]{0,63}")
+# A letter or digit of any script, then those, '.', '_' or '-'. QEMU loads a snapshot by its ID first
+# (qcow2's find_snapshot_by_id_or_name; `qemu-img snapshot -a 1` applies the snapshot with ID 1, not
+# the one named "1"), and the IDs QEMU gives are numbers: a name of digits only could load another.
+NAME = re.compile(r"[^\W_][\w.-]{0,63}")
+NAME_BYTES = 255  # QEMU keeps a name in 256 bytes (QEMUSnapshotInfo.name): a longer one is cut short
 JOB_POLL = 0.05  # seconds between query-jobs while a job runs (a save takes well under a second)
 SSH_TIMEOUT = 15.0  # seconds for the SSH command that steps a guest's clock
 
@@ -67,11 +71,16 @@ class SnapshotRefused(RuntimeFailure):
     """The lab cannot be snapshotted (or restored) as it is: nothing was changed."""
 
 
-def check_name(name: str) -> str:
-    if NAME.fullmatch(name) is None:
-        raise UsageError(f"{name!r} is not a snapshot name: a letter, then up to 63 letters, digits, "
-                         "'.', '_' or '-'", "QEMU also finds snapshots by number, so a name starts "
-                         "with a letter")
+def check_name(name: str, *, number_ok: bool = False) -> str:
+    """`name` when it can name a snapshot; UsageError saying why not. `number_ok` (delete): a name of
+    digits only too, which QEMU deletes by name (see `delete`) but would load by ID."""
+    if NAME.fullmatch(name) is None or len(name.encode()) > NAME_BYTES:
+        raise UsageError(f"{name!r} is not a snapshot name: a letter or digit, then up to 63 letters, "
+                         f"digits, '.', '_' or '-' (at most {NAME_BYTES} bytes in UTF-8)")
+    if name.isdigit() and not number_ok:
+        raise UsageError(f"{name!r} is not a snapshot name: QEMU takes a number for the ID of a "
+                         "snapshot, so it could load another one", "add a letter, e.g. "
+                         f"'snap{name}'")
     return name
 
 
@@ -188,11 +197,13 @@ class SnapInfo:
     taken: float  # seconds since the epoch
     vm_state_size: int  # bytes of RAM and device state (0 on a disk that holds none)
     vm_clock: float  # QEMU's clock of the VM then: seconds it had run
+    id: str = ""  # the disk's own number for it (QEMU gives "1", "2", ...)
 
     @classmethod
     def of(cls, data: Mapping[str, Any]) -> SnapInfo:
         return cls(str(data["name"]), data["date-sec"] + data["date-nsec"] / 1e9,
-                   int(data.get("vm-state-size", 0)), data["vm-clock-sec"] + data["vm-clock-nsec"] / 1e9)
+                   int(data.get("vm-state-size", 0)), data["vm-clock-sec"] + data["vm-clock-nsec"] / 1e9,
+                   str(data.get("id", "")))
 
 
 Found = dict[str, dict[str, SnapInfo]]  # block node -> snapshot name -> what it is
@@ -212,21 +223,30 @@ def _found_up(nodes: Sequence[Mapping[str, Any]], disks: VmDisks) -> Found:
 def _found_down(qemu_img: str, disks: VmDisks) -> Found:
     """From the files, with `qemu-img info -U` (no lock taken: a QEMU may hold them). A missing file
     has no snapshot."""
-    import json
-
     found: Found = {}
     for disk in disks.disks:
-        if not disk.file.exists():
-            found[disk.node] = {}
-            continue
-        argv = [qemu_img, "info", "-U", "--output=json", "-f", "qcow2", str(disk.file)]
-        done = subprocess.run(argv, capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL)
-        if done.returncode != 0:
-            raise RuntimeFailure(f"{disks.vm}: cannot read the snapshots of {disk.file}: "
-                                 f"{done.stderr.strip() or f'qemu-img exited with {done.returncode}'}")
-        found[disk.node] = {snap["name"]: SnapInfo.of(snap)
-                            for snap in json.loads(done.stdout).get("snapshots", [])}
+        try:
+            table = _table(qemu_img, disk.file) if disk.file.exists() else []
+        except RuntimeFailure as exc:
+            raise RuntimeFailure(f"{disks.vm}: {exc.message}") from None
+        found[disk.node] = {snap.name: snap for snap in table}
     return found
+
+
+def _table(qemu_img: str, file: Path) -> list[SnapInfo]:
+    """Every snapshot a qcow2 file holds, in its order, read with `qemu-img info -U`."""
+    import json
+
+    argv = [qemu_img, "info", "-U", "--output=json", "-f", "qcow2", str(file)]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL)
+    except OSError as exc:
+        raise RuntimeFailure(f"cannot read the snapshots of {file}: {qemu_img}: {exc.strerror or exc}",
+                             "install qemu-utils") from None
+    if done.returncode != 0:
+        raise RuntimeFailure(f"cannot read the snapshots of {file}: "
+                             f"{done.stderr.strip() or f'qemu-img exited with {done.returncode}'}")
+    return [SnapInfo.of(snap) for snap in json.loads(done.stdout).get("snapshots", [])]
 
 
 def _found(run_dir: RunDir, disks: VmDisks, running: Mapping[str, int], qemu_img: str) -> Found:
@@ -620,8 +640,13 @@ def clock_session(argv_of: Callable[[list[str]], list[str]], then: str = "",
 def delete(run_dir: RunDir, lab: LabSpec, name: str, *, timeout: float = 60.0,
            qemu_img: str = "qemu-img") -> list[str]:
     """Delete snapshot NAME from every VM that has it: a QEMU job in a VM that runs, `qemu-img
-    snapshot -d` on the disks of one that is down. Returns the VMs it was deleted from."""
-    check_name(name)
+    snapshot -d` on the disks of one that is down. Returns the VMs it was deleted from.
+
+    Both find the snapshot by its name only, never by its ID (QEMU 7.2: `snapshot-delete` and
+    `qemu-img snapshot -d` look it up with bdrv_snapshot_find, which compares names), so NAME may be
+    a number here: `delete 1` deletes the snapshot named "1", not the one whose ID is 1. A qemu-img
+    that took NAME for an ID first would delete that other one: `_delete_down` makes sure."""
+    check_name(name, number_ok=True)
     names = [vm.name for vm in lab.vms]
     with locked(run_dir, timeout):
         running = running_vms(run_dir, names)
@@ -656,11 +681,56 @@ async def _delete_up(run_dir: RunDir, disks: Mapping[str, VmDisks], found: Mappi
 
 
 def _delete_down(qemu_img: str, file: Path, name: str) -> str | None:
-    done = subprocess.run([qemu_img, "snapshot", "-f", "qcow2", "-d", name, str(file)], capture_output=True,
-                          text=True, check=False, stdin=subprocess.DEVNULL)
+    """Delete snapshot NAME from a disk file with `qemu-img snapshot -d` (it has no -f: the format is
+    given with --image-opts); None, or what went wrong.
+
+    When another snapshot of the file has NAME for its ID, the file is left alone unless this
+    qemu-img is seen to find snapshots by name (`_deletes_by_name`); and the file is read again after,
+    to be sure exactly one snapshot named NAME went."""
+    try:
+        before = _table(qemu_img, file)
+    except RuntimeFailure as exc:
+        return exc.message
+    other = next((snap for snap in before if snap.id == name and snap.name != name), None)
+    if other is not None and not _deletes_by_name(qemu_img):
+        return (f"{file}: not deleted: its snapshot {other.name!r} has the ID {name}, and {qemu_img} "
+                f"could take {name!r} for that ID")
+    image = f"driver=qcow2,file.driver=file,file.filename={escape(str(file))}"
+    done = subprocess.run([qemu_img, "snapshot", "--image-opts", "-q", "-d", name, image],
+                          capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL)
     if done.returncode != 0:
         return f"{file}: {done.stderr.strip() or f'qemu-img exited with {done.returncode}'}"
+    try:
+        after = _table(qemu_img, file)
+    except RuntimeFailure as exc:
+        return exc.message
+    gone = [snap for snap in before if snap not in after]
+    if len(gone) != 1 or gone[0].name != name:
+        shown = ", ".join(f"{snap.name!r} (ID {snap.id})" for snap in gone) or "nothing"
+        return f"{file}: qemu-img snapshot -d {name} deleted {shown}"
     return None
+
+
+@functools.cache
+def _deletes_by_name(qemu_img: str) -> bool:
+    """Whether this qemu-img's `snapshot -d X` deletes the snapshot named X, even when another one
+    has the ID X: tried on a scratch image (QEMU 7.2's does; its `-a` takes the ID first, as the
+    `-d` of old releases did)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="vmlaunch-") as folder:
+        image = str(Path(folder) / "probe.qcow2")
+        steps = [["create", "-q", "-f", "qcow2", image, "1M"], ["snapshot", "-c", "named", image],
+                 ["snapshot", "-c", "1", image], ["snapshot", "-d", "1", image]]  # ids 1 and 2
+        for step in steps:
+            done = subprocess.run([qemu_img, *step], capture_output=True, check=False,
+                                  stdin=subprocess.DEVNULL)
+            if done.returncode != 0:
+                return False
+        try:
+            return [snap.name for snap in _table(qemu_img, Path(image))] == ["named"]
+        except RuntimeFailure:
+            return False
 
 
 # --- up --from-snapshot ---------------------------------------------------------------------------------

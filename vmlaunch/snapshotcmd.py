@@ -44,7 +44,8 @@ RAM), and they are resumed together.
   restore NAME  bring every VM of the running lab back to NAME (each must hold
                 it whole), then set the clocks of the VMs with SSH
   list          each snapshot of each VM; also while the lab is down
-  delete NAME   delete NAME from every VM that has it
+  delete NAME   delete NAME from every VM that has it, up or down (by name
+                only: a NAME that is a number is never taken for an ID)
 
 Refused before anything changes: a writable raw disk, a 9p share, a passed-
 through PCI device. `vmlaunch up SPEC --from-snapshot NAME` starts a lab that
@@ -54,8 +55,9 @@ is down from a snapshot, RAM included.""",
     snapshot.add_argument("action", metavar="SUBCOMMAND", choices=ACTIONS,
                           help="save, restore, list or delete")
     snapshot.add_argument("name", metavar="NAME", nargs="?",
-                          help="the snapshot (save, restore, delete): a letter, then letters, digits, "
-                          "'.', '_' or '-'")
+                          help="the snapshot (save, restore, delete): a letter or digit, then letters, "
+                          "digits, '.', '_' or '-'; not a number (but delete takes one: it deletes by "
+                          "name)")
     snapshot.add_argument("--force", action="store_true",
                           help="save: replace a snapshot of that name (deleted first: if the save then "
                           "fails, neither is left)")

@@ -138,11 +138,13 @@ def _shown(value: object) -> str:
     return text if len(text) <= 60 else f"{text[:48]}...({len(text)} characters)"
 
 
-def load_lab(path: str | Path, *, files: bool = False, vms: Sequence[str] = ()) -> LabSpec:
+def load_lab(path: str | Path, *, files: bool = False, vms: Sequence[str] = (),
+             up_refusals: bool = False) -> LabSpec:
     """Parse, check and build the lab of the spec at `path`. With `files`, also check the files it
-    names (of the VMs named, or all; `specfiles.py`), reported with every other problem at once."""
+    names (of the VMs named, or all; `specfiles.py`), reported with every other problem at once;
+    with `up_refusals` too, what `up` refuses of those files (`validate`)."""
     file = Path(path)
-    return parse_lab(read_spec(file), file, files=files, vms=vms)
+    return parse_lab(read_spec(file), file, files=files, vms=vms, up_refusals=up_refusals)
 
 
 def read_spec(file: Path) -> bytes:
@@ -191,7 +193,8 @@ def _check_spec_file(info: os.stat_result, refuse: Callable[[str], SpecError]) -
         raise refuse(f"it is {info.st_size} bytes; a spec may have at most {format_size(MAX_SPEC_BYTES)}")
 
 
-def parse_lab(data: bytes, file: Path, *, files: bool = False, vms: Sequence[str] = ()) -> LabSpec:
+def parse_lab(data: bytes, file: Path, *, files: bool = False, vms: Sequence[str] = (),
+              up_refusals: bool = False) -> LabSpec:
     """Like `load_lab` for spec text already read; relative paths resolve against `file`'s folder."""
     text = _decode(data, file)
     doc = _parse_toml(text, file)
@@ -202,10 +205,12 @@ def parse_lab(data: bytes, file: Path, *, files: bool = False, vms: Sequence[str
     builder = _Builder(doc, file.resolve(), source, problems, invalid)
     lab = builder.build()
     if files:  # of every VM, built or not: a broken key elsewhere never hides a missing kernel
-        from vmlaunch.specfiles import disk_size_problems, kernel_memory_problems, named_problems
+        from vmlaunch import specfiles
 
-        for path, message, hint in [*named_problems(builder.named, vms, builder.vm_images),
-                                    *disk_size_problems(lab, vms), *kernel_memory_problems(lab, vms)]:
+        for path, message, hint in [*specfiles.named_problems(builder.named, vms, builder.vm_images),
+                                    *specfiles.disk_size_problems(lab, vms),
+                                    *specfiles.kernel_memory_problems(lab, vms),
+                                    *(specfiles.up_refusals(lab, vms) if up_refusals else [])]:
             problems.add(path, message, hint)
     if problems.items:
         raise SpecError(sorted(problems.items, key=lambda problem: problem.location.line))

@@ -6,7 +6,9 @@ Each file must exist (a disk with a `size` is created when missing), be a regula
 block device with `block_device = true`), be readable (and writable for a disk that is not
 `readonly`, executable for a network's script), and not be empty (a disk `up` creates or resizes may
 be). Who may change the file and the folders on its path is `up`'s business (`diskfiles.py`, and
-`resources/script.py` for scripts): that rule needs the host as `up` finds it.
+`resources/script.py` for scripts): that rule needs the host as `up` finds it. `validate` asks it of
+a network's scripts all the same, and asks whether a local image names another file
+(`up_refusals`): the same checks `up` makes, with its messages.
 
 Kept apart from `spec.py` on purpose: the spec is checked as text everywhere (`status`, `down` and
 `logs` work on a lab whose kernel has since been deleted); its files only where a VM is about to start.
@@ -108,6 +110,37 @@ def file_problems(lab: LabSpec, vms: Sequence[str] = ()) -> list[Found]:
     images = {vm.name: vm.image for vm in lab.vms if vm.image is not None}
     return [*named_problems(named_in(lab), vms, images), *disk_size_problems(lab, vms),
             *kernel_memory_problems(lab, vms)]
+
+
+def up_refusals(lab: LabSpec, vms: Sequence[str] = ()) -> list[Found]:
+    """What `up` refuses of files that are there, with its own messages, asked of the functions it
+    asks: a local image (of the VMs named, or all) that names another file (`images`), a network's
+    script that another user could change (`resources/script.py`). For `validate`: who may change a
+    file depends on who runs vmlaunch, and `up` runs as root."""
+    from vmlaunch.diskfiles import Unsafe
+    from vmlaunch.images import inspect_file_image
+    from vmlaunch.resources.script import REFUSED_HINT, check_script
+
+    found: list[Found] = []
+    wanted = {vm.image for vm in lab.vms if vm.image is not None and (not vms or vm.name in vms)}
+    for image in lab.images:
+        if image.file is None or image.name not in wanted or not image.file.is_file():
+            continue  # a missing file, a FIFO: said by `named_problems`
+        try:
+            inspect_file_image(image)
+        except VmlaunchError as exc:
+            found.append((("image", image.name, "file"), exc.message, exc.hint))
+    for net in lab.networks:
+        for key in ("up_script", "down_script"):
+            script = getattr(net, key, None)
+            if script is None or not script.is_file():
+                continue
+            try:
+                check_script(script)
+            except Unsafe as problem:
+                fix = f" ({problem.plain_fix})" if problem.plain_fix else ""
+                found.append((("network", net.name, key), f"{problem.message}{fix}", REFUSED_HINT))
+    return found
 
 
 def disk_size_problems(lab: LabSpec, vms: Sequence[str] = ()) -> list[Found]:
@@ -230,6 +263,24 @@ def _test_guest_hint(path: Path) -> str | None:
             "(tools/build_guest.py) to only build it")
 
 
+def not_a_file(path: Path, mode: int, *, disk: bool,
+               device_ok: bool = False) -> tuple[str, str | None] | None:
+    """What `path` (of st_mode `mode`) is when it is no file a spec may name there (a folder, a FIFO,
+    a device, a socket; a block device unless `device_ok`): a message and a hint. `doctor` asks it too."""
+    if stat.S_ISDIR(mode):
+        return f"{_p(path)} is a folder, not a file", None
+    if stat.S_ISBLK(mode):
+        if device_ok:
+            return None
+        return (f"{_p(path)} is a block device", "add block_device = true to the disk if that is meant"
+                if disk else None)
+    if not stat.S_ISREG(mode):
+        kind = ("a character device" if stat.S_ISCHR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+        return f"{_p(path)} is {kind}, not a file", None
+    return None
+
+
 def _problem(path: Path, *, disk: bool, writable: bool = False, device_ok: bool = False,
              may_be_missing: bool = False, executable: bool = False) -> tuple[str, str | None] | None:
     """What is wrong with `path` (a message and a hint), or None."""
@@ -244,17 +295,10 @@ def _problem(path: Path, *, disk: bool, writable: bool = False, device_ok: bool 
     except OSError as exc:  # EACCES on a folder of the path, ELOOP, ENAMETOOLONG, ENOTDIR
         return f"{_p(path)} cannot be looked at: {exc.strerror or exc}", None
     mode = info.st_mode
-    if stat.S_ISDIR(mode):
-        return f"{_p(path)} is a folder, not a file", None
-    if stat.S_ISBLK(mode):
-        if not device_ok:
-            return (f"{_p(path)} is a block device", "add block_device = true to the disk if that is meant"
-                    if disk else None)
-    elif not stat.S_ISREG(mode):
-        kind = ("a character device" if stat.S_ISCHR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
-        return f"{_p(path)} is {kind}, not a file", None
-    elif info.st_size == 0 and not may_be_missing:
+    kind = not_a_file(path, mode, disk=disk, device_ok=device_ok)
+    if kind is not None:
+        return kind
+    if stat.S_ISREG(mode) and info.st_size == 0 and not may_be_missing:
         return f"{_p(path)} is empty", None
     if not os.access(path, os.R_OK):
         return f"{_p(path)} is not readable by you", None

@@ -81,6 +81,7 @@ def check_lab(lab: LabSpec, host: Host, *, read_images: bool = True,
     yield from check_memory(lab, host)
     yield from check_vcpus(lab, host)
     files = disk_files(lab)
+    yield from check_disk_files(lab)
     yield from check_disk_space(lab, files)
     yield from check_o_direct(lab, files)
     yield from check_cache(lab, files, read_images)
@@ -158,6 +159,25 @@ def check_vcpus(lab: LabSpec, host: Host) -> Iterator[Finding]:
                       why + "; fine while they are mostly idle, slow when they are all busy")
     elif not any(vm.cpus > host.cpus for vm in lab.vms):
         yield Finding("lab.vcpus", Status.OK, f"{total} vCPUs in all on {host.cpus} host CPUs", why)
+
+
+def check_disk_files(lab: LabSpec) -> Iterator[Finding]:
+    """A disk that is no image file (a FIFO, a folder, a device): `validate` and `up` refuse it, in
+    these words; the other checks leave it unopened."""
+    from vmlaunch.specfiles import not_a_file
+
+    for vm in lab.vms:
+        for index, disk in enumerate(vm.disks):
+            try:
+                mode = os.stat(disk.file).st_mode
+            except OSError:
+                continue  # missing: `up` creates a disk with a size
+            problem = not_a_file(disk.file, mode, disk=True, device_ok=disk.block_device)
+            if problem is not None:
+                message, fix = problem
+                yield Finding("lab.disk_file", Status.FAIL, f"{vm.name}: {message}",
+                              "QEMU opens a disk's file as an image: up refuses anything else",
+                              fix or "name an image file", where(lab, ("vm", vm.name, "disk", index, "file")))
 
 
 def check_disk_space(lab: LabSpec, files: Sequence[DiskFile]) -> Iterator[Finding]:
