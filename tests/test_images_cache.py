@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import http.server
@@ -16,7 +17,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -34,8 +34,13 @@ BLOCK = 64 << 10
 
 
 class FileServer(http.server.ThreadingHTTPServer):
-    """Serves `files` by path; `ranges` False ignores Range (always 200), `drop_after` closes the
-    connection after that many bytes of the next response, `delay` sleeps between 64 KiB blocks."""
+    """Serves `files` by path; `ranges` False ignores Range (always 200), `range_status` answers that
+    HTTP status to every request with a Range, `drop_after` closes the connection after that many
+    bytes of the next response, `delay` sleeps between 64 KiB blocks. Of the next response too:
+    `drip` = (after, every) sends one byte every `every` seconds from byte `after` on (DRIP_MOST of
+    them, then closes), `stall_after` sends nothing more from that byte on (for STALL_MOST seconds at
+    most, then closes). /endless sends blocks without a Content-Length (ENDLESS_MOST bytes at most),
+    /loop redirects to itself; every wait ends when the test does (`stop`)."""
 
     daemon_threads = True
 
@@ -43,14 +48,23 @@ class FileServer(http.server.ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), Handler)
         self.files: dict[str, bytes] = {}
         self.ranges = True
+        self.range_status: int | None = None
         self.drop_after: int | None = None
+        self.drip: tuple[int, float] | None = None
+        self.stall_after: int | None = None
         self.delay = 0.0
         self.requests: list[tuple[str, str | None]] = []  # (path, Range header)
         self.sent = 0  # body bytes, all responses
+        self.stop = threading.Event()
 
     @property
     def base(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+DRIP_MOST = 400  # bytes one response drips
+STALL_MOST = 20.0  # seconds a stalled response waits before it closes
+ENDLESS_MOST = 256 << 20  # bytes /endless sends before it closes
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -66,9 +80,25 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Location", "file:///etc/passwd")
             self.end_headers()
             return
+        if self.path.startswith("/loop"):
+            self.send_response(302)
+            self.send_header("Location", "/loop")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if self.path.startswith("/endless"):
+            self.send_response(200)  # no Content-Length: the body ends when the connection does
+            self.end_headers()
+            self.send_body(None, 0, ENDLESS_MOST)
+            return
         body = server.files.get(self.path)
         if body is None:
             self.send_error(404)
+            return
+        if wanted is not None and server.range_status is not None:
+            self.send_response(server.range_status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
             return
         start = 0
         match = re.fullmatch(r"bytes=(\d+)-", wanted or "")
@@ -86,15 +116,40 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_response(200)
         self.send_header("Content-Length", str(len(body) - start))
         self.end_headers()
+        self.send_body(body, start, len(body))
+
+    def send_body(self, body: bytes | None, start: int, end: int) -> None:
+        """Send `body` (None: zeros) from `start` to `end` as the server's settings say; HTTP/1.0:
+        returning closes the connection, short of Content-Length when it is not all sent."""
+        server = cast(FileServer, self.server)
         drop, server.drop_after = server.drop_after, None
-        for offset in range(start, len(body), BLOCK):
-            if drop is not None and offset - start >= drop:
-                return  # HTTP/1.0: returning closes the connection, short of Content-Length
-            chunk = body[offset:offset + BLOCK]
-            self.wfile.write(chunk)
-            server.sent += len(chunk)
-            if server.delay:
-                time.sleep(server.delay)
+        drip, server.drip = server.drip, None
+        stall, server.stall_after = server.stall_after, None
+        offset, dripped = start, 0
+        try:
+            while offset < end and not server.stop.is_set():
+                done = offset - start
+                if drop is not None and done >= drop:
+                    return
+                if stall is not None and done >= stall:
+                    server.stop.wait(STALL_MOST)
+                    return
+                if drip is not None and done >= drip[0]:
+                    if dripped == DRIP_MOST:
+                        return
+                    size, dripped = 1, dripped + 1
+                else:
+                    size = min(BLOCK, end - offset)
+                chunk = bytes(size) if body is None else body[offset:offset + size]
+                self.wfile.write(chunk)
+                self.wfile.flush()
+                offset += len(chunk)
+                server.sent += len(chunk)
+                pause = drip[1] if drip is not None and done >= drip[0] else server.delay
+                if pause:
+                    server.stop.wait(pause)
+        except OSError:  # the client went away
+            return
 
 
 @pytest.fixture
@@ -105,6 +160,7 @@ def server() -> Iterator[FileServer]:
     try:
         yield srv
     finally:
+        srv.stop.set()
         srv.shutdown()
         srv.server_close()
 
@@ -316,6 +372,198 @@ def test_a_progress_bar_on_request(server: FileServer, monkeypatch: pytest.Monke
     assert "\rdebian: downloading [" in err
     last = r"\rdebian: downloading \[#{30}\] 100%, 3\.0 MiB of 3\.0 MiB, [\d.]+ [KMG]iB/s\x1b\[K\n$"
     assert re.search(last, err), err[-200:]
+
+
+# --- servers that never end, drip, stall, loop or will not resume ---------------------------------
+
+
+def endless(server: FileServer) -> Image:
+    """An image at /endless: a body with no Content-Length that does not end (ENDLESS_MOST bytes)."""
+    return Image(name="endless", url=f"{server.base}/endless", sha256="0" * 64)
+
+
+def test_a_download_without_a_size_stops_at_the_cap_and_is_deleted(
+        server: FileServer, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("VMLAUNCH_IMAGE_MAX_SIZE", "1M")
+    image = endless(server)
+    with pytest.raises(RuntimeFailure) as caught:
+        images.pull(image, progress=False)
+    received = 1 << 20  # the cap, passed by the first bytes that did not fit
+    match = re.fullmatch(
+        rf"image endless: {re.escape(str(image.url))} sent more than 1\.0 MiB, the most an image may be "
+        r"\(VMLAUNCH_IMAGE_MAX_SIZE\): stopped at [\d.]+ MiB \((\d+) bytes\) received; the partial "
+        r"download was deleted", caught.value.message)
+    assert match is not None, caught.value.message
+    assert received < int(match[1]) <= received + images.CHUNK
+    assert "VMLAUNCH_IMAGE_MAX_SIZE" in str(caught.value.hint)
+    assert not partial_of(image, cache).exists()
+    assert server.sent < ENDLESS_MOST  # stopped, not run to the server's end
+    assert main(["image", "pull", str(spec_of(tmp_path, image))]) == 4  # one line and a hint
+    error = capsys.readouterr().err.split("vmlaunch: error: ")[1].splitlines()
+    assert error[0].startswith("image endless: ") and error[1].startswith("  hint: ") and len(error) == 2
+
+
+def test_a_bad_limit_in_the_environment_is_a_usage_error(
+        server: FileServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    spec = spec_of(tmp_path, served(server))
+    for name, value in (("VMLAUNCH_PULL_SPEED_LIMIT", "fast"), ("VMLAUNCH_PULL_SPEED_TIME", "forever"),
+                        ("VMLAUNCH_IMAGE_MAX_SIZE", "0")):
+        monkeypatch.setenv(name, value)
+        assert main(["image", "pull", str(spec)]) == 64
+        assert f"vmlaunch: error: {name}={value!r}: " in capsys.readouterr().err
+        monkeypatch.delenv(name)
+    assert server.requests == []  # refused before anything was asked
+
+
+def test_a_download_stops_before_the_file_system_fills_and_is_deleted(
+        server: FileServer, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system with 3.5 MiB free (per the fake) that keeps 1 MiB free: the endless download
+    stops at 2.5 MiB, a download of 3 MiB does not start."""
+    image = endless(server)
+    part = partial_of(image, cache)
+    looked: list[Path] = []
+
+    def room(folder: Path) -> tuple[int, int]:
+        looked.append(folder)
+        return (7 << 19) - (part.stat().st_size if part.exists() else 0), 1 << 20
+
+    monkeypatch.setattr(images, "_disk_room", room)
+    with pytest.raises(RuntimeFailure) as caught:
+        images.pull(image, progress=False)
+    assert re.fullmatch(
+        rf"image endless: downloading {re.escape(str(image.url))} stopped after [\d.]+ MiB: "
+        rf"{re.escape(str(part.parent))} has [\d.]+ MiB free, and a download leaves 1\.0 MiB free \(5 % "
+        r"of the file system, at least 1\.0 GiB, at most 4\.0 GiB\); the partial download was deleted",
+        caught.value.message), caught.value.message
+    assert "VMLAUNCH_CACHE_DIR" in str(caught.value.hint)
+    assert not part.exists() and set(looked) == {part.parent}
+    # with a size, it is refused before it starts
+    sized = served(server)
+    with pytest.raises(RuntimeFailure, match=r"needs 3\.0 MiB more in .*, which has 3\.5 MiB free, and a "
+                                             r"download leaves 1\.0 MiB free \(5 % of the file system"):
+        images.pull(sized, progress=False)
+
+
+def test_a_full_file_system_all_the_same_deletes_the_partial_and_says_where(tmp_path: Path) -> None:
+    """Another writer may fill the file system between two looks at its free space."""
+    part = tmp_path / "sha256-x.part"
+    with open(part, "w+b") as out:
+        out.write(b"half an image")
+        target = images._Target("debian", part, out, hashlib.sha256())
+        failure = images._unwritable(target, OSError(errno.ENOSPC, "No space left on device"))
+    assert failure.message == (f"image debian: cannot write {part}: No space left on device; the partial "
+                               "download was deleted")
+    assert "VMLAUNCH_CACHE_DIR" in str(failure.hint) and not part.exists()
+
+
+def test_the_reserve_is_5_percent_of_the_file_system_between_1_and_4_gib(tmp_path: Path) -> None:
+    room = images._disk_room(tmp_path)
+    assert room is not None
+    free, reserve = room
+    vfs = os.statvfs(tmp_path)
+    assert free == vfs.f_bavail * vfs.f_frsize
+    assert reserve == min(max(vfs.f_blocks * vfs.f_frsize // 20, 1 << 30), 4 << 30)
+
+
+@pytest.fixture
+def slow_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A minimum of 1 KiB/s over 1 s, so that a slow server is found in about a second or two."""
+    monkeypatch.setenv("VMLAUNCH_PULL_SPEED_LIMIT", "1K")
+    monkeypatch.setenv("VMLAUNCH_PULL_SPEED_TIME", "1")
+
+
+@pytest.mark.usefixtures("slow_limits")
+def test_a_server_that_drips_is_stopped_below_the_minimum_rate_and_the_pull_resumes(
+        server: FileServer, cache: Path, lines: Lines, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(images, "PROGRESS_EVERY", 0.05)
+    monkeypatch.setattr(images, "RATE_SHOWN", 0.3)
+    image = served(server)
+    server.drip = (4 * BLOCK, 0.05)  # 256 KiB at once, then 20 bytes a second
+    with pytest.raises(RuntimeFailure) as caught:
+        images.pull(image)
+    assert re.fullmatch(
+        rf"image debian: downloading {re.escape(str(image.url))} is too slow: [\d.]+ B/s over the last "
+        r"1 s, below the minimum of 1\.0 KiB/s \(VMLAUNCH_PULL_SPEED_LIMIT over VMLAUNCH_PULL_SPEED_TIME\); "
+        r"stopped after 256\.\d KiB of 3\.0 MiB; the partial download is kept",
+        caught.value.message), caught.value.message
+    hint = str(caught.value.hint)
+    assert "resumes" in hint and "VMLAUNCH_PULL_SPEED_LIMIT" in hint and "VMLAUNCH_PULL_SPEED_TIME" in hint
+    # the progress lines showed the rate as it fell, and that it was below the minimum
+    falling = [line for line in lines.lines if re.fullmatch(
+        r"debian: downloading \d+%, 256\.\d KiB of 3\.0 MiB, [\d.]+ B/s \(below the minimum of 1\.0 KiB/s\)",
+        line)]
+    assert falling, lines.lines
+    kept = partial_of(image, cache).stat().st_size
+    assert kept > 4 * BLOCK
+    assert images.pull(image, progress=False).read_bytes() == data()
+    assert server.requests[-1] == ("/debian.img", f"bytes={kept}-")
+
+
+@pytest.mark.usefixtures("slow_limits")
+def test_a_server_that_stalls_is_caught_within_the_window_and_the_pull_resumes(
+        server: FileServer, cache: Path) -> None:
+    image = served(server)
+    server.stall_after = 1 << 20
+    with pytest.raises(RuntimeFailure) as caught:
+        images.pull(image, progress=False)
+    assert caught.value.message == (f"image debian: downloading {image.url} stalled: no data for 1 s after "
+                                    "1.0 MiB of 3.0 MiB; the partial download is kept")
+    assert partial_of(image, cache).stat().st_size == 1 << 20
+    assert images.pull(image, progress=False).read_bytes() == data()
+    assert server.requests[-1] == ("/debian.img", f"bytes={1 << 20}-")
+
+
+def test_a_server_that_drips_then_stalls_is_caught_without_a_minimum_rate(
+        server: FileServer, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no minimum rate (0), a drip goes on; the read timeout still ends a stall."""
+    monkeypatch.setenv("VMLAUNCH_PULL_SPEED_LIMIT", "0")
+    monkeypatch.setattr(images, "TIMEOUT", 0.5)
+    image = served(server)
+    server.drip = (4 * BLOCK, 0.01)  # DRIP_MOST bytes, then closes: the download is short
+    with pytest.raises(RuntimeFailure, match=r"the connection closed after 262544 of 3145728 bytes"):
+        images.pull(image, progress=False)
+    assert partial_of(image, cache).stat().st_size == 4 * BLOCK + DRIP_MOST
+    server.drip, server.stall_after = (0, 0.01), 100  # 100 bytes dripped, then nothing
+    with pytest.raises(RuntimeFailure) as caught:
+        images.pull(image, progress=False)
+    assert caught.value.message.endswith(" stalled: no data for 0.5 s after 256.5 KiB of 3.0 MiB; the "
+                                         "partial download is kept"), caught.value.message
+    assert partial_of(image, cache).stat().st_size == 4 * BLOCK + DRIP_MOST + 100
+    assert images.pull(image, progress=False).read_bytes() == data()
+
+
+@pytest.mark.parametrize("status", [403, 416, 501])
+def test_a_server_that_stops_half_way_then_refuses_ranges_restarts_from_zero(
+        server: FileServer, cache: Path, lines: Lines, status: int) -> None:
+    image = served(server)
+    server.drop_after = 1 << 20
+    with pytest.raises(RuntimeFailure, match=f"closed after {1 << 20} of {SIZE} bytes"):
+        images.pull(image, progress=False)
+    server.range_status = status  # from now on: every request with a Range is refused
+    assert images.pull(image, progress=False).read_bytes() == data()
+    assert server.requests[-2:] == [("/debian.img", f"bytes={1 << 20}-"), ("/debian.img", None)]
+    why = [line for line in lines.lines if "does not resume" in line]
+    assert re.fullmatch(rf"debian: the server does not resume downloads \(it answered HTTP {status} "
+                        rf"[A-Za-z ]+ to a request from byte {1 << 20}\): starting again from 0", why[0]), why
+
+
+def test_a_redirect_loop_is_one_line_and_no_retry_is_suggested(
+        server: FileServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    image = Image(name="loop", url=f"{server.base}/loop", sha256="0" * 64)
+    assert main(["image", "pull", str(spec_of(tmp_path, image))]) == 4
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"vmlaunch: error: downloading {image.url} failed: the server redirects in a loop (5 redirects "
+        f"from {image.url}, the last to {image.url})",
+        "  hint: check the URL, or the mirror's configuration: pulling again will not help"]
+    missing = Image(name="gone", url=f"{server.base}/gone.img", sha256="0" * 64)
+    assert main(["image", "pull", str(spec_of(tmp_path, missing))]) == 4
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"vmlaunch: error: downloading {missing.url} failed: HTTP 404 Not Found",
+                                "  hint: check the URL: the server refuses it, and pulling again will "
+                                "not help while it does"]
 
 
 # --- image files ----------------------------------------------------------------------------------

@@ -30,7 +30,10 @@ def add_parser(commands: argparse._SubParsersAction[Any]) -> None:
         description="Download every image of the spec that has a url (or the images named) into the "
         "cache, unless it is there already, and print where each is. A download is checked against its "
         "checksum before it is put in place; an interrupted one resumes; two pulls of one image wait for "
-        "each other. A named image with a local file is checked against its checksum.",
+        "each other. A named image with a local file is checked against its checksum. A download stops "
+        "past VMLAUNCH_IMAGE_MAX_SIZE (64G) received, before the cache's file system keeps less than 5 % "
+        "free (at least 1 GiB, at most 4 GiB), and below VMLAUNCH_PULL_SPEED_LIMIT bytes/s (1K; 0: "
+        "no minimum) over VMLAUNCH_PULL_SPEED_TIME (60 s).",
     )
     pull.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
     pull.add_argument("images", metavar="IMAGE", nargs="*", default=[], help="only these images")

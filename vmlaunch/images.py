@@ -28,9 +28,10 @@ import re
 import stat
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import attrs
 
@@ -43,10 +44,18 @@ if TYPE_CHECKING:
     import urllib.request
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
-MAX_DOWNLOAD = 64 << 30  # more is a wrong URL (or a hostile server), not a VM image
+MAX_DOWNLOAD = 64 << 30  # more is a wrong URL (or a hostile server), not a VM image: VMLAUNCH_IMAGE_MAX_SIZE
+SPEED_LIMIT = 1 << 10  # bytes/s a download must average over SPEED_TIME: VMLAUNCH_PULL_SPEED_LIMIT (0: off)
+SPEED_TIME = 60.0  # seconds: VMLAUNCH_PULL_SPEED_TIME, as curl's --speed-limit/--speed-time
+RESERVE_SHARE = 0.05  # of the cache's file system a download leaves free,
+RESERVE_LEAST = 1 << 30  # at least this,
+RESERVE_MOST = 4 << 30  # and at most this (5 % of a 2 TB disk would forbid far too much)
+ROOM_EVERY = 16 << 20  # bytes written between two looks at the free space (others write there too)
 PROGRESS_EVERY = 5.0  # seconds between progress lines when standard error is not a terminal
 BAR_EVERY = 0.1  # seconds between redraws of the progress bar
+RATE_SHOWN = 5.0  # seconds over which the progress line's rate is measured
 TIMEOUT = 30.0  # seconds without a byte (connecting, or between reads) before a download fails
 CHUNK = 1 << 20
 QCOW2_MAGIC = b"QFI\xfb"
@@ -92,6 +101,47 @@ class Cached:
 
 class UnsafeImage(RuntimeFailure):
     """A qcow2 image that would make QEMU open another file: a backing file or an external data file."""
+
+
+@attrs.frozen
+class PullLimits:
+    """What a download may take: at most `max_size` bytes (announced or received), and at least
+    `speed_limit` bytes/s averaged over the last `speed_time` seconds (0: no minimum)."""
+
+    max_size: int = MAX_DOWNLOAD
+    speed_limit: int = SPEED_LIMIT
+    speed_time: float = SPEED_TIME
+
+    @classmethod
+    def from_env(cls) -> PullLimits:
+        """The defaults, or what VMLAUNCH_IMAGE_MAX_SIZE, VMLAUNCH_PULL_SPEED_LIMIT and
+        VMLAUNCH_PULL_SPEED_TIME say; UsageError for a value that is not a size or a duration."""
+        from vmlaunch.units import parse_duration, parse_size
+
+        def cap(text: str) -> int:
+            if (size := parse_size(text)) == 0:
+                raise ValueError("no image would fit")
+            return size
+
+        return cls(max_size=_setting("VMLAUNCH_IMAGE_MAX_SIZE", cap, MAX_DOWNLOAD, "128G"),
+                   speed_limit=_setting("VMLAUNCH_PULL_SPEED_LIMIT", parse_size, SPEED_LIMIT, "100K"),
+                   speed_time=_setting("VMLAUNCH_PULL_SPEED_TIME", parse_duration, SPEED_TIME, "5m"))
+
+    @property
+    def timeout(self) -> float:
+        """Seconds without a byte (connecting, or between reads) before a download fails: a server
+        that sends nothing is caught within the speed window too."""
+        return min(TIMEOUT, self.speed_time) if self.speed_limit else TIMEOUT
+
+
+def _setting(name: str, parse: Callable[[str], _T], default: _T, example: str) -> _T:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise UsageError(f"{name}={text!r}: {exc}", f"e.g. {name}={example}, or unset it") from None
 
 
 # --- where things are ------------------------------------------------------------------------------
@@ -168,12 +218,15 @@ def pull(image: Image, *, progress: bool | None = None) -> Path:
     """Download `image` into the cache, verify it and return its file.
 
     Under the image's lock: a second pull of the same image waits for the first, then finds it done.
-    A partial download is resumed (HTTP Range), or restarted from zero when the server ignores Range.
-    A checksum mismatch deletes the download; a broken connection keeps it for the next pull.
+    A partial download is resumed (HTTP Range), or restarted from zero when the server ignores or
+    refuses Range. A checksum mismatch deletes the download; so does one past the size cap or one
+    that would take the file system's reserve (`PullLimits`, `_disk_room`). A broken connection, a
+    stall or a server slower than the minimum rate keeps it for the next pull.
     """
     if image.url is None:
         raise UsageError(f"image {image.name} is a local file ({image.file}): there is nothing to pull")
     algo, digest = _checksum(image)
+    limits = PullLimits.from_env()
     top = cache_dir()
     final = top / f"{algo}-{digest}.img"
     partial_dir = _partial_dir()
@@ -183,7 +236,7 @@ def pull(image: Image, *, progress: bool | None = None) -> Path:
             return ensure(image, progress=progress)
         part = partial_dir / f"{algo}-{digest}.part"
         try:
-            got, size = _fetch(image, algo, part, progress)
+            got, size = _fetch(image, algo, part, progress, limits)
         except BaseException:
             with contextlib.suppress(OSError):
                 if os.lstat(part).st_size == 0:  # nothing to resume: no empty file left behind
@@ -400,36 +453,38 @@ def _try_lock_file(lock: Path) -> int | None:
     return lock_if_current(fd, lock)
 
 
-def _fetch(image: Image, algo: str, part: Path, progress: bool | None) -> tuple[str, int]:
+def _fetch(image: Image, algo: str, part: Path, progress: bool | None,
+           limits: PullLimits) -> tuple[str, int]:
     """Download (or finish downloading) `image` into `part`, hashing as it goes: (hex, size)."""
     assert image.url is not None
     url = image.url
     fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "r+b") as out:
         have = os.fstat(fd).st_size
-        if have > MAX_DOWNLOAD:
+        if have > limits.max_size:
             out.truncate(0)
             have = 0
         hasher = hashlib.new(algo)
         if have:  # what is there already goes into the hash first
             log.info("%s: resuming the download at %s (checking what is there)", image.name, human_size(have))
             have = _hash_into(out, hasher, have)
-        source = _open(url, have)
+        source = _open(url, have, limits.timeout)
         try:
             if source.start != have:
                 if have:
-                    log.info("%s: the server does not resume downloads: starting again from 0", image.name)
+                    log.info("%s: the server does not resume downloads%s: starting again from 0",
+                             image.name, f" ({source.why})" if source.why else "")
                 out.seek(0)
                 out.truncate(0)
                 hasher, have = hashlib.new(algo), 0
-            _check_room(url, part, source.total, have)
+            _check_room(image.name, url, part, source.total, have, limits)
             out.seek(have)
             if source.total is not None and have >= source.total:
                 log.info("%s: the download is complete", image.name)
             else:
                 log.info("%s: downloading %s (%s)", image.name, url,
                          human_size(source.total) if source.total is not None else "size unknown")
-            have = _copy(source, out, hasher, have, image.name, progress)
+            have = _copy(_Target(image.name, part, out, hasher), source, have, progress, limits)
         finally:
             source.close()
         out.flush()
@@ -450,66 +505,215 @@ def _hash_into(out: IO[bytes], hasher: Any, have: int) -> int:
     return done
 
 
-def _copy(source: _Source, out: IO[bytes], hasher: Any, have: int, name: str,
-          progress: bool | None) -> int:
-    meter = _Meter(name, "downloading", source.total, have, progress)
+@attrs.frozen
+class _Target:
+    """Where a download goes: the image's partial file, open, and the hash of what it holds."""
+
+    name: str  # the image's
+    part: Path
+    out: IO[bytes]
+    hasher: Any
+
+    def discard(self) -> None:
+        """Delete the partial file: what it holds is of no use to a later pull."""
+        self.out.truncate(0)
+        _unlink(self.part)
+
+
+_SLOW_HINT = ("pull again later, or from another mirror: the download resumes from there; to wait for "
+              "a slow server, lower VMLAUNCH_PULL_SPEED_LIMIT (0: no minimum) or raise "
+              "VMLAUNCH_PULL_SPEED_TIME")
+
+
+def _copy(target: _Target, source: _Source, have: int, progress: bool | None, limits: PullLimits) -> int:
+    """Copy the rest of `source` into the target from byte `have`: the bytes it holds then.
+
+    Past `limits.max_size` bytes received, or when the file system would keep less than its reserve
+    free (`_disk_room`), the download stops and the partial file is deleted: more of it can only be
+    more of the same. Slower than `limits.speed_limit` over `limits.speed_time`, or no byte for
+    `limits.timeout`, it stops and the partial file is kept for the next pull to resume.
+    """
+    meter = _Meter(target.name, "downloading", source.total, have, progress, floor=limits.speed_limit)
+    speed = _Rate(limits.speed_time, meter.began, have)
+    room = _Room(target.part.parent)
     try:
         while True:
             try:
                 chunk = source.read(CHUNK)
             except (OSError, _http_errors()) as exc:
-                raise RuntimeFailure(f"downloading {source.url} failed after {have} bytes: {_reason(exc)}",
-                                     "pull again: the download resumes from there") from None
+                raise _broken(target.name, source, have, exc, limits) from None
             if not chunk:
                 return have
-            out.write(chunk)
-            hasher.update(chunk)
+            if have + len(chunk) > limits.max_size:
+                target.discard()
+                raise _too_large(target.name, source.url, have + len(chunk), limits)
+            if not room.take(len(chunk)):
+                target.discard()
+                raise _no_room(target.name, source.url, have, room)
+            try:
+                target.out.write(chunk)
+            except OSError as exc:
+                raise _unwritable(target, exc) from None
+            target.hasher.update(chunk)
             have += len(chunk)
-            if have > MAX_DOWNLOAD:
-                out.truncate(0)
-                raise RuntimeFailure(f"downloading {source.url}: more than {human_size(MAX_DOWNLOAD)}; "
-                                     "refused (no VM image is that large)", "check the URL")
-            meter.update(have)
+            now = time.monotonic()
+            meter.update(have, now)
+            speed.add(now, have)
+            rate = speed.over_span(now, have)
+            if limits.speed_limit and rate is not None and rate < limits.speed_limit:
+                raise RuntimeFailure(
+                    f"image {target.name}: downloading {source.url} is too slow: {_rate_text(rate)} "
+                    f"over the last {limits.speed_time:g} s, below the minimum of "
+                    f"{_rate_text(limits.speed_limit)} (VMLAUNCH_PULL_SPEED_LIMIT over "
+                    f"VMLAUNCH_PULL_SPEED_TIME); stopped after "
+                    f"{_amount(have, source.total)}; the partial download is kept", _SLOW_HINT)
     finally:
         meter.finish(have)
 
 
-def _check_room(url: str, part: Path, total: int | None, have: int) -> None:
+def _broken(name: str, source: _Source, have: int, exc: BaseException, limits: PullLimits) -> RuntimeFailure:
+    """The failure of a read: a stall (no byte within the timeout) or a broken connection."""
+    if _is_timeout(exc):
+        return RuntimeFailure(f"image {name}: downloading {source.url} stalled: no data for "
+                              f"{limits.timeout:g} s after {_amount(have, source.total)}; the partial "
+                              "download is kept", _SLOW_HINT)
+    return RuntimeFailure(f"downloading {source.url} failed after {have} bytes: "
+                          f"{_reason(exc, limits.timeout)}", "pull again: the download resumes from there")
+
+
+def _unwritable(target: _Target, exc: OSError) -> RuntimeFailure:
+    """A write that failed: the file system is full after all (another writer beat `_Room`), or broken."""
+    import errno
+
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    if full:
+        with contextlib.suppress(OSError):
+            target.discard()  # the disk is full: a partial file would keep it so
+    return RuntimeFailure(f"image {target.name}: cannot write {target.part}: {exc.strerror or exc}"
+                          + ("; the partial download was deleted" if full else ""),
+                          "make room there, or set VMLAUNCH_CACHE_DIR to a larger file system"
+                          if full else "check the cache's file system")
+
+
+def _too_large(name: str, url: str, received: int, limits: PullLimits) -> RuntimeFailure:
+    return RuntimeFailure(
+        f"image {name}: {url} sent more than {human_size(limits.max_size)}, the most an image may be "
+        f"(VMLAUNCH_IMAGE_MAX_SIZE): stopped at {human_size(received)} ({received} bytes) received; the "
+        "partial download was deleted",
+        "check the URL: no VM image is that large, and a server that sends no size may never stop; for "
+        "a larger image set VMLAUNCH_IMAGE_MAX_SIZE (e.g. 128G)")
+
+
+def _no_room(name: str, url: str, have: int, room: _Room) -> RuntimeFailure:
+    return RuntimeFailure(
+        f"image {name}: downloading {url} stopped after {human_size(have)}: {room.folder} has "
+        f"{human_size(room.free)} free, and a download leaves {human_size(room.reserve)} free "
+        f"({_reserve_rule()}); the partial download was deleted",
+        "make room there, or set VMLAUNCH_CACHE_DIR to a larger file system; a server that sends no "
+        "size may never stop: check the URL")
+
+
+def _amount(have: int, total: int | None) -> str:
+    return f"{human_size(have)} of {human_size(total)}" if total is not None else human_size(have)
+
+
+def _reserve_rule() -> str:
+    return (f"{RESERVE_SHARE * 100:g} % of the file system, at least {human_size(RESERVE_LEAST)}, "
+            f"at most {human_size(RESERVE_MOST)}")
+
+
+def _disk_room(folder: Path) -> tuple[int, int] | None:
+    """(bytes free, bytes a download leaves free) on the file system of `folder`; None when it
+    cannot be told (no statvfs, or a file system that gives no size)."""
+    try:
+        vfs = os.statvfs(folder)
+    except OSError:
+        return None
+    if vfs.f_blocks == 0:
+        return None
+    share = int(vfs.f_blocks * vfs.f_frsize * RESERVE_SHARE)
+    return vfs.f_bavail * vfs.f_frsize, min(max(share, RESERVE_LEAST), RESERVE_MOST)
+
+
+class _Room:
+    """Whether a download may write more without taking the file system's reserve: the free space
+    is looked at again every ROOM_EVERY bytes (others write there too), and whenever the last look
+    leaves too little."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.free = self.reserve = 0
+        self.left: int | None = None  # bytes that may be written; None: unknown, so not limited
+        self.since = 0  # bytes written since the last look
+        self.look()
+
+    def look(self) -> None:
+        room = _disk_room(self.folder)
+        self.since = 0
+        if room is None:
+            self.left = None
+            return
+        self.free, self.reserve = room
+        self.left = self.free - self.reserve
+
+    def take(self, size: int) -> bool:
+        """Count `size` more bytes about to be written: False when they do not fit."""
+        if self.since + size > ROOM_EVERY or (self.left is not None and size > self.left):
+            self.look()
+        self.since += size
+        if self.left is None:
+            return True
+        if size > self.left:
+            return False
+        self.left -= size
+        return True
+
+
+def _check_room(name: str, url: str, part: Path, total: int | None, have: int, limits: PullLimits) -> None:
+    """Refuse a download whose announced size is over the cap, or does not fit beside the reserve."""
     if total is None:
         return
-    if total > MAX_DOWNLOAD:
+    if total > limits.max_size:
         _unlink(part)
-        raise RuntimeFailure(f"{url} is {human_size(total)}: larger than {human_size(MAX_DOWNLOAD)}; refused "
-                             "(no VM image is that large)", "check the URL")
-    with contextlib.suppress(OSError):
-        vfs = os.statvfs(part.parent)
-        free = vfs.f_bavail * vfs.f_frsize
-        if total - have > free:
-            raise RuntimeFailure(f"{url} needs {human_size(total - have)} more in {part.parent}, which has "
-                                 f"{human_size(free)} free", "make room, or set VMLAUNCH_CACHE_DIR elsewhere")
+        raise RuntimeFailure(f"image {name}: {url} is {human_size(total)}: larger than "
+                             f"{human_size(limits.max_size)}; refused (no VM image is that large)",
+                             "check the URL; for a larger image set VMLAUNCH_IMAGE_MAX_SIZE (e.g. 128G)")
+    room = _disk_room(part.parent)
+    if room is not None and total - have > room[0] - room[1]:
+        free, reserve = room
+        raise RuntimeFailure(f"image {name}: {url} needs {human_size(total - have)} more in {part.parent}, "
+                             f"which has {human_size(free)} free, and a download leaves "
+                             f"{human_size(reserve)} free ({_reserve_rule()})",
+                             "make room, or set VMLAUNCH_CACHE_DIR to a larger file system")
 
 
 class _Source:
-    """An open download: its stream from byte `start`, and the whole file's size when known."""
+    """An open download: its stream from byte `start`, and the whole file's size when known. `why`
+    says why it starts at 0 when a resume was asked for (what the server answered)."""
 
-    def __init__(self, url: str, stream: IO[bytes] | None, start: int, total: int | None) -> None:
+    def __init__(self, url: str, stream: IO[bytes] | None, start: int, total: int | None,
+                 read: Callable[[int], bytes] | None = None) -> None:
         self.url = url
         self.stream = stream
         self.start = start
         self.total = total
+        self.why: str | None = None
+        # an HTTP response's read1: what has come, at once (its read(n) waits for all n bytes, so a
+        # server that drips would show no progress, and could not be found slow)
+        self._read = read if read is not None else stream.read if stream is not None else None
 
     def read(self, size: int) -> bytes:
-        return self.stream.read(size) if self.stream is not None else b""
+        return self._read(size) if self._read is not None else b""
 
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close()
 
 
-def _open(url: str, offset: int) -> _Source:
+def _open(url: str, offset: int, timeout: float) -> _Source:
     if url.lower().startswith("file://"):
         return _open_file(url, offset)
-    return _open_http(url, offset)
+    return _open_http(url, offset, timeout)
 
 
 def _open_file(url: str, offset: int) -> _Source:
@@ -531,7 +735,7 @@ def _open_file(url: str, offset: int) -> _Source:
     return _Source(url, stream, start, st.st_size)
 
 
-def _open_http(url: str, offset: int) -> _Source:
+def _open_http(url: str, offset: int, timeout: float) -> _Source:
     import urllib.error
     import urllib.request
 
@@ -540,43 +744,86 @@ def _open_http(url: str, offset: int) -> _Source:
     headers = {"User-Agent": f"vmlaunch/{__version__}"}
     if offset:
         headers["Range"] = f"bytes={offset}-"
-    hint = "check the URL and this host's network (or proxy); pull again to resume"
+    network_hint = ("check the URL and this host's network (or proxy); a partial download resumes at the "
+                    "next pull")
     try:
-        response = _opener().open(urllib.request.Request(url, headers=headers), timeout=TIMEOUT)
+        response = _opener().open(urllib.request.Request(url, headers=headers), timeout=timeout)
+    except _RedirectLoop as exc:
+        raise RuntimeFailure(f"downloading {url} failed: the server redirects in a loop ({exc.count} "
+                             f"redirects from {url}, the last to {exc.last})",
+                             "check the URL, or the mirror's configuration: pulling again will not "
+                             "help") from None
     except urllib.error.HTTPError as exc:
         exc.close()
+        said = f"HTTP {exc.code} {_one_line(exc.reason)}".rstrip()
         if exc.code == 416 and offset:  # the partial is the whole file (or more: start again)
             match = re.fullmatch(r"bytes \*/(\d+)", (exc.headers.get("Content-Range") or "").strip())
             if match is not None and int(match[1]) == offset:
                 return _Source(url, None, offset, offset)
-            return _open_http(url, 0)
-        raise RuntimeFailure(f"downloading {url} failed: HTTP {exc.code} {exc.reason}", hint) from None
+            return _restarted(url, timeout, f"it answered {said} to a request from byte {offset}")
+        if offset and _refuses_range(exc.code):  # it may still send the whole file
+            return _restarted(url, timeout, f"it answered {said} to a request from byte {offset}")
+        raise RuntimeFailure(f"downloading {url} failed: {said}", _http_hint(exc.code)) from None
     except urllib.error.URLError as exc:
-        raise RuntimeFailure(f"downloading {url} failed: {_reason(exc.reason)}", hint) from None
+        raise RuntimeFailure(f"downloading {url} failed: {_reason(exc.reason, timeout)}",
+                             network_hint) from None
     except (OSError, ValueError, _http_errors()) as exc:
-        raise RuntimeFailure(f"downloading {url} failed: {_reason(exc)}", hint) from None
+        raise RuntimeFailure(f"downloading {url} failed: {_reason(exc, timeout)}", network_hint) from None
     length = _int(response.headers.get("Content-Length"))
     if response.status == 206 and offset:
         content_range = (response.headers.get("Content-Range") or "").strip()
         match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", content_range)
         if match is None or int(match[1]) != offset:  # not the part asked for: the whole file then
             response.close()
-            return _open_http(url, 0)
+            return _restarted(url, timeout, f"it sent another part ({content_range or 'no Content-Range'})")
         total = int(match[3]) if match[3] != "*" else offset + length if length is not None else None
-        return _Source(url, response, offset, total)
+        return _Source(url, response, offset, total, response.read1)
     if response.status == 200:  # from the start, also when the server ignored the Range asked for
-        return _Source(url, response, 0, length)
+        source = _Source(url, response, 0, length, response.read1)
+        source.why = "it sent the whole file" if offset else None
+        return source
     response.close()
-    raise RuntimeFailure(f"downloading {url} failed: unexpected HTTP {response.status}", hint)
+    raise RuntimeFailure(f"downloading {url} failed: unexpected HTTP {response.status}", network_hint)
+
+
+def _restarted(url: str, timeout: float, why: str) -> _Source:
+    """The whole file, asked for again without a Range: the server would not resume."""
+    source = _open_http(url, 0, timeout)
+    source.why = why
+    return source
+
+
+def _refuses_range(code: int) -> bool:
+    """Whether an HTTP error to a request with a Range may be the server refusing ranges (so a request
+    for the whole file may succeed): 4xx but for a missing file and "try later", or 501."""
+    return code == 501 or (400 <= code < 500 and code not in (404, 408, 410, 429))
+
+
+def _http_hint(code: int) -> str:
+    if 400 <= code < 500 and code not in (408, 429):
+        return "check the URL: the server refuses it, and pulling again will not help while it does"
+    return ("the server failed or is busy: pull again later, or from another mirror (a partial download "
+            "resumes)")
+
+
+class _RedirectLoop(Exception):
+    """The server redirects more often than urllib follows (a loop, or a chain longer than 10)."""
+
+    def __init__(self, count: int, last: str) -> None:
+        super().__init__(count, last)
+        self.count = count
+        self.last = last
 
 
 def _opener() -> urllib.request.OpenerDirector:
+    import urllib.error
     import urllib.request
     from urllib.parse import urljoin, urlsplit
 
     class Redirects(urllib.request.HTTPRedirectHandler):
         """Redirects to http(s) only: urllib alone follows ftp:// too, and a checksum is no reason
-        to fetch from wherever a server points."""
+        to fetch from wherever a server points. A loop ends as `_RedirectLoop`, not as urllib's
+        text of three lines."""
 
         def http_error_302(self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str,
                            headers: http.client.HTTPMessage) -> Any:
@@ -587,7 +834,14 @@ def _opener() -> urllib.request.OpenerDirector:
                     fp.close()
                     raise RuntimeFailure(f"downloading {req.full_url}: the server redirects to "
                                          f"{target!r}; vmlaunch follows redirects to http(s) only")
-            return super().http_error_302(req, fp, code, msg, headers)
+            try:
+                return super().http_error_302(req, fp, code, msg, headers)
+            except urllib.error.HTTPError as exc:
+                if not str(exc.reason).startswith(self.inf_msg):
+                    raise
+                exc.close()
+                followed = sum(getattr(req, "redirect_dict", {}).values())
+                raise _RedirectLoop(followed + 1, urljoin(req.full_url, target or "")) from None
 
         http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
 
@@ -600,14 +854,22 @@ def _http_errors() -> type[Exception]:
     return http.client.HTTPException
 
 
-def _reason(exc: object) -> str:
-    if isinstance(exc, TimeoutError) or type(exc).__name__ == "timeout":
-        return f"no data for {TIMEOUT:.0f} s (timed out)"
+def _is_timeout(exc: object) -> bool:
+    return isinstance(exc, TimeoutError) or type(exc).__name__ == "timeout"
+
+
+def _reason(exc: object, timeout: float) -> str:
+    if _is_timeout(exc):
+        return f"no data for {timeout:g} s (timed out)"
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     if type(exc).__name__ == "IncompleteRead":
         return "the connection closed early"
-    return str(exc) or type(exc).__name__
+    return _one_line(exc) or type(exc).__name__
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
 
 
 def _int(text: str | None) -> int | None:
@@ -789,46 +1051,81 @@ def remove_partials() -> tuple[list[Path], list[Path]]:
 # --- progress ------------------------------------------------------------------------------------------
 
 
+class _Rate:
+    """Bytes per second over the last `span` seconds: a sliding window of (time, bytes) samples, the
+    oldest kept being the newest one at least `span` old."""
+
+    def __init__(self, span: float, now: float, done: int) -> None:
+        self.span = span
+        self.samples: deque[tuple[float, int]] = deque([(now, done)])
+
+    def add(self, now: float, done: int) -> None:
+        if now - self.samples[-1][0] >= self.span / 20:
+            self.samples.append((now, done))
+        while len(self.samples) > 1 and self.samples[1][0] <= now - self.span:
+            self.samples.popleft()
+
+    def over_span(self, now: float, done: int) -> float | None:
+        """The rate over the last `span` seconds; None until that long has passed."""
+        then, before = self.samples[0]
+        return (done - before) / (now - then) if now - then >= self.span else None
+
+    def recent(self, now: float, done: int) -> float:
+        """The rate over the last `span` seconds, or since the start when that is shorter."""
+        then, before = self.samples[0]
+        return (done - before) / max(now - then, 1e-6)
+
+
 class _Meter:
     """How far a download (or a checksum) is: a bar on a terminal, else a log line every
-    PROGRESS_EVERY seconds."""
+    PROGRESS_EVERY seconds. The rate shown is the one of the last RATE_SHOWN seconds, so a server
+    that slows down shows it; below `floor` bytes/s (the minimum a download must keep), it says so."""
 
-    def __init__(self, name: str, doing: str, total: int | None, start: int, progress: bool | None) -> None:
-        self.name, self.doing, self.total, self.start = name, doing, total, start
+    def __init__(self, name: str, doing: str, total: int | None, start: int, progress: bool | None,
+                 *, floor: int = 0) -> None:
+        self.name, self.doing, self.total, self.start, self.floor = name, doing, total, start, floor
         self.began = time.monotonic()
+        self.rate = _Rate(RATE_SHOWN, self.began, start)
         if progress is None:
             progress = _is_terminal() and log.isEnabledFor(logging.INFO)
         self.bar = progress
         self.next = self.began + (BAR_EVERY if self.bar else PROGRESS_EVERY)
         self.drawn = False
 
-    def update(self, done: int) -> None:
-        now = time.monotonic()
+    def update(self, done: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.rate.add(now, done)
         if now < self.next:
             return
+        rate = self.rate.recent(now, done)
+        slow = rate < self.floor and now - self.began >= RATE_SHOWN
         if self.bar:
-            sys.stderr.write(f"\r{self.line(done, now, bar=True)}\x1b[K")
+            sys.stderr.write(f"\r{self.line(done, rate, bar=True, slow=slow)}\x1b[K")
             sys.stderr.flush()
             self.drawn = True
             self.next = now + BAR_EVERY
         else:
-            log.info("%s", self.line(done, now, bar=False))
+            log.info("%s", self.line(done, rate, bar=False, slow=slow))
             self.next = now + PROGRESS_EVERY
 
     def finish(self, done: int) -> None:
-        if self.drawn:
-            sys.stderr.write(f"\r{self.line(done, time.monotonic(), bar=True)}\x1b[K\n")
+        if self.drawn:  # the last line shows the average
+            rate = (done - self.start) / max(time.monotonic() - self.began, 1e-6)
+            sys.stderr.write(f"\r{self.line(done, rate, bar=True)}\x1b[K\n")
             sys.stderr.flush()
 
-    def line(self, done: int, now: float, *, bar: bool) -> str:
-        elapsed = max(now - self.began, 1e-6)
-        rate = f"{human_size(int((done - self.start) / elapsed))}/s"
+    def line(self, done: int, rate: float, *, bar: bool, slow: bool = False) -> str:
+        shown = _rate_text(rate) + (f" (below the minimum of {_rate_text(self.floor)})" if slow else "")
         if self.total:
             share = min(done / self.total, 1.0)
             gauge = f"[{'#' * int(share * 30):.<30}] " if bar else ""
             return (f"{self.name}: {self.doing} {gauge}{share * 100:.0f}%, {human_size(done)} of "
-                    f"{human_size(self.total)}, {rate}")
-        return f"{self.name}: {self.doing} {human_size(done)}, {rate}"
+                    f"{human_size(self.total)}, {shown}")
+        return f"{self.name}: {self.doing} {human_size(done)}, {shown}"
+
+
+def _rate_text(rate: float) -> str:
+    return f"{rate:.1f} B/s" if rate < 10 else f"{human_size(int(rate))}/s"
 
 
 def _is_terminal() -> bool:
