@@ -46,7 +46,8 @@ def test_the_run_state(reply: object, expected: str | None) -> None:
     ("Kernel panic - not syncing: x\n[ 0.0] Linux version 6.1\nready\n", "running", ("running", None)),
     ("", "guest-panicked", ("panicked", "QEMU reported a guest panic (pvpanic)")),
     ("", None, ("unresponsive", "its QMP did not answer within 2 s")),
-    ("", "paused", ("paused", "QEMU: paused")),
+    ("", "paused", ("paused", "by its user (`vmlaunch pause`, or QMP stop), or by a vmlaunch snapshot "
+                              "under way: `vmlaunch resume SPEC VM` resumes it")),
     ("", "internal-error", ("internal-error", "QEMU: internal-error")),
     ("", "postmigrate", ("postmigrate", "QEMU: postmigrate")),
 ])

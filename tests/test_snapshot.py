@@ -411,6 +411,119 @@ def test_a_failed_save_resumes_every_vm_and_leaves_no_part(rig: Rig, capsys: pyt
     assert set(listed(rig, capsys)) == {"first"}  # a's part was deleted
 
 
+def status_rows(rig: Rig, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    capsys.readouterr()
+    assert rig.cli("status", "--json") == 0
+    doc: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return doc
+
+
+def test_pause_and_resume_are_the_users_own(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
+    from vmlaunch.api import Lab
+
+    capsys.readouterr()
+    assert rig.cli("pause", "a") == 0
+    assert capsys.readouterr().out == "a: paused\n"
+    rows = status_rows(rig, capsys)
+    assert (rows["a"]["state"], rows["b"]["state"]) == ("paused", "running")
+    assert "by its user" in rows["a"]["why"]
+    assert rig.cli("snapshot", "save", "while-paused") == 0
+    assert running(rig) == ["paused", "running"]  # a snapshot resumes only what it paused
+    assert rig.cli("pause") == 0
+    assert capsys.readouterr().out == "while-paused: saved (a, b)\na: already paused\nb: paused\n"
+    lab = Lab(rig.spec)
+    assert lab.vm("b").resume() == "resumed"
+    assert lab.resume() == {"a": "resumed", "b": "already running"}
+    assert running(rig) == ["running", "running"]
+    assert rig.cli("snapshot", "delete", "while-paused") == 0
+
+
+def spawn(rig: Rig, *words: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "vmlaunch", words[0], str(rig.spec), *words[1:]],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def kill_once_it_intends(rig: Rig, proc: subprocess.Popen[bytes], after: float) -> None:
+    """SIGKILL the vmlaunch `after` seconds once it wrote its intent (or once it ended)."""
+    deadline = time.monotonic() + 60
+    while not rig.run_dir.intent.exists() and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    time.sleep(after)
+    proc.kill()
+    proc.wait()
+
+
+@pytest.mark.parametrize("after", [0.0, 0.02, 0.1, 0.4])
+def test_a_killed_save_is_finished_by_the_next_command(
+        rig: Rig, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture, after: float) -> None:
+    """Killed at any instant: `status` resumes what it paused, and the snapshot is whole on every VM
+    or on none."""
+    kill_once_it_intends(rig, spawn(rig, "snapshot", "save", "killed"), after)
+    with caplog.at_level(logging.WARNING):
+        rows = status_rows(rig, capsys)
+    assert (rows["a"]["state"], rows["b"]["state"]) == ("running", "running"), rows
+    assert running(rig) == ["running", "running"]
+    assert not rig.run_dir.intent.exists()
+    doc = listed(rig, capsys)
+    if "killed" in doc:
+        assert set(doc["killed"]) == {"a", "b"} and all(vm["complete"] for vm in doc["killed"].values())
+        assert rig.cli("snapshot", "delete", "killed") == 0
+    said = " ".join(record.getMessage() for record in caplog.records)
+    if rig.run_dir.intent.exists() or "interrupted" in said:
+        assert "snapshot save 'killed' was interrupted" in said
+
+
+@pytest.mark.parametrize("after", [0.0, 0.1])
+def test_a_killed_restore_keeps_what_it_paused_until_restored_again(
+        rig: Rig, capsys: pytest.CaptureFixture[str], after: float) -> None:
+    assert rig.cli("snapshot", "save", "back") == 0
+    kill_once_it_intends(rig, spawn(rig, "snapshot", "restore", "back"), after)
+    rows = status_rows(rig, capsys)
+    held = [vm for vm in ("a", "b") if rows[vm]["state"] == "paused"]
+    for vm in held:
+        assert "by an interrupted snapshot restore of 'back'" in rows[vm]["why"]
+        assert "snapshot SPEC restore back" in rows[vm]["why"]
+    if held:
+        assert rig.cli("resume") == 4
+        assert "kept paused by an interrupted snapshot restore" in capsys.readouterr().err
+        assert rig.run_dir.intent.exists()
+    assert rig.cli("snapshot", "restore", "back") == 0
+    assert running(rig) == ["running", "running"]
+    assert not rig.run_dir.intent.exists()
+    assert rig.cli("snapshot", "delete", "back") == 0
+
+
+def test_an_interrupted_restore_holds_its_vms_and_a_save_resumes_its_own(
+        rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
+    """The state a restore killed half-way through its loads leaves (written here, so it is exactly
+    that): both VMs paused, its intent there. Then what a killed save leaves: resumed."""
+    from vmlaunch import intent
+    from vmlaunch.control import qmp_command
+
+    disks: dict[str, tuple[tuple[str, str], ...]] = {vm: (("disk0", str(disk_of(rig, vm))),)
+                                                      for vm in ("a", "b")}
+    assert rig.cli("snapshot", "save", "first", "--force") == 0
+    intent.begin(rig.run_dir, intent.Operation.RESTORE, "first", ("a", "b"), ("a", "b"), disks)
+    for vm in ("a", "b"):
+        qmp_command(rig.run_dir, vm, "stop")
+    for _ in range(2):  # every command says it again, and keeps them paused
+        rows = status_rows(rig, capsys)
+        assert [rows[vm]["state"] for vm in ("a", "b")] == ["paused", "paused"]
+    capsys.readouterr()
+    assert rig.cli("snapshot", "save", "meanwhile") == 4  # no snapshot of a half-loaded memory
+    assert "cannot snapshot lab snap: a, b are kept paused by an interrupted" in capsys.readouterr().err
+    assert rig.cli("resume", "a") == 4
+    assert running(rig) == ["paused", "paused"]
+    assert rig.cli("snapshot", "restore", "first") == 0
+    assert running(rig) == ["running", "running"] and not rig.run_dir.intent.exists()
+
+    intent.begin(rig.run_dir, intent.Operation.SAVE, "gone", ("a", "b"), ("b",), disks)
+    qmp_command(rig.run_dir, "b", "stop")
+    assert rig.cli("snapshot", "list") == 0
+    assert running(rig) == ["running", "running"] and not rig.run_dir.intent.exists()
+
+
 DOWN_NAME = "2026-11-22.prä"  # saved while up, deleted while down
 
 

@@ -102,6 +102,16 @@ class Lab:
         failed (after trying them all)."""
         return executor.down(self.run_dir, self.only, timeout=timeout, spec=self.model.file)
 
+    def pause(self, timeout: float = 10.0) -> dict[str, str]:
+        """Pause every VM of this Lab, as `vmlaunch pause`: VM -> "paused" or "already paused". A
+        snapshot save or restore leaves them paused."""
+        return control.pause(self.run_dir, self.vms, timeout)
+
+    def resume(self, timeout: float = 10.0) -> dict[str, str]:
+        """Resume every VM of this Lab, as `vmlaunch resume`: VM -> "resumed" or "already running".
+        RuntimeFailure, and nothing resumed, when an interrupted snapshot restore holds one."""
+        return control.resume(self.run_dir, self.vms, timeout)
+
     def vm(self, name: str) -> Vm:
         """The VM called `name`; UsageError when the spec has none, or this Lab was made for other
         VMs of it (`Lab(spec, vms=[...])`)."""
@@ -194,6 +204,15 @@ class Vm:
         """
         memory = self.lab.model.vm(self.name).memory_mib << 20  # a larger target is refused at once
         return control.balloon(self.lab.run_dir, self.name, size, timeout, memory)
+
+    def pause(self, timeout: float = 10.0) -> str:
+        """Pause the VM, as `vmlaunch pause SPEC VM`: "paused" or "already paused"."""
+        return control.pause(self.lab.run_dir, [self.name], timeout)[self.name]
+
+    def resume(self, timeout: float = 10.0) -> str:
+        """Resume the VM, as `vmlaunch resume SPEC VM`: "resumed" or "already running"; RuntimeFailure
+        when an interrupted snapshot restore holds it paused (its memory may be half loaded)."""
+        return control.resume(self.lab.run_dir, [self.name], timeout)[self.name]
 
     def qmp(self, command: str, **args: Any) -> Any:
         """Send one QMP command with `args` as its arguments; return QEMU's reply (`return`).

@@ -133,6 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="-- and the command to run, e.g. -- sh -c 'exit 7'")
     ssh.set_defaults(run=cmd_ssh)
 
+    for verb, what in (("pause", "pause"), ("resume", "resume")):
+        command = commands.add_parser(
+            verb, help=f"{what} the lab's VMs (or those named)",
+            description=("Pause the VMs (QMP stop): the guests stop running until `vmlaunch resume`; "
+                         "a snapshot save or restore leaves a VM you paused paused." if verb == "pause" else
+                         "Resume VMs that are paused (QMP cont). A VM an interrupted snapshot restore "
+                         "left paused is refused: its memory may be half loaded (restore the snapshot "
+                         "again, which resumes it)."))
+        command.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
+        command.add_argument("vms", metavar="VM", nargs="*", default=[], help="only these VMs")
+        command.add_argument("--timeout", metavar="S", type=_seconds(zero_ok=False), default=10.0,
+                             help="seconds to wait for another vmlaunch of the lab; default 10")
+        command.set_defaults(run=cmd_pause if verb == "pause" else cmd_resume)
+
     reset = commands.add_parser(
         "reset", help="make VMs start afresh from their images at the next up",
         description="Remove the VMs' overlays, cloud-init seeds and UEFI variables (kept beside the "
@@ -569,6 +583,26 @@ def cmd_ssh(args: argparse.Namespace) -> int:
                              "install OpenSSH's client: apt-get install openssh-client") from None
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def cmd_pause(args: argparse.Namespace) -> int:
+    from vmlaunch import control
+
+    return _print_done(control.pause, args)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from vmlaunch import control
+
+    return _print_done(control.resume, args)
+
+
+def _print_done(step: Callable[[RunDir, list[str], float], dict[str, str]], args: argparse.Namespace) -> int:
+    run_dir, lab = _lab_vm(args.spec, *args.vms)
+    names = [vm.name for vm in lab.select(args.vms)]
+    for name, done in step(run_dir, names, args.timeout).items():
+        print(f"{name}: {done}")
+    return 0
 
 
 def cmd_reset(args: argparse.Namespace) -> int:

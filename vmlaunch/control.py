@@ -125,7 +125,15 @@ def nics_of(lab: LabSpec, vm: VmSpec) -> tuple[NicStatus, ...]:
 def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) -> list[VmStatus]:
     """Each VM of the lab: running, stopped (not up) or crashed (up, but its QEMU is gone); with the
     lab's spec, also each VM's NICs."""
+    from vmlaunch.intent import held_paused, settle_unlocked
+
+    ongoing = settle_unlocked(run_dir)  # an interrupted snapshot save or restore: finished or undone
     journal = Journal.load(run_dir)
+    held = held_paused(run_dir)
+    if ongoing is not None:  # under way in another vmlaunch, which has the VMs' QMP meanwhile
+        held = {vm: f"by vmlaunch: {ongoing.describe()} under way (pid {ongoing.pid})"
+                for vm in ongoing.paused}
+    busy = set(held) if ongoing is not None else set()
     vms_managed = manager_state(run_dir).get("vms")
     managed: dict[str, Any] = vms_managed if isinstance(vms_managed, dict) else {}
     result: list[VmStatus] = []
@@ -149,7 +157,7 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
                 stats = guest_stats(qmp.cmd("qom-get", path=BALLOON, property="guest-stats"))
         except QmpError:
             pass  # no balloon device, or QMP busy: the rest of the status still holds
-        state, why = vm_state(run_dir.vm(name), run_state)
+        state, why = vm_state(run_dir.vm(name), run_state, held.get(name), busy=name in busy)
         memory = None
         if spec_memory is not None:
             from vmlaunch.hostmem import ksm_merging
@@ -188,16 +196,24 @@ def read_balloon(qmp: QuickQmp | Qmp) -> int | None:
     return actual if isinstance(actual, int) and not isinstance(actual, bool) else None
 
 
-def vm_state(files: VmFiles, run_state: str | None) -> tuple[str, str | None]:
+def vm_state(files: VmFiles, run_state: str | None, held: str | None = None, *,
+             busy: bool = False) -> tuple[str, str | None]:
     """What `status` says of a VM whose QEMU runs, and why when it is not plainly running: QEMU's run
     state, else "unresponsive" when its QMP did not answer; a guest whose console shows a kernel
     panic since it booted is "panicked" whatever QEMU thinks (without a pvpanic driver in the guest,
-    QEMU goes on running a guest that panicked)."""
+    QEMU goes on running a guest that panicked). `held`: why vmlaunch keeps it paused (an
+    interrupted restore, or an operation under way in another vmlaunch: `busy`, which has its QMP
+    meanwhile); a VM paused otherwise was paused by its user (`vmlaunch pause`, QMP stop)."""
     panic = qemu.console_panic(files)
     if run_state == "guest-panicked" or panic is not None:
         return "panicked", panic or "QEMU reported a guest panic (pvpanic)"
+    if run_state is None and busy:
+        return "paused", held
     if run_state is None:
         return "unresponsive", f"its QMP did not answer within {STATUS_QMP_TIMEOUT:g} s"
+    if run_state == "paused":
+        return "paused", held or ("by its user (`vmlaunch pause`, or QMP stop), or by a vmlaunch "
+                                  "snapshot under way: `vmlaunch resume SPEC VM` resumes it")
     return _SHOWN_STATES.get(run_state, run_state), None if run_state == "running" else f"QEMU: {run_state}"
 
 
@@ -355,6 +371,56 @@ def qmp_command(run_dir: RunDir, name: str, command: str, args: dict[str, Any] |
     running_pid(run_dir, name)
     with QuickQmp(run_dir.vm(name).qmp, timeout=5) as qmp:
         return qmp.cmd(command, **(args or {}))
+
+
+def pause(run_dir: RunDir, names: Sequence[str], timeout: float = 10.0) -> dict[str, str]:
+    """Pause the named VMs (QMP stop): the user's own pause, which vmlaunch keeps (a snapshot resumes
+    only what it paused itself). Returns VM -> what was done: "paused" or "already paused"."""
+    return _pause_or_resume(run_dir, names, timeout, pausing=True)
+
+
+def resume(run_dir: RunDir, names: Sequence[str], timeout: float = 10.0) -> dict[str, str]:
+    """Resume the named VMs (QMP cont): "resumed" or "already running". A VM an interrupted snapshot
+    restore left paused may hold half of its memory: it is refused (RuntimeFailure), and nothing is
+    resumed."""
+    return _pause_or_resume(run_dir, names, timeout, pausing=False)
+
+
+def _pause_or_resume(run_dir: RunDir, names: Sequence[str], timeout: float, *,
+                     pausing: bool) -> dict[str, str]:
+    from vmlaunch.intent import held_paused
+    from vmlaunch.journal import locked
+
+    for name in names:
+        running_pid(run_dir, name)
+    with locked(run_dir, timeout):
+        if os.path.lexists(run_dir.intent):
+            from vmlaunch.snapshot import settle
+
+            settle(run_dir, timeout)
+        held = {name: why for name, why in held_paused(run_dir).items() if name in names}
+        if held and not pausing:
+            raise RuntimeFailure("not resumed: " + "; ".join(f"{name} is kept paused {why}"
+                                                             for name, why in held.items()))
+        done = {}
+        for name in names:
+            with QuickQmp(run_dir.vm(name).qmp, timeout=5) as qmp:
+                state = read_run_state(qmp)
+                if pausing:
+                    done[name] = "already paused" if state == "paused" else _qmp_step(qmp, "stop", "paused")
+                elif state == "running":
+                    done[name] = "already running"
+                elif state == "paused":
+                    done[name] = _qmp_step(qmp, "cont", "resumed")
+                else:
+                    raise RuntimeFailure(f"{name}: not resumed: QEMU's run state is {state}",
+                                         "`vmlaunch status SPEC` says why")
+        return done
+
+
+def _qmp_step(qmp: QuickQmp, command: str, done: str) -> str:
+    qmp.cmd(command)
+    return done
 
 
 PAGE = 4096

@@ -133,6 +133,7 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
     with locked(plan.run_dir, timeout):
         journal = Journal.load(plan.run_dir)  # first: a journal it cannot read leaves no mark
         journal.check_spec(spec, force=force)
+        _settle_interrupted(plan.run_dir, timeout)
         plan.run_dir.create()
         journal.spec = os.path.realpath(spec)
         already = running_vms(journal)
@@ -310,6 +311,19 @@ def _settle(journal: Journal, vms: Iterable[str]) -> list[str]:
         return [f"the journal {run_dir.state} could not be updated ({exc.strerror or exc}); it still "
                 "lists what was undone, which the next down finds gone and skips"]
     return []
+
+
+def _settle_interrupted(run_dir: RunDir, timeout: float) -> None:
+    """Finish or undo a snapshot operation a killed vmlaunch left (`snapshot.finish_interrupted`);
+    under the lab's lock. One that cannot be finished is said, and never stops `up` or `down`."""
+    if not os.path.lexists(run_dir.intent):
+        return  # the usual case: snapshot.py (and asyncio) need not be imported
+    from vmlaunch.snapshot import settle
+
+    try:
+        settle(run_dir, timeout)
+    except VmlaunchError as exc:
+        log.warning("an interrupted snapshot operation could not be finished: %s", exc.message)
 
 
 def _remove_files(files: VmFiles) -> None:
@@ -594,6 +608,7 @@ def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, fo
         journal = Journal.load(run_dir, force=force)
         if spec is not None:
             journal.check_spec(spec, force=force)
+        _settle_interrupted(run_dir, timeout + 30)  # a half-saved snapshot goes while QEMU can delete it
         if not journal.unreadable:  # what an `up` killed before journaling left (resources/registry.py)
             _release_unjournaled(run_dir, journal.has)
         known = set(journal.vms)  # whose files the run dir may hold

@@ -46,13 +46,20 @@ class Intent:
     paused: tuple[str, ...]  # the VMs it pauses (they were running): the ones to resume
     pid: int  # the vmlaunch that writes it
     started: float  # time.time()
+    # VM -> its snapshot disks as (block node, file), the first holding the RAM: what the next command
+    # needs to finish or undo the operation, with no spec to read
+    disks: dict[str, tuple[tuple[str, str], ...]] = attrs.field(factory=dict, eq=False)
 
     def describe(self) -> str:
         return f"{self.operation.value} {self.snapshot!r}"
 
     def to_json(self) -> dict[str, Any]:
         return {"operation": self.operation.value, "snapshot": self.snapshot, "vms": list(self.vms),
-                "paused": list(self.paused), "pid": self.pid, "started": self.started}
+                "paused": list(self.paused), "pid": self.pid, "started": self.started,
+                "disks": {vm: [list(disk) for disk in disks] for vm, disks in self.disks.items()}}
+
+    def with_paused(self, paused: tuple[str, ...]) -> Intent:
+        return attrs.evolve(self, paused=paused)
 
 
 class IntentError(RuntimeFailure):
@@ -60,11 +67,15 @@ class IntentError(RuntimeFailure):
 
 
 def begin(run_dir: RunDir, operation: Operation, snapshot: str, vms: tuple[str, ...],
-          paused: tuple[str, ...]) -> Intent:
+          paused: tuple[str, ...], disks: dict[str, tuple[tuple[str, str], ...]]) -> Intent:
     """Record the operation (before it pauses anything); the caller holds the lab's lock."""
-    intent = Intent(operation, snapshot, vms, paused, os.getpid(), time.time())
-    write_atomic(run_dir.intent, json.dumps(intent.to_json(), indent=1) + "\n")
+    intent = Intent(operation, snapshot, vms, paused, os.getpid(), time.time(), disks)
+    write(run_dir, intent)
     return intent
+
+
+def write(run_dir: RunDir, intent: Intent) -> None:
+    write_atomic(run_dir.intent, json.dumps(intent.to_json(), indent=1) + "\n")
 
 
 def end(run_dir: RunDir) -> None:
@@ -99,8 +110,53 @@ def _parse(doc: Any) -> Intent:
     if not all(isinstance(value, list) and all(isinstance(name, str) for name in value)
                for value in names.values()):
         raise ValueError("vms and paused are lists of VM names")
-    snapshot, pid, started = doc["snapshot"], doc["pid"], doc["started"]
+    snapshot, pid, started, disks = doc["snapshot"], doc["pid"], doc["started"], doc["disks"]
     if not isinstance(snapshot, str) or not isinstance(pid, int) or not isinstance(started, (int, float)):
         raise ValueError("snapshot, pid or started is of the wrong type")
+    if not isinstance(disks, dict) or not all(
+            isinstance(vm, str) and isinstance(pairs, list) and all(
+                isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair)
+                for pair in pairs) for vm, pairs in disks.items()):
+        raise ValueError("disks is not a table of VMs' (node, file) pairs")
     return Intent(Operation(doc["operation"]), snapshot, tuple(names["vms"]), tuple(names["paused"]),
-                  pid, float(started))
+                  pid, float(started), {vm: tuple((node, file) for node, file in pairs)
+                                        for vm, pairs in disks.items()})
+
+
+def settle_unlocked(run_dir: RunDir, timeout: float = 60.0) -> Intent | None:
+    """For a command that does not hold the lab's lock (`status`, `snapshot list`): when an operation
+    was recorded and nobody holds the lock (so it was interrupted), take the lock and finish it
+    (`snapshot.settle`); when another vmlaunch holds it, the operation is under way: leave it, and
+    return it."""
+    from vmlaunch.journal import LabBusy, locked
+
+    if not os.path.lexists(run_dir.intent):
+        return None
+    try:
+        with locked(run_dir, 0):
+            from vmlaunch.snapshot import settle
+
+            settle(run_dir, timeout)
+    except LabBusy:
+        with contextlib.suppress(IntentError):
+            return read(run_dir)
+    return None
+
+
+def held_paused(run_dir: RunDir) -> dict[str, str]:
+    """VM -> why vmlaunch keeps it paused: an interrupted restore (read without the lock, for `status`
+    and `resume`); {} when there is no such VM."""
+    try:
+        found = read(run_dir)
+    except IntentError:
+        return {}
+    if found is None or found.operation is not Operation.RESTORE:
+        return {}
+    return {vm: interrupted_restore(found) for vm in found.paused}
+
+
+def interrupted_restore(found: Intent) -> str:
+    """Why a VM an interrupted restore paused stays paused, and how to go on."""
+    return (f"by an interrupted snapshot restore of {found.snapshot!r}: its memory may be half loaded; "
+            f"`vmlaunch snapshot SPEC restore {found.snapshot}` loads it whole and resumes it, or "
+            "`vmlaunch down SPEC` then `vmlaunch reset SPEC` starts it afresh")

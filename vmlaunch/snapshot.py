@@ -42,8 +42,9 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from vmlaunch import qemu
+from vmlaunch import intent, qemu
 from vmlaunch.errors import KeyPath, Location, RuntimeFailure, UsageError
+from vmlaunch.intent import Intent, Operation
 from vmlaunch.journal import Journal, locked
 from vmlaunch.labdir import LabDir
 from vmlaunch.model import Disk, DiskFormat, LabSpec, VmSpec
@@ -291,6 +292,7 @@ class VmSnapshot:
 def list_snapshots(run_dir: RunDir, lab: LabSpec, *, qemu_img: str = "qemu-img") -> list[VmSnapshot]:
     """Every snapshot of every VM of the lab, by name then VM: from QEMU for a VM that runs, from its
     disk files (`qemu-img info -U`) for one that is down."""
+    intent.settle_unlocked(run_dir)
     names = [vm.name for vm in lab.vms]
     running = running_vms(run_dir, names)
     result = []
@@ -370,14 +372,29 @@ class _Lab:
                 failed[name] = str(outcome.message if isinstance(outcome, RuntimeFailure) else outcome)
         return failed
 
-    async def pause(self) -> None:
-        """Stop every VM that runs, together (a VM the user paused stays paused afterwards)."""
-        async def stop(name: str, qmp: AsyncQmp) -> None:
-            if (await qmp.cmd("query-status")).get("status") == "running":
-                await qmp.cmd("stop")
-                self.paused.append(name)
+    async def states(self) -> dict[str, str]:
+        """Each VM's run state ("running", "paused", ...; "" when QEMU did not say)."""
+        states: dict[str, str] = {}
 
-        failed = await self.each(list(self.qmps), stop)
+        async def query(name: str, qmp: AsyncQmp) -> None:
+            states[name] = str((await qmp.cmd("query-status")).get("status", ""))
+
+        failed = await self.each(list(self.qmps), query)
+        if failed:
+            raise RuntimeFailure("could not read every VM's state: " + "; ".join(failed.values()))
+        return states
+
+    async def pause(self, run_dir: RunDir, operation: Operation, name: str,
+                    disks: Mapping[str, VmDisks], held: Sequence[str] = ()) -> None:
+        """Stop every VM that runs, together, once the intent to is written (intent.py): which VMs
+        this operation pauses, so that a vmlaunch killed half-way leaves the next command what it
+        needs to resume them. A VM the user paused stays paused afterwards; `held`, VMs an
+        interrupted restore left paused, are resumed with the rest once this one succeeds."""
+        running = [vm for vm, state in (await self.states()).items() if state == "running"]
+        self.paused = [*running, *(vm for vm in held if vm not in running)]
+        intent.begin(run_dir, operation, name, tuple(self.qmps), tuple(self.paused),
+                     {vm: tuple((disk.node, str(disk.file)) for disk in disks[vm].disks) for vm in disks})
+        failed = await self.each(running, lambda vm, qmp: qmp.cmd("stop"))
         if failed:
             raise RuntimeFailure("could not pause every VM: " + "; ".join(failed.values()))
 
@@ -426,6 +443,12 @@ def save(run_dir: RunDir, lab: LabSpec, name: str, *, timeout: float = 60.0, for
     check_name(name)
     names = [vm.name for vm in lab.vms]
     with locked(run_dir, timeout):
+        settle(run_dir, timeout)
+        held = intent.held_paused(run_dir)
+        if held:  # their memory may be half loaded: no snapshot of that
+            why = next(iter(held.values()))
+            raise SnapshotRefused(f"cannot snapshot lab {lab.name}: {', '.join(held)} "
+                                  f"{'is' if len(held) == 1 else 'are'} kept paused {why}")
         disks = check(lab, names, running=running_vms(run_dir, names))
         _run(_save(run_dir, disks, name, time.monotonic() + timeout, force))
     log.debug("lab %s: saved snapshot %s of %s", lab.name, name, ", ".join(names))
@@ -439,8 +462,10 @@ async def _save(run_dir: RunDir, disks: Mapping[str, VmDisks], name: str, deadli
         if have and not force:
             raise SnapshotRefused(f"snapshot {name!r} exists already in {', '.join(have)}",
                                   "`--force` replaces it; `vmlaunch snapshot SPEC list` shows them all")
+        settled = False  # done, or undone: the intent goes; else the next command finishes it
         try:
-            await lab.pause()  # in the try: a VM paused before another failed to is resumed
+            await lab.pause(run_dir, Operation.SAVE, name, disks)  # in the try: a VM paused
+            # before another failed to is resumed
             if have:
                 failed = await lab.each(have, lambda vm, qmp: _delete_job(qmp, vm, disks[vm], found[vm],
                                                                           name, deadline))
@@ -451,12 +476,16 @@ async def _save(run_dir: RunDir, disks: Mapping[str, VmDisks], name: str, deadli
                 devices=disks[vm].devices))
             if failed:
                 left = await _remove_partial(lab, disks, name, deadline)
+                settled = not left
                 raise RuntimeFailure(_failure(f"snapshot {name!r} failed", failed) + left,
                                      "every VM was resumed")
+            settled = True
         finally:
             not_resumed = await lab.resume()
             if not_resumed:
                 log.warning("%s", _failure("could not resume", not_resumed))
+            elif settled:
+                intent.end(run_dir)
 
 
 async def _delete_job(qmp: AsyncQmp, vm: str, disks: VmDisks, found: Found, name: str,
@@ -486,6 +515,7 @@ def restore(run_dir: RunDir, lab: LabSpec, name: str, *, timeout: float = 60.0) 
     check_name(name)
     names = [vm.name for vm in lab.vms]
     with locked(run_dir, timeout):
+        settle(run_dir, timeout)
         disks = check(lab, names, running=running_vms(run_dir, names), doing="restore lab {lab}")
         taken = _run(_restore(run_dir, disks, name, time.monotonic() + timeout))
     log.debug("lab %s: restored snapshot %s", lab.name, name)
@@ -511,14 +541,26 @@ async def _restore(run_dir: RunDir, disks: Mapping[str, VmDisks], name: str,
                 for vm, missing in lacking.items()), "`vmlaunch snapshot SPEC list` shows what each has; "
                 "nothing was changed")
         failed: dict[str, str] = {}
+        interrupted = intent.read(run_dir)  # finish_interrupted kept it: VMs it holds paused
+        held = interrupted.paused if interrupted is not None else ()
+        loaded = False
         try:
-            await lab.pause()
+            await lab.pause(run_dir, Operation.RESTORE, name, disks, held)
             failed = await lab.each(list(disks), lambda vm, qmp: _job(
                 qmp, vm, "snapshot-load", deadline, tag=name, vmstate=disks[vm].vmstate,
                 devices=disks[vm].devices))
+            loaded = True
         finally:
             # A VM whose load failed holds half of it: it stays paused, for the user to decide.
-            not_resumed = await lab.resume([vm for vm in disks if vm not in failed])
+            not_resumed = await lab.resume([vm for vm in disks if vm not in failed] if loaded else [])
+            if loaded:
+                holding = tuple(vm for vm in lab.paused if vm in failed)
+                if holding:
+                    current = intent.read(run_dir)
+                    if current is not None:
+                        intent.write(run_dir, current.with_paused(holding))
+                else:
+                    intent.end(run_dir)
         if failed:
             raise RuntimeFailure(_failure(f"restoring snapshot {name!r} failed", failed),
                                  f"{', '.join(failed)} {'is' if len(failed) == 1 else 'are'} left paused "
@@ -526,6 +568,92 @@ async def _restore(run_dir: RunDir, disks: Mapping[str, VmDisks], name: str,
         if not_resumed:
             log.warning("%s", _failure("could not resume", not_resumed))
         return {vm: found[vm][disks[vm].vmstate][name].taken for vm in disks}
+
+
+# --- an interrupted save or restore ---------------------------------------------------------------------
+
+
+def finish_interrupted(run_dir: RunDir, timeout: float = 60.0) -> list[str]:
+    """Finish or undo a snapshot save or restore whose vmlaunch was killed (its intent is still in the
+    run dir); the caller holds the lab's lock, so the one that wrote it is gone. Returns what was
+    done, one line each, for the caller to say.
+
+    - save: the snapshot jobs QEMU still runs are waited for; the name is kept where every VM holds it
+      whole, else deleted from every VM that has it (a name is on every VM of the lab or on none);
+      the VMs that save paused are resumed.
+    - restore: a VM it paused may hold half of the snapshot's memory: it stays paused, and the intent
+      with it, until a restore loads a snapshot whole (and resumes it) or the lab goes down."""
+    found = intent.read(run_dir)
+    if found is None:
+        return []
+    deadline = time.monotonic() + timeout
+    running = [vm for vm in found.vms if qemu.find_pid(run_dir.vm(vm)) is not None]
+    return list(_run(_finish(run_dir, found, running, deadline)))
+
+
+def settle(run_dir: RunDir, timeout: float = 60.0) -> None:
+    """`finish_interrupted`, saying what it did; under the lab's lock."""
+    for line in finish_interrupted(run_dir, timeout):
+        log.warning("%s", line)
+
+
+def _intent_disks(found: Intent, vm: str) -> VmDisks:
+    pairs = found.disks.get(vm, ())
+    return VmDisks(vm, tuple(SnapDisk(node, Path(file), ("vm", vm)) for node, file in pairs))
+
+
+async def _finish(run_dir: RunDir, found: Intent, running: Sequence[str], deadline: float) -> list[str]:
+    what = f"{found.describe()} was interrupted (vmlaunch pid {found.pid} is gone)"
+    gone = [vm for vm in found.vms if vm not in running]
+    said = [f"{what}: {', '.join(gone)} no longer {'runs' if len(gone) == 1 else 'run'}"] if gone else []
+    async with _Lab(_sockets(run_dir, running)) as lab:
+        await lab.each(list(running), lambda vm, qmp: _settle_jobs(qmp, deadline))
+        states = await lab.states()
+        if found.operation is Operation.RESTORE:
+            held = tuple(vm for vm in found.paused if states.get(vm) == "paused")
+            if not held:
+                intent.end(run_dir)
+                return [*said, f"{what}: no VM is left paused"]
+            if held != found.paused:
+                intent.write(run_dir, found.with_paused(held))
+            return [*said, f"{what}: {', '.join(held)} {'is' if len(held) == 1 else 'are'} kept paused "
+                    f"{intent.interrupted_restore(found)}"]
+        disks = {vm: _intent_disks(found, vm) for vm in running}
+        have = await lab.found(disks)
+        holders = [vm for vm in running if any(found.snapshot in tags for tags in have[vm].values())]
+        whole = not gone and all(not _missing(have[vm], disks[vm], found.snapshot) for vm in running)
+        if whole:
+            said.append(f"{what}: {found.snapshot!r} was saved whole in every VM: kept")
+        elif holders:
+            failed = await lab.each(holders, lambda vm, qmp: _delete_job(
+                qmp, vm, disks[vm], have[vm], found.snapshot, deadline))
+            done = [vm for vm in holders if vm not in failed]
+            if done:
+                said.append(f"{what}: the half-saved {found.snapshot!r} was deleted from {', '.join(done)}")
+            said += [f"{what}: {message}" for message in failed.values()]
+        lab.paused = [vm for vm in found.paused if states.get(vm) == "paused"]
+        not_resumed = await lab.resume()
+        resumed = [vm for vm in found.paused if states.get(vm) == "paused" and vm not in not_resumed]
+        if resumed:
+            said.append(f"{what}: {', '.join(resumed)} resumed")
+        said += [f"{what}: could not resume {message}" for message in not_resumed.values()]
+        if not not_resumed:
+            intent.end(run_dir)
+    return said
+
+
+async def _settle_jobs(qmp: AsyncQmp, deadline: float) -> None:
+    """Wait for the snapshot jobs a killed vmlaunch started to conclude, and dismiss them."""
+    import asyncio
+
+    while True:
+        jobs = [job for job in await qmp.cmd("query-jobs") if str(job.get("id", "")).startswith("vmlaunch-")]
+        for job in jobs:
+            if job.get("status") == "concluded":
+                await qmp.cmd("job-dismiss", id=job["id"])
+        if all(job.get("status") == "concluded" for job in jobs) or time.monotonic() >= deadline:
+            return
+        await asyncio.sleep(JOB_POLL)
 
 
 # --- the guests' clocks ---------------------------------------------------------------------------------
@@ -649,6 +777,7 @@ def delete(run_dir: RunDir, lab: LabSpec, name: str, *, timeout: float = 60.0,
     check_name(name, number_ok=True)
     names = [vm.name for vm in lab.vms]
     with locked(run_dir, timeout):
+        settle(run_dir, timeout)
         running = running_vms(run_dir, names)
         disks = {vm: vm_disks(lab, lab.vm(vm)) for vm in names}
         found = {vm: _found(run_dir, disks[vm], running, qemu_img) for vm in names if disks[vm].disks}
