@@ -461,6 +461,34 @@ def test_interrupt_while_qemu_starts(tmp_path: Path, netns: Netns, test_guest: P
     assert_clean(netns, "solo")
 
 
+def test_an_up_killed_before_its_guests_ran_is_finished_by_the_next_up(
+        tmp_path: Path, netns: Netns, test_guest: Path) -> None:
+    """SIGKILL while QEMU daemonizes: its QEMU waits paused (prelaunch) for good. `status` says so,
+    and the next `up` starts it anew (its tap, journaled, is kept)."""
+    spec = lab(tmp_path, test_guest, one_vm().replace('type = "user"\nforward = ["tcp:127.0.0.1:2222-:22"]',
+                                                      'bridge = "vlbr-kill"'))
+    argv, env = netns._command(("up", str(spec)), None, {"VMLAUNCH_QEMU": str(slow_qemu(tmp_path)),
+                                                         "VMLAUNCH_CACHE_DIR": str(tmp_path / "cache")})
+    proc = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not (netns.run_root / "solo" / "solo.pid").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    row = json.loads(netns.vmlaunch("status", str(spec), "--json").stdout)["solo"]
+    assert (row["state"], row["run_state"]) == ("starting", "prelaunch"), row
+    assert "`vmlaunch up SPEC` starts it again" in row["why"]
+    again = netns.vmlaunch("up", str(spec), "--wait-for", READY)
+    assert again.returncode == 0, again.stderr
+    assert "solo: its guest never ran (an earlier up was interrupted" in again.stderr
+    row = json.loads(netns.vmlaunch("status", str(spec), "--json").stdout)["solo"]
+    assert row["state"] == "running" and len(qemu_pids(netns.run_root)) == 1
+    assert netns.vmlaunch("down", str(spec)).returncode == 0
+    assert netns.links() == {"lo"}
+    assert_clean(netns, "solo")
+
+
 def test_a_stopped_qemu_cannot_hang_status_or_down(tmp_path: Path, netns: Netns,
                                                    test_guest: Path) -> None:
     spec = lab(tmp_path, test_guest, one_vm())
@@ -468,7 +496,9 @@ def test_a_stopped_qemu_cannot_hang_status_or_down(tmp_path: Path, netns: Netns,
     (pid,) = qemu_pids(netns.run_root)
     os.kill(pid, signal.SIGSTOP)  # QMP never answers now
     status = netns.vmlaunch("status", str(spec), "--json", timeout=30)
-    assert json.loads(status.stdout)["solo"]["state"] == "running"
+    row = json.loads(status.stdout)["solo"]
+    assert (row["state"], row["run_state"]) == ("unresponsive", None)  # not "running": it does not answer
+    assert row["why"] == "its QMP did not answer within 2 s"
     balloon = netns.vmlaunch("balloon", str(spec), "solo", timeout=30)
     assert balloon.returncode == 4 and "Traceback" not in balloon.stderr
     done = netns.vmlaunch("down", str(spec), "--timeout", "1", timeout=60)

@@ -211,6 +211,9 @@ def vm_state(files: VmFiles, run_state: str | None, held: str | None = None, *,
         return "paused", held
     if run_state is None:
         return "unresponsive", f"its QMP did not answer within {STATUS_QMP_TIMEOUT:g} s"
+    if run_state in qemu.NEVER_RAN:
+        return "starting", (f"QEMU: {run_state}: its guest has not run yet (an up under way, or one "
+                            "that was interrupted: `vmlaunch up SPEC` starts it again)")
     if run_state == "paused":
         return "paused", held or ("by its user (`vmlaunch pause`, or QMP stop), or by a vmlaunch "
                                   "snapshot under way: `vmlaunch resume SPEC VM` resumes it")

@@ -137,6 +137,8 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
         plan.run_dir.create()
         journal.spec = os.path.realpath(spec)
         already = running_vms(journal)
+        for name in _never_ran(journal, already):  # an up killed before it let them run: started anew
+            del already[name], journal.vms[name]
         to_start = [vm for vm in plan.vms if vm.name not in already]
         if from_snapshot is not None and len(to_start) < len(plan.vms):
             running = [vm.name for vm in plan.vms if vm.name in already]
@@ -311,6 +313,24 @@ def _settle(journal: Journal, vms: Iterable[str]) -> list[str]:
         return [f"the journal {run_dir.state} could not be updated ({exc.strerror or exc}); it still "
                 "lists what was undone, which the next down finds gone and skips"]
     return []
+
+
+def _never_ran(journal: Journal, running: dict[str, int]) -> list[str]:
+    """The VMs among `running` whose guest never ran (`qemu.NEVER_RAN`): an `up` was killed before it
+    let them run. Their QEMUs are stopped, for this `up` to start them anew."""
+    stalled = {}
+    for name, pid in running.items():
+        try:
+            with QuickQmp(journal.run_dir.vm(name).qmp, 2) as qmp:
+                state = qmp.cmd("query-status").get("status")
+        except (RuntimeFailure, OSError, ValueError):
+            continue  # busy or gone: left as it is
+        if state in qemu.NEVER_RAN:
+            stalled[name] = (pid, journal.run_dir.vm(name))
+    for name, how in qemu.stop_all(stalled, 1.0).items():
+        log.warning("%s: its guest never ran (an earlier up was interrupted before it let it run): %s, "
+                    "started again", name, how)
+    return list(stalled)
 
 
 def _settle_interrupted(run_dir: RunDir, timeout: float) -> None:

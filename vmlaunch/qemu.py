@@ -107,6 +107,11 @@ def read_text(path: Path, tail: int | None = None) -> str:
         return f.read().decode(errors="replace")
 
 
+# QEMU's run states of a VM whose guest never ran: started paused (-S) by an `up` that has not let it
+# run yet, or that was killed before it did (or while it loaded a snapshot into it).
+NEVER_RAN = ("prelaunch", "inmigrate", "restore-vm")
+
+
 # What a Linux guest prints when it panics, and what it prints first when it boots (so a panic
 # before a reboot is not taken for the state of the guest that booted after it).
 _PANIC = "Kernel panic - not syncing"
