@@ -252,9 +252,10 @@ class Vm:
 
         plan = self.lab.plan.vm(self.name)
         entry = Journal.load(self.lab.run_dir).vms.get(self.name)
-        if plan.ssh_user is None or entry is None or entry.ssh_port is None:
-            raise RuntimeFailure(f"VM {self.name} is not up with an SSH port",
-                                 "it needs ssh = true (the default with an image) and `up`")
+        if plan.ssh_user is None:
+            raise control.no_ssh(self.lab.model, self.name)
+        if entry is None or entry.ssh_port is None:
+            raise RuntimeFailure(f"VM {self.name} is not up with an SSH port", "`up` it first")
         executor.wait_for_ssh(self.lab.plan, [plan], {self.name: self.pid},
                               {self.name: entry.ssh_port}, timeout)
 

@@ -331,6 +331,13 @@ def labs_up(root: Path) -> list[LabUp]:
     return labs
 
 
+def no_ssh(lab: LabSpec, name: str) -> UsageError:
+    """The error for a VM without an SSH port, with the spec line of the VM's table."""
+    return UsageError(f"VM {name} has no SSH port", f"give it ssh = true in [vm.{name}], "
+                      f"{lab.file}:{lab.source.line_of(('vm', name))} (and an image or "
+                      f"[vm.{name}.cloud_init])")
+
+
 def ssh_argv_of(run_dir: RunDir, lab: LabSpec, name: str, command: Sequence[str] | None) -> list[str]:
     """The OpenSSH command line into a running VM (`vmlaunch ssh`, `Vm.ssh`)."""
     from vmlaunch.labdir import LabDir
@@ -339,9 +346,7 @@ def ssh_argv_of(run_dir: RunDir, lab: LabSpec, name: str, command: Sequence[str]
 
     vm = lab.vm(name)
     if not vm.ssh:
-        raise UsageError(f"VM {name} has no SSH port", f"give it ssh = true in [vm.{name}], "
-                         f"{lab.file}:{lab.source.line_of(('vm', name))} (and an image or "
-                         f"[vm.{name}.cloud_init])")
+        raise no_ssh(lab, name)
     running_pid(run_dir, name)
     entry = Journal.load(run_dir).vms[name]
     if entry.ssh_port is None:
