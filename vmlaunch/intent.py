@@ -92,15 +92,15 @@ def read(run_dir: RunDir) -> Intent | None:
         return None
     except OSError as exc:
         raise IntentError(f"{run_dir.intent} cannot be read: {exc.strerror or exc}") from None
+    except RuntimeFailure as exc:  # a planted link
+        raise IntentError(exc.message, exc.hint) from None
     with os.fdopen(fd, "rb") as f:
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise ValueError("it is not a regular file")
             return _parse(json.loads(f.read(MAX_SIZE + 1)))
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
-            raise IntentError(f"{run_dir.intent} is damaged: {exc}",
-                              "`vmlaunch resume SPEC` resumes the VMs that are paused; then remove "
-                              "the file") from None
+            raise IntentError(f"{run_dir.intent} is damaged ({exc})") from None
 
 
 def _parse(doc: Any) -> Intent:

@@ -583,7 +583,13 @@ def finish_interrupted(run_dir: RunDir, timeout: float = 60.0) -> list[str]:
       the VMs that save paused are resumed.
     - restore: a VM it paused may hold half of the snapshot's memory: it stays paused, and the intent
       with it, until a restore loads a snapshot whole (and resumes it) or the lab goes down."""
-    found = intent.read(run_dir)
+    try:
+        found = intent.read(run_dir)
+    except intent.IntentError as exc:  # written atomically: only a hand could have damaged it
+        intent.end(run_dir)
+        return [f"{exc.message}: removed; a VM a snapshot operation paused stays paused (`vmlaunch "
+                "status SPEC` shows which): `vmlaunch resume SPEC VM` resumes it, unless its memory "
+                "may be half loaded (a restore): then `vmlaunch snapshot SPEC restore NAME` again"]
     if found is None:
         return []
     deadline = time.monotonic() + timeout
