@@ -20,6 +20,7 @@ import json
 import os
 import stat
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -67,9 +68,10 @@ class IntentError(RuntimeFailure):
 
 
 def begin(run_dir: RunDir, operation: Operation, snapshot: str, vms: tuple[str, ...],
-          paused: tuple[str, ...], disks: dict[str, tuple[tuple[str, str], ...]]) -> Intent:
+          paused: tuple[str, ...], disks: Mapping[str, Sequence[tuple[str, str]]]) -> Intent:
     """Record the operation (before it pauses anything); the caller holds the lab's lock."""
-    intent = Intent(operation, snapshot, vms, paused, os.getpid(), time.time(), disks)
+    intent = Intent(operation, snapshot, vms, paused, os.getpid(), time.time(),
+                    {vm: tuple(pairs) for vm, pairs in disks.items()})
     write(run_dir, intent)
     return intent
 
