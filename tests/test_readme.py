@@ -76,8 +76,10 @@ def test_running_part_of_the_tests_is_shown() -> None:
             words = shlex.split(shlex.split(setting)[0].split("=", 1)[1])
             for word in words:
                 assert not word.startswith("tests/") or (ROOT / word).exists(), word
-            recipe = subprocess.run(["make", "-n", "test", *shlex.split(setting)], cwd=ROOT, check=True,
-                                    capture_output=True, text=True, timeout=60).stdout.splitlines()[-1]
+            # --no-print-directory: under `make test` itself, the inner make says where it is
+            recipe = subprocess.run(["make", "--no-print-directory", "-n", "test", *shlex.split(setting)],
+                                    cwd=ROOT, check=True, capture_output=True, text=True,
+                                    timeout=60).stdout.splitlines()[-1]
             pytest_words = shlex.split(recipe)
             assert pytest_words[:3] == [".venv/bin/python", "-m", "pytest"], recipe
             assert pytest_words[-len(words):] == words, recipe

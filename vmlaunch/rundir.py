@@ -53,6 +53,15 @@ def open_in_run_dir(path: Path, flags: int, mode: int = 0o600) -> int:
         raise
 
 
+def vm_of_file(name: str) -> str | None:
+    """The VM whose file of the run dir this is (by its suffix: `a.manager.qmp` is VM a's), None for
+    a file that is no VM's."""
+    for suffix in sorted(VM_SUFFIXES, key=len, reverse=True):
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return name[:-len(suffix)]
+    return None
+
+
 @attrs.frozen
 class VmFiles:
     """The files of one VM in its lab's run dir."""

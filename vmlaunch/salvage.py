@@ -27,26 +27,16 @@ from pathlib import Path
 from vmlaunch import qemu
 from vmlaunch.errors import VmlaunchError
 from vmlaunch.qemuopts import escape
-from vmlaunch.rundir import RunDir
+from vmlaunch.rundir import RunDir, vm_of_file
 
 log = logging.getLogger(__name__)
 
-_QMP_SUFFIX = ".qmp"
 MANAGER_STOP = 5.0  # seconds the lab manager gets to stop after SIGTERM, as `down` gives it
 
 
 def vm_names(run_dir: RunDir) -> set[str]:
     """The VMs whose files (pidfile, sockets, logs) are in the run dir."""
-    from vmlaunch.rundir import VM_SUFFIXES
-
-    names = set()
-    for entry in _entries(run_dir.path):
-        # the longest suffix first: "a.manager.qmp" is VM a's, not VM "a.manager"'s
-        for suffix in sorted(VM_SUFFIXES, key=len, reverse=True):
-            if entry.name.endswith(suffix) and len(entry.name) > len(suffix):
-                names.add(entry.name[:-len(suffix)])
-                break
-    return names
+    return {name for entry in _entries(run_dir.path) if (name := vm_of_file(entry.name)) is not None}
 
 
 def running_qemus(run_dir: RunDir, skip: Collection[str] = ()) -> dict[str, int]:
@@ -62,15 +52,12 @@ def running_qemus(run_dir: RunDir, skip: Collection[str] = ()) -> dict[str, int]
         at = cmdline.find(prefix)
         if at < 0 or b"qemu" not in cmdline:
             continue
-        rest = cmdline[at + len(prefix):]
-        name = rest.split(b",", 1)[0].decode(errors="replace")
-        if not name.endswith(_QMP_SUFFIX) or "/" in name:
+        file = cmdline[at + len(prefix):].split(b",", 1)[0].decode(errors="replace")
+        vm = vm_of_file(file) if "/" not in file else None
+        if vm is None or vm in skip or vm in found:
             continue
-        name = name[:-len(_QMP_SUFFIX)]
-        if name in skip or name.endswith(".manager") or name in found:
-            continue
-        if qemu.is_our_qemu(pid, run_dir.vm(name)):
-            found[name] = pid
+        if qemu.is_our_qemu(pid, run_dir.vm(vm)):  # its QMP socket: the one of VM `vm`
+            found[vm] = pid
     return found
 
 
