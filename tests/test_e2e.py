@@ -428,12 +428,13 @@ def test_balloon_without_a_guest_driver_fails_clearly(tmp_path: Path, netns: Net
 
 
 def slow_qemu(tmp_path: Path) -> Path:
-    """A QEMU whose daemonizing parent lingers 3 s: a window to interrupt `up` while QEMU starts."""
+    """A QEMU that takes 3 s to start (a wrapper that waits, then becomes QEMU): a window to interrupt
+    `up` while QEMU starts. Its probes (-version, -help) are answered at once."""
     import shutil
 
     wrapper = tmp_path / "qemu-system-x86_64"
-    wrapper.write_text(f'#!/bin/sh\n{shutil.which("qemu-system-x86_64")} "$@"\nrc=$?\n'
-                       'case " $* " in *" -daemonize "*) sleep 3;; esac\nexit $rc\n')
+    wrapper.write_text(f'#!/bin/sh\ncase " $* " in *" -S "*) sleep 3;; esac\n'
+                       f'exec {shutil.which("qemu-system-x86_64")} "$@"\n')
     wrapper.chmod(0o755)
     return wrapper
 
@@ -463,19 +464,17 @@ def test_interrupt_while_qemu_starts(tmp_path: Path, netns: Netns, test_guest: P
 
 def test_an_up_killed_before_its_guests_ran_is_finished_by_the_next_up(
         tmp_path: Path, netns: Netns, test_guest: Path) -> None:
-    """SIGKILL while QEMU daemonizes: its QEMU waits paused (prelaunch) for good. `status` says so,
-    and the next `up` starts it anew (its tap, journaled, is kept)."""
+    """Killed once its QEMU started (paused) but before it let it run, the instant a SIGKILL leaves
+    for good (made exact here: vmlaunch dies where it would `cont`). `status` says so, and the next
+    `up` starts it anew (its tap, journaled, is kept)."""
     spec = lab(tmp_path, test_guest, one_vm().replace('type = "user"\nforward = ["tcp:127.0.0.1:2222-:22"]',
                                                       'bridge = "vlbr-kill"'))
-    argv, env = netns._command(("up", str(spec)), None, {"VMLAUNCH_QEMU": str(slow_qemu(tmp_path)),
-                                                         "VMLAUNCH_CACHE_DIR": str(tmp_path / "cache")})
-    proc = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while not (netns.run_root / "solo" / "solo.pid").exists():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait()
+    killed_at_cont = ("import os, sys; import vmlaunch.executor as e; "
+                      "e._wait_ready = lambda *a, **k: os._exit(9); "
+                      "from vmlaunch.cli import main; sys.exit(main(sys.argv[1:]))")
+    argv, env = netns._command(("up", str(spec)), None, None)
+    argv[argv.index("-m"):argv.index("vmlaunch") + 1] = ["-c", killed_at_cont]
+    assert subprocess.run(argv, env=env, capture_output=True, timeout=120, check=False).returncode == 9
     row = json.loads(netns.vmlaunch("status", str(spec), "--json").stdout)["solo"]
     assert (row["state"], row["run_state"]) == ("starting", "prelaunch"), row
     assert "`vmlaunch up SPEC` starts it again" in row["why"]

@@ -67,8 +67,10 @@ def test_up_status_control_down(lab: Plan, tmp_path: Path, caplog: pytest.LogCap
     assert set(pids) == {"a", "b"} and all(qemu.alive(pid) for pid in pids.values())
     assert "a: ready" in caplog.text
     journal = Journal.load(lab.run_dir)
-    # two VMs as root: host KSM on while the lab runs (tests/test_ksm*.py has the rest)
-    assert [e.kind for e in journal.resources] == ["image", "ksm"] and set(journal.vms) == {"a", "b"}
+    # two VMs as root: host KSM on while the lab runs (tests/test_ksm*.py has the rest), and each QEMU
+    # under a uid of its own (tests/test_confine*.py)
+    assert [e.kind for e in journal.resources] == ["image", "ksm", "vm-user", "vm-user"]
+    assert set(journal.vms) == {"a", "b"}
     assert journal.spec == str(tmp_path / "lab.toml")
 
     rows = {row.name: row for row in control.status(lab.run_dir, ["a", "b", "c"])}

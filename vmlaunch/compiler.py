@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 
+from vmlaunch.confine import SANDBOX
 from vmlaunch.diskfiles import DiskOrigin
 from vmlaunch.errors import HostError, KeyPath, Location
 from vmlaunch.host import Host
@@ -50,6 +51,7 @@ from vmlaunch.resources.pci import PciBind
 from vmlaunch.resources.placement import VmPlacement
 from vmlaunch.resources.script import ScriptEnv, TapScript
 from vmlaunch.resources.tap import Tap
+from vmlaunch.resources.vmuser import VmUser
 from vmlaunch.rundir import RunDir
 from vmlaunch.units import format_size, mib_words
 
@@ -89,7 +91,8 @@ def compile_lab(lab: LabSpec, host: Host, only: Sequence[str] = (),
     compiler = _Compiler(lab, host, run_dir, placements)
     plans = tuple(compiler.vm(vm) for vm in vms)
     resources = (*host_resources(lab, vms, host), *placement_resources(lab, vms, host, run_dir, placements),
-                 *ksm_resources(lab, host), *manager_resources(lab, host, run_dir, placements))
+                 *ksm_resources(lab, host), *manager_resources(lab, host, run_dir, placements),
+                 *user_resources(vms, host))
     return Plan(lab=lab.name, run_dir=run_dir, resources=resources, vms=plans,
                 notes=(*memory_notes(vms, host, lab), *pinning_notes(lab, host)), lab_dir=compiler.lab_dir)
 
@@ -345,6 +348,18 @@ def memory_notes(vms: Sequence[VmSpec], host: Host, lab: LabSpec | None = None) 
                "ballooning and KSM help, swapping hurts every guest")
 
 
+def confined_as_root(host: Host) -> bool:
+    """Whether each QEMU runs under a uid of its own: a lab run as root, with confinement on."""
+    return host.as_root and host.confine
+
+
+def user_resources(vms: Sequence[VmSpec], host: Host) -> Iterator[Resource]:
+    """Last, right before the QEMUs start: each VM's own uid (confine.py)."""
+    if confined_as_root(host):
+        for vm in vms:
+            yield VmUser(vm=vm.name, run_root=host.run_root)
+
+
 def host_resources(lab: LabSpec, vms: Sequence[VmSpec], host: Host | None = None) -> Iterator[Resource]:
     """In the order `up` applies them: PCI first (checked before anything else changes)."""
     for vm in vms:
@@ -438,6 +453,7 @@ class _Compiler:
             "-no-user-config",
             "-display", "none",
             "-msg", "timestamp=on",
+            *self.sandbox(),
             "-chardev", opts("socket", id="qmp", path=str(files.qmp), server=True, wait=False),
             "-mon", "chardev=qmp,mode=control",
         ]
@@ -547,6 +563,15 @@ class _Compiler:
         yield from ("-blockdev", json_arg({"driver": "raw", "node-name": "seed", "file": "seed-file",
                                            "read-only": True}))
         yield from ("-device", json_arg({"driver": "virtio-blk-pci", "id": "seed", "drive": "seed"}))
+
+    def sandbox(self) -> list[str]:
+        """QEMU's seccomp filter (confine.py says why each): no obsolete system calls, no new process
+        (nothing QEMU runs needs one: vmlaunch makes the taps, QEMU runs no script), no change of
+        scheduling or priority. `elevateprivileges` stays allowed: `-runas`, which drops root after
+        start-up, is a setuid QEMU makes itself once the filter is in place."""
+        if not (self.host.confine and self.host.qemu.seccomp):
+            return []
+        return ["-sandbox", SANDBOX]
 
     def shares(self, vm_path: KeyPath, vm: VmSpec) -> Iterator[str]:
         """Each share over 9p (virtio): the guest's cloud-init mounts it by its tag. security_model

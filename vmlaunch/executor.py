@@ -176,7 +176,7 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
                 to_start = [from_snapshot.starting(vm) for vm in to_start]
             # Before start: a signal the moment start returns must not leave its QEMUs running.
             stack.callback(qemu.kill_serving, [vm.files for vm in to_start])
-            pids = qemu.start(to_start)
+            pids = qemu.start(to_start, _identities(journal, to_start))
             for resource in plan.resources:  # QEMUs wait paused: a resource may check what QEMU opened,
                 for hook in ("check_opened", "attach"):  # and put QEMU's threads where they belong
                     call = getattr(resource, hook, None)
@@ -331,6 +331,18 @@ def _never_ran(journal: Journal, running: dict[str, int]) -> list[str]:
         log.warning("%s: its guest never ran (an earlier up was interrupted before it let it run): %s, "
                     "started again", name, how)
     return list(stalled)
+
+
+def _identities(journal: Journal, vms: Sequence[VmPlan]) -> dict[str, tuple[int, int]]:
+    """VM -> (uid, gid) its QEMU runs as: the uid each VM claimed (resources/vmuser.py), if any."""
+    from vmlaunch.resources.vmuser import VmUserRecord
+
+    found = {}
+    for vm in vms:
+        entry = journal.entry(VmUserRecord.kind, vm.name)
+        if entry is not None and isinstance(entry.record, VmUserRecord):
+            found[vm.name] = (entry.record.uid, entry.record.gid)
+    return found
 
 
 def _settle_interrupted(run_dir: RunDir, timeout: float) -> None:

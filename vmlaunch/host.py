@@ -49,6 +49,7 @@ class QemuInfo:
     devices: frozenset[str]
     io_uring: bool  # this QEMU and kernel open images with aio=io_uring
     img: str | None = None  # qemu-img, for creating images
+    seccomp: bool = True  # this QEMU was built with -sandbox (seccomp): Debian's is
 
     @property
     def version_text(self) -> str:
@@ -69,6 +70,10 @@ class Host:
     numa: Topology | None = None  # NUMA nodes, their CPUs and memory (None: not known, as in tests)
     cpusets: Cpusets | None = None  # cpuset cgroups vmlaunch may place VMs with
     vlan_8021q: bool = True  # the kernel has 802.1Q VLAN links (8021q loaded, built in or installed)
+    # Every QEMU in a seccomp sandbox, and as root each under a uid of its own (confine.py); off only
+    # with VMLAUNCH_CONFINE=off, for measuring and debugging
+    confine: bool = True
+    as_root: bool = False  # vmlaunch runs as root (a lab that makes bridges and taps)
 
 
 @attrs.frozen
@@ -77,6 +82,14 @@ class Ovmf:
 
     code: Path
     vars: Path
+
+
+CONFINE_ENV = "VMLAUNCH_CONFINE"
+
+
+def confinement_wanted() -> bool:
+    """False only when VMLAUNCH_CONFINE says off (0, off, no, false): QEMU then runs unconfined."""
+    return os.environ.get(CONFINE_ENV, "").strip().lower() not in ("0", "off", "no", "false")
 
 
 def detect_host() -> Host:
@@ -98,6 +111,8 @@ def detect_host() -> Host:
         numa=read_topology(),
         cpusets=detect_cpusets(),
         vlan_8021q=kernel_has_8021q(),
+        confine=confinement_wanted(),
+        as_root=os.geteuid() == 0,
     )
 
 
@@ -262,6 +277,7 @@ def _qemu_from_json(data: dict[str, Any]) -> QemuInfo:
         devices=frozenset(data["devices"]),
         io_uring=data["io_uring"],
         img=data["img"],
+        seccomp=data["seccomp"],  # missing in an older cache: KeyError, probed again
     )
 
 
@@ -297,8 +313,10 @@ def probe_qemu(binary: str) -> QemuInfo:
     help_out = _run([binary, "-nodefaults", "-machine", "none", "-device", "help"])
     devices = frozenset(re.findall(r'^name "([^"]+)"', help_out.stdout, re.MULTILINE))
     img = _which("qemu-img", f"{Path(binary).parent}:{os.environ.get('PATH', '')}")
+    # -sandbox is in the help only of a QEMU built with seccomp
+    seccomp = re.search(r"^-sandbox on", _run([binary, "-help"]).stdout, re.MULTILINE) is not None
     return QemuInfo(binary=binary, version=version, devices=devices,
-                    io_uring=_probe_io_uring(img), img=img)
+                    io_uring=_probe_io_uring(img), img=img, seccomp=seccomp)
 
 
 def _probe_io_uring(img: str | None) -> bool:

@@ -31,38 +31,51 @@ class QemuFailed(RuntimeFailure):
     """QEMU refused to start; carries its own error text and the command."""
 
 
-def start(vms: Sequence[VmPlan]) -> dict[str, int]:
-    """Start every VM at once, paused (`-daemonize -S`); return name -> pid once each has initialised.
+START_TIMEOUT = 60.0  # seconds a QEMU has to initialise (answer QMP) before it counts as failed
+
+
+def start(vms: Sequence[VmPlan], identities: Mapping[str, tuple[int, int]] | None = None) -> dict[str, int]:
+    """Start every VM at once, paused (`-S`); return name -> pid once each has initialised.
 
     The caller lets them run with `cont` once all are up: guests that boot while other QEMUs are still
     initialising slow those down (ten at once on two cores: 0.96 s running, 0.37 s paused).
 
-    QEMU's daemonize parent exits 0 only when start-up succeeded, so a failure is known here, with
-    QEMU's own message (kept in the run dir). When one fails, the others that did start are killed
-    before QemuFailed is raised.
+    `identities`: VM -> (uid, gid) its QEMU drops to once it has opened what it needs (`-runas`,
+    confine.py). QEMU is not told to -daemonize (its sandbox forbids the fork): it is started in a
+    session of its own, detached from vmlaunch's terminal, and counts as initialised once it answers
+    on its QMP socket. A QEMU that exits first failed, with its own message (kept in the run dir);
+    the others that did start are then killed before QemuFailed is raised.
     """
+    identities = identities or {}
     procs: dict[str, subprocess.Popen[bytes]] = {}
+    argvs: dict[str, list[str]] = {}
     try:
         for vm in vms:
+            identity = identities.get(vm.name)
+            runas = ["-runas", f"{identity[0]}:{identity[1]}"] if identity else []
+            argvs[vm.name] = [*vm.argv, "-S", *runas]
             stderr = open_in_run_dir(vm.files.stderr_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
                 # umask 077: the QMP and console sockets QEMU creates are for their owner only.
-                procs[vm.name] = subprocess.Popen([*vm.argv, "-daemonize", "-S"],
-                                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                                  stderr=stderr, umask=0o077)
+                procs[vm.name] = subprocess.Popen(argvs[vm.name], stdin=subprocess.DEVNULL,
+                                                  stdout=subprocess.DEVNULL, stderr=stderr, umask=0o077,
+                                                  cwd="/", start_new_session=True)
             finally:
                 os.close(stderr)
         failures = []
         pids = {}
         for vm in vms:
-            code = procs[vm.name].wait()
-            if code == 0 and (pid := read_pid(vm.files)) is not None:
-                pids[vm.name] = pid
+            proc = procs[vm.name]
+            code = _initialised(vm.files, proc)
+            if code is None:  # its pidfile names QEMU itself, were it started through a wrapper
+                written = read_pid(vm.files)
+                ours = written is not None and is_our_qemu(written, vm.files)
+                pids[vm.name] = written if ours and written is not None else proc.pid
             else:
                 text = printable(messages(vm.files)).strip()
                 failures.append(f"{vm.name}: QEMU exited with status {code}: "
                                 f"{text or '(no message)'}\n"
-                                f"  command: {shlex.join(vm.argv)} -daemonize -S")
+                                f"  command: {shlex.join(argvs[vm.name])}")
     except BaseException:
         with held():
             _kill_started(vms, procs)
@@ -73,9 +86,37 @@ def start(vms: Sequence[VmPlan]) -> dict[str, int]:
     return pids
 
 
+def _initialised(files: VmFiles, proc: subprocess.Popen[bytes]) -> int | None:
+    """None once the QEMU answers a QMP command; its exit status when it exits first (a status of -1:
+    it did neither within START_TIMEOUT, and was killed).
+
+    Not its greeting: QEMU 7.2 greets on the QMP socket before it initialises the machine (a missing
+    initrd fails it after). A command is answered by its main loop, once start-up is done and, with
+    -runas, root dropped."""
+    from vmlaunch.qmp import QuickQmp
+
+    def ready() -> int | bool | None:
+        code = proc.poll()
+        if code is not None:
+            return code
+        try:
+            with QuickQmp(files.qmp, timeout=2.0):  # greeting, then qmp_capabilities answered
+                return True
+        except (QmpError, OSError, ValueError):
+            return None
+
+    try:
+        result = wait_until(ready, START_TIMEOUT, interval=0.01)
+    except TimedOut:
+        proc.kill()
+        proc.wait()
+        return -1
+    return None if result is True else int(result)
+
+
 def _kill_started(vms: Sequence[VmPlan], procs: dict[str, subprocess.Popen[bytes]]) -> None:
-    """Interrupted while QEMUs were starting: kill the daemonizing parents, wait for each, then every
-    process serving one of these VMs (the daemon may not have written its pidfile yet)."""
+    """Interrupted while QEMUs were starting: kill them, wait for each, then every process serving one
+    of these VMs (a wrapper's child)."""
     for proc in procs.values():
         with contextlib.suppress(ProcessLookupError):
             proc.kill()

@@ -15,6 +15,7 @@ from vmlaunch.resources.pci import PciRecord
 from vmlaunch.resources.placement import PlacementRecord
 from vmlaunch.resources.script import ScriptRecord
 from vmlaunch.resources.tap import TapRecord
+from vmlaunch.resources.vmuser import VmUserRecord
 
 RECORDS: dict[str, type[Record]] = {record.kind: record for record in (
     ImageRecord,
@@ -28,6 +29,7 @@ RECORDS: dict[str, type[Record]] = {record.kind: record for record in (
     ManagerRecord,
     KsmRecord,
     PlacementRecord,
+    VmUserRecord,
 )}
 
 # Kinds that keep claims outside the journal (a bridge shared between labs: bridge_registry.py), each a
