@@ -89,6 +89,9 @@ class Lab:
 
         Raises RuntimeFailure or HostError; whatever this call did is undone first.
         """
+        from vmlaunch.confine import warn_if_off
+
+        warn_if_off(self.host)
         wait_ssh = wait_ssh if wait_ssh is not None else self.wait_ssh
         if timeout is None:
             timeout = self.timeout if self.timeout is not None else executor.default_timeout(wait_ssh)

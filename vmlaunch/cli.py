@@ -516,6 +516,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     lab = load_lab(args.spec, files=True, vms=args.vms)
     host = detect_host()
+    from vmlaunch.confine import warn_if_off
+
+    warn_if_off(host)
     plan = compile_lab(lab, host, args.vms,
                        running=where_running(RunDir.of(host.run_root, lab.name), host.numa))
     for note in plan.notes:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +40,9 @@ from typing import Any
 import attrs
 
 from vmlaunch.errors import HostError
+from vmlaunch.host import CONFINE_ENV, Host
+
+log = logging.getLogger(__name__)
 
 SANDBOX = "on,obsolete=deny,spawn=deny,resourcecontrol=deny"
 RANGE_ENV = "VMLAUNCH_UID_RANGE"
@@ -111,6 +115,14 @@ def check_range(ids: UidRange) -> None:
         raise HostError(f"{RANGE_ENV} ({ids}) holds ids the host uses: {shown}",
                         f"set {RANGE_ENV}=FIRST-LAST to a range no account, group or subordinate range "
                         "of this host uses (each VM of a lab run as root gets one)")
+
+
+def warn_if_off(host: Host) -> None:
+    """Say it loudly when confinement is off (VMLAUNCH_CONFINE=off): for measuring and debugging only."""
+    if not host.confine:
+        log.warning("confinement is OFF (%s=%s): every QEMU runs %swithout a seccomp sandbox, and a "
+                    "guest that escapes into its QEMU owns this host; unset %s", CONFINE_ENV,
+                    os.environ.get(CONFINE_ENV, ""), "as root and " if host.as_root else "", CONFINE_ENV)
 
 
 # --- the host-wide claims ---------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from vmlaunch import lastrun, qemu
+from vmlaunch.confine import Confinement
 from vmlaunch.errors import RuntimeFailure, UsageError, VmlaunchError
 from vmlaunch.journal import Journal
 from vmlaunch.qmp import Qmp, QmpError, QuickQmp
@@ -96,6 +97,8 @@ class VmStatus:
     # keyed by VM name
     run_state: str | None = None  # QEMU's own (QMP query-status), when it answered
     why: str | None = None  # what makes `state` other than running: the panic line, QEMU's run state
+    uid: int | None = None  # the uid its QEMU runs as (confine.py: a uid of its own, as root)
+    sandbox: bool | None = None  # its QEMU runs in a seccomp sandbox
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -165,8 +168,10 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
             memory = attrs.evolve(spec_memory, actual=balloon, guest_free=stats.get("stat-free-memory"),
                                   guest_available=stats.get("stat-available-memory"),
                                   ksm_merged=ksm_merging(pid))
+        confined = Confinement.of(pid)
         result.append(VmStatus(name, state, pid, vm.accel, balloon, time.time() - vm.started, nics,
-                               vm.ssh_port, memory, run_state=run_state, why=why))
+                               vm.ssh_port, memory, run_state=run_state, why=why, uid=confined.uid,
+                               sandbox=confined.seccomp))
     if lab is not None:
         lab_memory = lab_memory_status(run_dir, lab, result)
         result = [attrs.evolve(row, lab_memory=lab_memory) for row in result]

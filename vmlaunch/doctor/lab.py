@@ -89,6 +89,47 @@ def check_lab(lab: LabSpec, host: Host, *, read_images: bool = True,
         yield from check_alignment(lab, files, host)
     yield from check_pci(lab, host)
     yield from check_hugepages(lab, host)
+    yield from check_confined(lab, host)
+
+
+CONFINE_WHY = ("a guest that escapes into its QEMU must find neither root nor another VM's files: "
+               "test rigs run code nobody reviewed in their guests (libvirt runs each QEMU as its own "
+               "user in a seccomp sandbox)")
+
+
+def check_confined(lab: LabSpec, host: Host) -> Iterator[Finding]:
+    """Every running QEMU of the lab in a seccomp sandbox and, in a lab run as root, under a uid of its
+    own: read from each one's /proc/PID/status (Uid, Seccomp)."""
+    from vmlaunch import qemu
+    from vmlaunch.confine import Confinement
+    from vmlaunch.errors import VmlaunchError
+    from vmlaunch.journal import Journal
+    from vmlaunch.rundir import RunDir
+
+    run_dir = RunDir.of(host.run_root, lab.name)
+    try:
+        journal = Journal.load(run_dir)
+    except VmlaunchError:
+        return  # `status` says what is wrong with it
+    seen: dict[str, Confinement] = {}
+    for name, entry in journal.vms.items():
+        pid = qemu.find_pid(run_dir.vm(name), entry.pid)
+        if pid is not None:
+            seen[name] = Confinement.of(pid)
+    if not seen:
+        return
+    problems = [f"{name}: {problem}" for name, confined in seen.items()
+                for problem in confined.problems(as_root=host.as_root)]
+    uids = [confined.uid for confined in seen.values()]
+    if host.as_root and len(set(uids)) < len(uids):
+        problems.append(f"VMs share a uid ({', '.join(map(str, uids))})")
+    if problems:
+        yield Finding("lab.confined", Status.FAIL, "; ".join(problems), CONFINE_WHY,
+                      "take the lab down and up again with VMLAUNCH_CONFINE unset")
+        return
+    owners = ", ".join(f"{name} uid {confined.uid}" for name, confined in seen.items())
+    yield Finding("lab.confined", Status.OK, f"every running QEMU of the lab is in a seccomp sandbox "
+                  f"({owners})", CONFINE_WHY)
 
 
 def check_compiles(lab: LabSpec, host: Host) -> Iterator[Finding]:
