@@ -466,7 +466,7 @@ class _Compiler:
                              wait=False, logfile=str(files.serial_log)),  # a fresh log per boot
             "-serial", "chardev:console",
             "-pidfile", str(files.pidfile),
-            # QEMU's own messages for its whole life (without -D, -daemonize sends them to /dev/null)
+            # QEMU's own messages for its whole life, apart from what it says while it starts (stderr)
             "-D", str(files.qemu_log),
         ]
         argv += memory

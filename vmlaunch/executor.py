@@ -51,7 +51,9 @@ def describe(plan: Plan) -> Iterator[str]:
     for vm in plan.vms:
         running = vm.name in running_now
         yield f"{vm.name}: {vm.accel.accel.value}{' [running]' if running else ''}"
-        yield f"  {shlex.join(vm.argv)} -daemonize -S  (then QMP cont)"
+        runas = " -runas UID:UID" if any(getattr(r, "kind", None) == "vm-user" and r.owner == vm.name
+                                         for r in plan.resources) else ""
+        yield f"  {shlex.join(vm.argv)} -S{runas}  (in a session of its own; then QMP cont)"
 
 
 def running_vms(journal: Journal) -> dict[str, int]:
@@ -182,7 +184,7 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
                     call = getattr(resource, hook, None)
                     if call is not None and resource.owner in pids:
                         call(pids[resource.owner])
-            for vm in to_start:  # QEMU's daemonize sets umask 027; these are ours alone
+            for vm in to_start:  # whatever umask QEMU had, these are ours alone
                 journal.vms[vm.name] = VmEntry(pid=pids[vm.name], started=journal.vms[vm.name].started,
                                                accel=vm.accel.accel.value,
                                                ssh_port=ssh_port(vm) if vm.ssh_user else None)

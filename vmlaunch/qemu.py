@@ -1,6 +1,6 @@
-"""QEMU processes: start them daemonized and paused, find them again, stop them.
+"""QEMU processes: start them detached and paused, find them again, stop them.
 
-Coverage: the paths for a signal while QEMUs daemonize are exercised by tests/test_e2e.py, whose
+Coverage: the paths for a signal while QEMUs start are exercised by tests/test_e2e.py, whose
 vmlaunch runs in a subprocess that the in-process coverage figure does not see.
 """
 
