@@ -463,3 +463,33 @@ def test_a_mount_inside_the_share_is_left_alone(share: Path) -> None:
         f"{share}/mnt: another file system is mounted there: left as it is"])
     assert result["untouched"] == [[], [], [], []]
     assert result["problems"] == []
+
+
+def test_up_refuses_a_writable_share_without_user_xattrs(tmp_path: Path) -> None:
+    """Before it changes anything, exit 3 at the share's line; a read-only share there is fine."""
+    (tmp_path / "k").write_bytes(b"kernel" * 100)
+    spec = tmp_path / "lab.toml"
+    spec.write_text('[lab]\nname = "x"\n[vm.a]\nmemory = 64\nkernel = "k"\n'
+                    '[[vm.a.share]]\nsource = "ro"\ntarget = "/srv/ro"\nreadonly = true\n'
+                    '[[vm.a.share]]\nsource = "rw"\ntarget = "/srv/rw"\n')
+    result = in_mount_namespace(tmp_path, """
+        from vmlaunch.spec import load_lab
+        for name in ("ro", "rw"):
+            (base / name).mkdir()
+            subprocess.run(["mount", "-t", "ramfs", "ramfs", str(base / name)], check=True)
+        try:
+            shareaccess.require_xattrs(load_lab(base / "lab.toml"))
+        except shareaccess.ShareAccessError as exc:
+            result["error"] = [str(exc.location), exc.message, exc.hint]
+        done = subprocess.run([sys.executable, "-m", "vmlaunch", "up", str(base / "lab.toml")],
+                              capture_output=True, text=True, env={**os.environ,
+                              "VMLAUNCH_RUN_DIR": str(base / "run")})
+        result["up"] = [done.returncode, done.stderr]
+    """)
+    why = (f"the file system of {tmp_path}/rw (ramfs) does not keep user extended attributes, where QEMU "
+           "keeps the owner, mode and type of each file a guest makes")
+    assert result["error"] == [f"{spec}:11: vm.a.share[1].source:", f"{spec}:11: vm.a.share[1].source: {why}",
+                               shareaccess.XATTRS_HINT]
+    assert result["up"] == [3, f"vmlaunch: error: {spec}:11: vm.a.share[1].source: {why}\n  hint: "
+                               f"{shareaccess.XATTRS_HINT}\n"]
+    assert not (tmp_path / "run").exists()

@@ -34,13 +34,14 @@ import json
 import os
 import stat
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from vmlaunch.errors import HostError
+from vmlaunch.errors import HostError, Location
+from vmlaunch.model import LabSpec
 
 ACCESS = "system.posix_acl_access"
 DEFAULT = "system.posix_acl_default"
@@ -399,6 +400,20 @@ def check_xattrs(folder: Path) -> str | None:
         with contextlib.suppress(OSError):
             os.unlink(name)
     return None
+
+
+def require_xattrs(lab: LabSpec, vms: Sequence[str] = ()) -> None:
+    """ShareAccessError (exit 3), at its line, for the first writable share of the VMs named (or all)
+    whose folder's file system keeps no user extended attributes (`check_xattrs`): `up` asks it
+    before it changes anything."""
+    for vm in lab.vms:
+        if vms and vm.name not in vms:
+            continue
+        for index, share in enumerate(vm.shares):
+            why = None if share.readonly else check_xattrs(share.source)
+            if why is not None:
+                path = ("vm", vm.name, "share", index, "source")
+                raise ShareAccessError(why, XATTRS_HINT, Location(lab.file, lab.source.line_of(path), path))
 
 
 @attrs.frozen
