@@ -268,13 +268,21 @@ def test_files_the_uid_made_are_the_owners_while_the_lab_runs_and_handed_back_af
 def test_a_readonly_grant_lets_the_uid_read_and_nothing_more(share: Path) -> None:
     before = state(share)
     given = grant(share, VM, VM_GROUP, readonly=True)
-    assert acl_of(share, DEFAULT) is None and acl_of(share / "team", DEFAULT) == Acl.decode(
-        before[str(share / "team")][4] or b"")
+    default = acl_of(share, DEFAULT)
+    assert default is not None and default.perm(USER, VM) == 5 and default.get(USER, OWNER) is None
     assert as_uid(VM, VM_GROUP, share, read_file("sub/b.txt")) == 0  # 0600: the ACL lets it read
     assert as_uid(VM, VM_GROUP, share, write_file("sub/b.txt", flags=os.O_WRONLY)) == 13
     assert as_uid(VM, VM_GROUP, share, write_file("new.txt")) == 13
+    # a file the owner saves meanwhile (an editor writes a new one): the guest reads it too
+    assert as_uid(OWNER, OWNER_GROUP, share, write_file("saved.txt", mode=0o644)) == 0
+    assert as_uid(VM, VM_GROUP, share, read_file("saved.txt")) == 0
     assert given.hand_back() == []
-    assert state(share) == before
+    assert set(os.listxattr(share / "saved.txt")) & {ACCESS, MARK} == set()
+    assert stat.S_IMODE(os.stat(share / "saved.txt").st_mode) == 0o644
+    after = state(share)
+    del after[str(share / "saved.txt")]
+    assert after == {**before, str(share): after[str(share)]}  # the folder's mtime aside: as it was
+    assert after[str(share)][1:] == before[str(share)][1:]
 
 
 def test_what_the_uid_cannot_have_before_a_grant(share: Path) -> None:
@@ -375,6 +383,21 @@ def test_a_folder_that_is_the_uids_own_has_no_owner_to_hand_back_to(tmp_path: Pa
     assert hand_back(folder, VM, VM_GROUP) == [
         f"{folder}: the folder itself belongs to the VM's uid {VM}, so it has no owner to hand the files "
         "back to: chown -R them to whom they belong"]
+
+
+def test_a_folder_no_share_may_be_is_never_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked again of the folder opened: a link on its path may name another since `validate`."""
+    run_root = tmp_path / "run"
+    (run_root / "lab").mkdir(parents=True)
+    monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(run_root))
+    (tmp_path / "share").symlink_to(run_root / "lab")
+    with pytest.raises(ShareAccessError) as refused:
+        grant(tmp_path / "share", VM, VM_GROUP, readonly=True)
+    assert refused.value.message == (
+        f"cannot give share {tmp_path}/share to its VM: {run_root}/lab, the folder it names now, is in "
+        f"{run_root}, vmlaunch's run folder (every lab's sockets and journal): a guest could read what "
+        "vmlaunch keeps there")
+    assert os.listxattr(run_root / "lab") == []
 
 
 def test_a_missing_folder_cannot_be_given(tmp_path: Path) -> None:

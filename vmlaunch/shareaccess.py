@@ -440,10 +440,11 @@ NOTES = 20
 def grant(folder: Path, uid: int, gid: int, *, readonly: bool) -> Grant:
     """Give the VM's `uid` access to the share at `folder` while the lab runs.
 
-    Every folder gets `u:UID:rwx` (`r-x` when `readonly`) and, when writable, default entries
-    `u:UID:rwx` and `u:OWNER:rwx` (OWNER: the folder's owner, unless root): the files a guest creates
-    stay readable, editable and removable by the folder's owner while the lab runs. Every regular
-    file with one link gets `u:UID:rw-` (`r--`). Symlinks, devices, FIFOs and sockets get nothing;
+    Every folder gets `u:UID:rwx` and a default entry `u:UID:rwx` (`r-x` for both when `readonly`:
+    a file the owner saves meanwhile is readable for the guest), and when writable a default entry
+    `u:OWNER:rwx` (OWNER: the folder's owner, unless root): the files a guest creates stay readable,
+    editable and removable by the folder's owner while the lab runs. Every regular file with one
+    link gets `u:UID:rw-` (`r--`). Symlinks, devices, FIFOs and sockets get nothing;
     files with other hard links and other mounts are left as they are (said in `notes`, as is a
     file that could not be changed).
 
@@ -454,6 +455,7 @@ def grant(folder: Path, uid: int, gid: int, *, readonly: bool) -> Grant:
     except OSError as exc:
         raise ShareAccessError(f"cannot open share {folder}: {exc.strerror or exc}") from None
     try:
+        _check_folder(top_fd, folder, readonly=readonly)
         _check_acls(top_fd, folder)
         walk = _Walk(folder, top_fd)
         owner = walk.top.info.st_uid
@@ -488,6 +490,18 @@ def grant(folder: Path, uid: int, gid: int, *, readonly: bool) -> Grant:
                  notes=tuple(notes))
 
 
+def _check_folder(fd: int, folder: Path, *, readonly: bool) -> None:
+    """ShareAccessError for a folder no share may be (`sharerules.host_refusal`), as opened: a link
+    on its path may name another folder than when the spec was checked."""
+    from vmlaunch.sharerules import host_refusal
+
+    opened = os.readlink(f"/proc/self/fd/{fd}")
+    refused = host_refusal(opened, readonly=readonly)
+    if refused is not None:
+        raise ShareAccessError(f"cannot give share {folder} to its VM: {opened}, the folder it names "
+                               f"now, {refused[0]}", refused[1])
+
+
 def _check_acls(fd: int, folder: Path) -> None:
     """ShareAccessError when the folder's file system has no POSIX ACLs (or its ACL is unreadable)."""
     try:
@@ -505,18 +519,18 @@ def _check_acls(fd: int, folder: Path) -> None:
 def _grant_one(node: _Node, uid: int, owner: int, *, readonly: bool) -> None:
     """Add the uid's entries to one inode; first mark what changes of what it had."""
     access = _read_acl(node, ACCESS)
-    writable_dir = node.is_dir and not readonly
-    default = _read_acl(node, DEFAULT) if writable_dir else None
-    add_owner = writable_dir and owner not in (0, uid) and (default is None or not default.named(owner))
+    default = _read_acl(node, DEFAULT) if node.is_dir else None
+    add_owner = (node.is_dir and not readonly and owner not in (0, uid)
+                 and (default is None or not default.named(owner)))
     if _read_mark(node) is None:  # else a grant not handed back: its mark holds what was there
         mark = _Mark(access_mask=None if access is None else access.perm(MASK),
-                     default_made=writable_dir and default is None,
+                     default_made=node.is_dir and default is None,
                      default_mask=None if default is None else default.perm(MASK),
                      owner_entry=add_owner)
         os.setxattr(node.proc, MARK, mark.encode())
     mode_acl = Acl.from_mode(node.info.st_mode)
-    if writable_dir:
-        given = (default or (access or mode_acl).base()).with_user(uid, RWX)
+    if node.is_dir:  # for what is made in it while the lab runs, by the guest or the owner
+        given = (default or (access or mode_acl).base()).with_user(uid, RX if readonly else RWX)
         _write_acl(node, DEFAULT, given.with_user(owner, RWX) if add_owner else given, default)
     perm = (RX if readonly else RWX) if node.is_dir else (R if readonly else RW)
     _write_acl(node, ACCESS, (access or mode_acl).with_user(uid, perm), access)

@@ -127,10 +127,16 @@ def _fix(folder: str, other: str) -> str:
 # --- the lab's side: what its shares are compared with, resolved -----------------------------------
 
 
+def host_refusal(folder: str, *, readonly: bool) -> tuple[str, str] | None:
+    """`refusal` by what the host has, without a lab's own files: for `shareaccess.grant`, which
+    asks again of the folder it opened (a symlink on its path may name another since `validate`)."""
+    return refusal(folder, readonly=readonly, held=list(_vmlaunch_folders()), homes=host_homes())
+
+
 def share_problems(lab: LabSpec, vms: Sequence[str] = ()) -> list[Found]:
     """Every share of the lab's VMs (those named, or all) that `refusal` refuses, at its `source`."""
-    homes = _homes()
-    state = list(_state(lab))
+    homes = host_homes()
+    state = [*_lab_folder(lab), *_vmlaunch_folders()]
     found: list[Found] = []
     for vm in lab.vms:
         if vms and vm.name not in vms:
@@ -155,22 +161,30 @@ def _resolved(path: Path) -> str:
     return os.path.realpath(path)
 
 
-def _state(lab: LabSpec) -> Iterator[Held]:
-    """vmlaunch's own folders: no share may be, hold or be in them. The lab folders beside the spec
-    (`.vmlaunch`, every lab's of that folder) where this lab has one or another lab made them."""
-    from vmlaunch import dirs
+def _lab_folder(lab: LabSpec) -> Iterator[Held]:
+    """The lab folders beside the spec (`.vmlaunch`, every lab's of that folder), where this lab has
+    one or another lab made them: no share may be, hold or be in them."""
     from vmlaunch.compiler import needs_lab_dir
     from vmlaunch.labdir import LabDir
 
-    why = "a guest could read what vmlaunch keeps there"
     top = LabDir.of(lab.file, lab.name).top
     if any(needs_lab_dir(vm) for vm in lab.vms) or os.path.lexists(top):
-        yield Held(_resolved(top), "vmlaunch's lab folder (the lab's SSH key, its VMs' disks)", why,
+        yield Held(_resolved(top), "vmlaunch's lab folder (the lab's SSH key, its VMs' disks)", _STATE_WHY,
                    inside_too=True)
-    yield Held(_resolved(dirs.run_root()), "vmlaunch's run folder (every lab's sockets and journal)", why,
+
+
+def _vmlaunch_folders() -> Iterator[Held]:
+    """vmlaunch's own folders of this host: no share may be, hold or be in them."""
+    from vmlaunch import dirs
+
+    yield Held(_resolved(dirs.run_root()), "vmlaunch's run folder (every lab's sockets and journal)",
+               _STATE_WHY, inside_too=True)
+    yield Held(_resolved(dirs.cache_dir()), "vmlaunch's cache (its images)", _STATE_WHY, inside_too=True)
+    yield Held(_resolved(dirs.log_root()), "vmlaunch's logs (every VM's console)", _STATE_WHY,
                inside_too=True)
-    yield Held(_resolved(dirs.cache_dir()), "vmlaunch's cache (its images)", why, inside_too=True)
-    yield Held(_resolved(dirs.log_root()), "vmlaunch's logs (every VM's console)", why, inside_too=True)
+
+
+_STATE_WHY = "a guest could read what vmlaunch keeps there"
 
 
 def _files_for(lab: LabSpec, vm: VmSpec) -> Iterator[Held]:
@@ -214,7 +228,7 @@ def _files_of(lab: LabSpec, vm: VmSpec) -> Iterator[tuple[Path, str, bool]]:
         yield vm.cloud_init.user_data, "cloud-init user_data", False
 
 
-def _homes() -> list[tuple[str, str]]:
+def host_homes() -> list[tuple[str, str]]:
     """(user, resolved home folder) of root and of every user from FIRST_USER_UID (not nobody's)."""
     import pwd
 
