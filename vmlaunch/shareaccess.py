@@ -22,7 +22,7 @@ racing; a guest that made the files):
 The ACLs are written as their xattrs (`system.posix_acl_access`, `system.posix_acl_default`), as
 the kernel defines them (include/uapi/linux/posix_acl_xattr.h): no `acl` package needed. What `grant`
 changed of an ACL that was there before (its mask, a default ACL it made, an entry for the owner it
-added) is kept in a `trusted.vmlaunch.share` xattr of that inode, which only root can read or set and
+added) is kept in a `trusted.vmlaunch.share.UID` xattr of that inode, which only root can read or set and
 QEMU never passes to a guest; `hand_back` restores from it and removes it.
 """
 
@@ -45,7 +45,7 @@ from vmlaunch.model import LabSpec
 
 ACCESS = "system.posix_acl_access"
 DEFAULT = "system.posix_acl_default"
-MARK = "trusted.vmlaunch.share"  # what `grant` changed of this inode's ACLs (see `_Mark`)
+MARK = "trusted.vmlaunch.share."  # + the uid: what its `grant` changed of this inode's ACLs (`_Mark`)
 PROBE = "user.vmlaunch.probe"
 XATTRS_HINT = ("put the folder on a file system that keeps them (ext4, xfs, btrfs, tmpfs), or give "
                "the share readonly = true (a read-only share needs none)")
@@ -168,7 +168,8 @@ def _union(entries: Iterable[Entry]) -> int:
 
 @attrs.frozen
 class _Mark:
-    """Kept in the inode's `trusted.vmlaunch.share` xattr, written before its ACLs change."""
+    """Kept in the inode's `trusted.vmlaunch.share.UID` xattr, written before its ACLs change: one
+    per VM uid, so that VMs sharing a folder each hand back what their own grant changed."""
 
     access_mask: int | None = None  # the mask of the access ACL it had
     default_made: bool = False  # it had no default ACL: `grant` made it
@@ -197,7 +198,16 @@ def _perm_or_none(value: Any) -> int | None:
 
 # --- walking a share ----------------------------------------------------------------------------
 
-Flags = tuple[bool, bool]  # hand_back: what a new inode inherited (default ACL made, owner entry added)
+@attrs.frozen
+class Inherited:
+    """For `hand_back`: what an inode made while the lab ran got from its folder's default ACL."""
+
+    made: bool = False  # the default ACL was one a grant made
+    owner_entry: bool = False  # its entry for the folder's owner was one a grant added
+    shared: bool = False  # another VM's grant is still on the folder: take only this uid's entries
+
+
+NOTHING = Inherited()
 
 
 @attrs.frozen
@@ -207,7 +217,7 @@ class _Node:
     fd: int
     info: os.stat_result
     path: str
-    inherited: Flags = (False, False)
+    inherited: Inherited = NOTHING
 
     @property
     def proc(self) -> str:
@@ -248,7 +258,7 @@ def _fs_type(fd: int) -> str:
     return "unknown"
 
 
-Visitor = Callable[[_Node], Flags]
+Visitor = Callable[[_Node], Inherited]
 
 
 class _Walk:
@@ -265,7 +275,7 @@ class _Walk:
 
     def run(self, visit: Visitor) -> None:
         # one open folder per level below (not recursion: a guest decides how deep a share is)
-        stack: list[tuple[int, str, Iterator[str], Flags]] = []
+        stack: list[tuple[int, str, Iterator[str], Inherited]] = []
         inherited = visit(self.top)
         self._enter(stack, os.dup(self.top_fd), self.top.path, inherited, depth=0)
         while stack:
@@ -285,8 +295,8 @@ class _Walk:
             finally:
                 os.close(node.fd)
 
-    def _enter(self, stack: list[tuple[int, str, Iterator[str], Flags]], fd: int, path: str,
-               flags: Flags, *, depth: int) -> None:
+    def _enter(self, stack: list[tuple[int, str, Iterator[str], Inherited]], fd: int, path: str,
+               flags: Inherited, *, depth: int) -> None:
         if depth >= MAX_DEPTH:
             self.problems.append(f"{path}: more than {MAX_DEPTH} folders deep: what it holds was left "
                                  "as it is")
@@ -300,7 +310,7 @@ class _Walk:
             return
         stack.append((fd, path, iter(names), flags))
 
-    def _open(self, dir_fd: int, name: str, path: str, inherited: Flags) -> _Node | None:
+    def _open(self, dir_fd: int, name: str, path: str, inherited: Inherited) -> _Node | None:
         """The entry `name` of the folder `dir_fd`, never through a link, only on the share's mount;
         None (said in `problems` or `left`) for what cannot or must not be visited."""
         try:
@@ -342,9 +352,9 @@ def _read_acl(node: _Node, name: str) -> Acl | None:
         raise OSError(errno.EINVAL, f"its {name} cannot be read: {exc}") from None
 
 
-def _read_mark(node: _Node) -> _Mark | None:
+def _read_mark(node: _Node, uid: int) -> _Mark | None:
     try:
-        return _Mark.decode(os.getxattr(node.proc, MARK))
+        return _Mark.decode(os.getxattr(node.proc, f"{MARK}{uid}"))
     except OSError as exc:
         if exc.errno in _NO_ATTR:
             return None
@@ -366,9 +376,15 @@ def _write_acl(node: _Node, name: str, acl: Acl | None, was: Acl | None) -> None
     os.setxattr(node.proc, name, acl.encode())
 
 
-def _remove_mark(node: _Node) -> None:
+def _other_marks(node: _Node, uid: int) -> list[str]:
+    """The marks of other VMs' grants on the inode: theirs is still on it."""
+    ours = f"{MARK}{uid}"
+    return sorted(name for name in os.listxattr(node.proc) if name.startswith(MARK) and name != ours)
+
+
+def _remove_mark(node: _Node, uid: int) -> None:
     try:
-        os.removexattr(node.proc, MARK)
+        os.removexattr(node.proc, f"{MARK}{uid}")
     except OSError as exc:
         if exc.errno not in _NO_ATTR:
             raise
@@ -461,13 +477,13 @@ def grant(folder: Path, uid: int, gid: int, *, readonly: bool) -> Grant:
         owner = walk.top.info.st_uid
         counts = {"folders": 0, "files": 0}
 
-        def visit(node: _Node) -> Flags:
+        def visit(node: _Node) -> Inherited:
             if not node.is_dir and not stat.S_ISREG(node.info.st_mode):
-                return False, False  # symlinks, devices, FIFOs, sockets: nothing to give
+                return NOTHING  # symlinks, devices, FIFOs, sockets: nothing to give
             if not node.is_dir and node.info.st_nlink != 1:
                 walk.left.append(f"{node.path}: {node.info.st_nlink} hard links: left as it is (the "
                                  "guest cannot use it)")
-                return False, False
+                return NOTHING
             try:
                 _grant_one(node, uid, owner, readonly=readonly)
             except OSError as exc:
@@ -475,9 +491,9 @@ def grant(folder: Path, uid: int, gid: int, *, readonly: bool) -> Grant:
                     raise ShareAccessError(f"cannot give share {folder} to its VM's uid {uid}: "
                                            f"{exc.strerror or exc}") from None
                 walk.problems.append(f"{node.path}: not given to uid {uid}: {exc.strerror or exc}")
-                return False, False
+                return NOTHING
             counts["folders" if node.is_dir else "files"] += 1
-            return False, False
+            return NOTHING
 
         walk.run(visit)
     finally:
@@ -522,12 +538,16 @@ def _grant_one(node: _Node, uid: int, owner: int, *, readonly: bool) -> None:
     default = _read_acl(node, DEFAULT) if node.is_dir else None
     add_owner = (node.is_dir and not readonly and owner not in (0, uid)
                  and (default is None or not default.named(owner)))
-    if _read_mark(node) is None:  # else a grant not handed back: its mark holds what was there
-        mark = _Mark(access_mask=None if access is None else access.perm(MASK),
-                     default_made=node.is_dir and default is None,
-                     default_mask=None if default is None else default.perm(MASK),
-                     owner_entry=add_owner)
-        os.setxattr(node.proc, MARK, mark.encode())
+    if _read_mark(node, uid) is None:  # else a grant not handed back: its mark holds what was there
+        others = _other_marks(node, uid)
+        if others:  # another VM's grant is on it: what was there before is in its mark
+            mark = attrs.evolve(_Mark.decode(os.getxattr(node.proc, others[0])), owner_entry=add_owner)
+        else:
+            mark = _Mark(access_mask=None if access is None else access.perm(MASK),
+                         default_made=node.is_dir and default is None,
+                         default_mask=None if default is None else default.perm(MASK),
+                         owner_entry=add_owner)
+        os.setxattr(node.proc, f"{MARK}{uid}", mark.encode())
     mode_acl = Acl.from_mode(node.info.st_mode)
     if node.is_dir:  # for what is made in it while the lab runs, by the guest or the owner
         given = (default or (access or mode_acl).base()).with_user(uid, RX if readonly else RWX)
@@ -559,7 +579,7 @@ def hand_back(folder: Path, uid: int, gid: int) -> list[str]:
             return [f"{folder}: the folder itself belongs to the VM's uid {uid}, so it has no owner to "
                     "hand the files back to: chown -R them to whom they belong"]
 
-        def visit(node: _Node) -> Flags:
+        def visit(node: _Node) -> Inherited:
             try:
                 return _hand_back_one(node, uid, gid, owner, group)
             except OSError as exc:
@@ -574,9 +594,8 @@ def hand_back(folder: Path, uid: int, gid: int) -> list[str]:
     return walk.problems
 
 
-def _hand_back_one(node: _Node, uid: int, gid: int, owner: int, group: int) -> Flags:
-    """Hand one inode back; returns what its children inherited: whether the default ACL they got
-    was one `grant` made, and whether its entry for the owner was one `grant` added."""
+def _hand_back_one(node: _Node, uid: int, gid: int, owner: int, group: int) -> Inherited:
+    """Hand one inode back; returns what its children inherited (`Inherited`)."""
     info = node.info
     if info.st_uid == uid or info.st_gid == gid:
         _chown(node.fd, owner if info.st_uid == uid else -1, group if info.st_gid == gid else -1)
@@ -584,25 +603,36 @@ def _hand_back_one(node: _Node, uid: int, gid: int, owner: int, group: int) -> F
             os.chmod(node.proc, stat.S_IMODE(info.st_mode) & ~0o6000)
     if stat.S_ISLNK(info.st_mode):
         return node.inherited
-    mark = _read_mark(node)
+    mark = _read_mark(node, uid)
     access = _read_acl(node, ACCESS)
     default = _read_acl(node, DEFAULT) if node.is_dir else None
     if mark is None and not any(acl is not None and acl.named(uid) for acl in (access, default)):
-        return False, False  # no grant here, and nothing below inherited one from here
-    if mark is not None:  # granted: its own ACLs as they were
-        made, owner_entry = mark.default_made, mark.owner_entry
-        _write_acl(node, ACCESS, None if access is None else access.without_users([uid], mark.access_mask),
-                   access)
-        restored = None if made or default is None else default.without_users(
-            [uid, owner] if owner_entry else [uid], mark.default_mask)
-        _write_acl(node, DEFAULT, restored, default)
-        _remove_mark(node)
-        return made, owner_entry
-    made, owner_entry = node.inherited  # made while the lab ran: it inherited its folder's default ACL
-    drop = [uid, owner] if owner_entry else [uid]
-    _write_acl(node, ACCESS, None if access is None else access.without_users(drop), access)
-    _write_acl(node, DEFAULT, None if made or default is None else default.without_users(drop), default)
-    return made, owner_entry
+        return NOTHING  # no grant here, and nothing below inherited one from here
+    if mark is None:  # made while the lab ran: it inherited its folder's default ACL
+        below = node.inherited
+        last = not below.shared
+        drop = [uid, owner] if below.owner_entry and last else [uid]
+        _write_acl(node, ACCESS, None if access is None else access.without_users(drop), access)
+        _write_acl(node, DEFAULT, None if default is None or below.made and last
+                   else default.without_users(drop), default)
+        return below
+    others = _other_marks(node, uid)
+    if others:  # another VM's grant stays: only this uid's entries go, the last grant out restores
+        _write_acl(node, ACCESS, None if access is None else access.without_users([uid]), access)
+        _write_acl(node, DEFAULT, None if default is None else default.without_users([uid]), default)
+        if mark.owner_entry:  # the owner's entry this grant added: the last one out removes it
+            for name in others:
+                kept = _Mark.decode(os.getxattr(node.proc, name))
+                os.setxattr(node.proc, name, attrs.evolve(kept, owner_entry=True).encode())
+        _remove_mark(node, uid)
+        return Inherited(mark.default_made, mark.owner_entry, shared=True)
+    _write_acl(node, ACCESS, None if access is None else access.without_users([uid], mark.access_mask),
+               access)
+    restored = None if mark.default_made or default is None else default.without_users(
+        [uid, owner] if mark.owner_entry else [uid], mark.default_mask)
+    _write_acl(node, DEFAULT, restored, default)
+    _remove_mark(node, uid)
+    return Inherited(mark.default_made, mark.owner_entry)
 
 
 def _chown(fd: int, uid: int, gid: int) -> None:
