@@ -22,8 +22,8 @@ racing; a guest that made the files):
 The ACLs are written as their xattrs (`system.posix_acl_access`, `system.posix_acl_default`), as
 the kernel defines them (include/uapi/linux/posix_acl_xattr.h): no `acl` package needed. What `grant`
 changed of an ACL that was there before (its mask, a default ACL it made, an entry for the owner it
-added) is kept in a `trusted.vmlaunch.share.UID` xattr of that inode, which only root can read or set and
-QEMU never passes to a guest; `hand_back` restores from it and removes it.
+added) is kept in a `trusted.vmlaunch.share.UID` xattr of that inode, which only root can read or set
+and QEMU never passes to a guest; `hand_back` restores from it and removes it.
 """
 
 from __future__ import annotations
