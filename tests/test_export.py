@@ -58,6 +58,7 @@ def full_lab(folder: Path) -> Path:
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes(b"x" * 512)
     (folder / "images").mkdir()
+    (folder / "src").mkdir()
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(folder / "images" / "base.qcow2"), "1M"],
                    check=True)
     return spec

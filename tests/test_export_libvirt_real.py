@@ -285,6 +285,8 @@ def _read_device(guest: Guest, device: dict[str, Any], nodes: dict[str, dict[str
         fsdev.pop("id")
         if fsdev.get("readonly") == "on":
             fsdev["readonly"] = "on"
+        if fsdev.get("security_model") == "mapped":  # libvirt's spelling; QEMU's alias of mapped-xattr
+            fsdev["security_model"] = "mapped-xattr"
         guest.shares[device["mount_tag"]] = {**props, **fsdev}
     elif driver == "vfio-pci":
         guest.hostdevs[device["host"]] = props

@@ -1,6 +1,7 @@
 """A real Debian guest end to end, as a user runs it: the image pulled over HTTP from 127.0.0.1,
 two VMs with static addresses on a bridge in a private network namespace, cloud-init, SSH, a
-read-only share, down/up keeping the machines, reset making one anew.
+read-only share, a writable share that keeps a guest's root from planting setuid files or devices
+on the host, down/up keeping the machines, reset making one anew.
 
 The image is built once by tools/build_debian.py (mmdebstrap; cached in examples/debian/). One lab is
 booted for the whole module (a boot under TCG is a minute or two) and the tests run in order on it.
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
+import stat
 import subprocess
 import sys
 import threading
@@ -83,6 +86,9 @@ ip = "10.10.0.11"
 source = "src"
 target = "/srv/src"
 readonly = true
+[[vm.a.share]]
+source = "out"
+target = "/srv/out"
 
 [vm.b]
 memory = "768M"
@@ -99,6 +105,7 @@ def lab(debian: dict[str, object], tmp_path_factory: pytest.TempPathFactory) -> 
     folder = tmp_path_factory.mktemp("deb")
     (folder / "src").mkdir()
     (folder / "src" / "from-the-host.txt").write_text("shared\n")
+    (folder / "out").mkdir()
     image = Path(str(debian["path"]))
     served = Served(image.parent)
     cache = folder / "cache"
@@ -175,6 +182,54 @@ def test_the_share_is_mounted_read_only(lab: tuple[Netns, Path]) -> None:
     assert not (spec.parent / "src" / "from-the-guest").exists()
 
 
+# What a guest's root tries through a writable share: a setuid root shell, setgid, a device, a FIFO,
+# a symlink to the host's /etc/shadow, a hard link, file capabilities, owners; and a script it runs.
+PLANT = """
+set -e
+cd /srv/out
+cp /bin/dash rootsh && chmod 4755 rootsh
+cp /bin/dash groupsh && chmod 2755 groupsh
+mknod dev c 1 1
+mknod disk b 8 0
+mkfifo fifo
+ln -s /etc/shadow link
+ln rootsh hardlink
+printf '#!/bin/sh\\necho ran\\n' > script && chmod 755 script
+mkdir -m 3777 sub && touch sub/inner && chown 1234:5678 sub/inner
+cp /bin/dash capsh
+setcap cap_setuid+ep capsh 2>/dev/null && echo capability-set || echo capability-refused
+"""
+
+
+def test_a_writable_share_keeps_what_the_guest_sets_off_the_host(lab: tuple[Netns, Path]) -> None:
+    """security_model=mapped-xattr: the guest sees the owners, modes and file types it set; the host
+    has regular files and folders only, none setuid or setgid, without file capabilities."""
+    netns, spec = lab
+    planted = ssh(netns, spec, "a", "sudo", "sh", "-c", PLANT)
+    assert planted.returncode == 0, planted.stderr
+    assert planted.stdout.strip() == "capability-refused"
+    seen = ssh(netns, spec, "a", "sh", "-c", "cd /srv/out && stat -c '%n %a %F %u:%g' rootsh groupsh dev "
+               "disk fifo link script sub sub/inner")
+    assert seen.returncode == 0, seen.stderr
+    assert seen.stdout.splitlines() == [
+        "rootsh 4755 regular file 0:0", "groupsh 2755 regular file 0:0",
+        "dev 644 character special file 0:0", "disk 644 block special file 0:0", "fifo 644 fifo 0:0",
+        "link 777 symbolic link 0:0", "script 755 regular file 0:0", "sub 3777 directory 0:0",
+        "sub/inner 644 regular empty file 1234:5678"]
+    assert ssh(netns, spec, "a", "readlink", "/srv/out/link").stdout == "/etc/shadow\n"
+    assert ssh(netns, spec, "a", "/srv/out/script").stdout == "ran\n"  # executable for the guest
+    out = spec.parent / "out"
+    for path in [out, *out.rglob("*")]:
+        info = os.lstat(path)
+        kind = "folder" if stat.S_ISDIR(info.st_mode) else "file" if stat.S_ISREG(info.st_mode) else "other"
+        assert kind == ("folder" if path.name in ("out", "sub") else "file"), path
+        assert stat.S_IMODE(info.st_mode) & 0o7000 == 0, (path, oct(info.st_mode))
+        assert stat.S_IMODE(info.st_mode) & 0o007 == 0 or path == out, (path, oct(info.st_mode))
+        assert "security.capability" not in os.listxattr(path, follow_symlinks=False), path
+    assert (out / "link").read_text() == "/etc/shadow"  # a file holding the target, not a link
+    assert os.stat(out / "rootsh").st_ino == os.stat(out / "hardlink").st_ino  # inside the share: kept
+
+
 def test_down_then_up_keeps_the_machine_and_reset_makes_it_anew(lab: tuple[Netns, Path]) -> None:
     netns, spec = lab
     for vm in ("a", "b"):
@@ -228,9 +283,10 @@ def test_an_edited_lab_comes_back_and_a_snapshot_takes_it_back_in_time(lab: tupl
     netns, spec = lab
     assert netns.vmlaunch("down", str(spec), env=netns.env, timeout=120).returncode == 0
     text = spec.read_text()
-    share = '[[vm.a.share]]\nsource = "src"\ntarget = "/srv/src"\nreadonly = true\n'
-    assert share in text
-    spec.write_text(text.replace(share, ""))
+    shares = '[[vm.a.share]]\nsource = "src"\ntarget = "/srv/src"\nreadonly = true\n' \
+             '[[vm.a.share]]\nsource = "out"\ntarget = "/srv/out"\n'
+    assert shares in text
+    spec.write_text(text.replace(shares, ""))
     up = netns.vmlaunch("up", str(spec), "--wait", "ssh", "--timeout", BOOT_TIMEOUT, env=netns.env,
                         timeout=float(BOOT_TIMEOUT) + 60)
     assert up.returncode == 0, up.stderr

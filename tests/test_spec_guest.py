@@ -188,7 +188,8 @@ def test_the_compiled_guest(tmp_path: Path) -> None:
     assert f'"filename":"{vm_dir}/nvram.fd"' in argv
     assert argv.index(f"{vm_dir}/disk.qcow2") < argv.index(f"{vm_dir}/seed.iso")
     assert '"driver":"qcow2","node-name":"disk0"' in argv and '"bootindex":0' in argv
-    assert f"-fsdev local,id=fsdev0,path={tmp_path}/src,security_model=none" in argv
+    assert (f"-fsdev local,id=fsdev0,path={tmp_path}/src,security_model=mapped-xattr,fmode=0660,"
+            "dmode=0770") in argv
     assert '"mount_tag":"share0"' in argv
     assert '"hostfwd":[{"str":"tcp:127.0.0.1:0-:22"}]' in argv
     assert plan.vm("web").ssh_user == "vmlaunch"

@@ -95,6 +95,9 @@ class Lab:
         wait_ssh = wait_ssh if wait_ssh is not None else self.wait_ssh
         if timeout is None:
             timeout = self.timeout if self.timeout is not None else executor.default_timeout(wait_ssh)
+        from vmlaunch.shareaccess import require_xattrs
+
+        require_xattrs(self.model, [vm.name for vm in self.plan.vms])
         executor.up(self.plan, spec=str(self.model.file), qemu_img=self.host.qemu.img,
                     wait_for=wait_for if wait_for is not None else self.wait_for,
                     timeout=timeout, wait_ssh=wait_ssh)

@@ -530,6 +530,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         for line in executor.describe(plan):
             print(line)
         return 0
+    from vmlaunch.shareaccess import require_xattrs
+
+    require_xattrs(lab, [vm.name for vm in plan.vms])  # it writes a probe: not for --dry-run
     _log_accel(plan, args.verbose)
     from vmlaunch.journal import Journal
 

@@ -70,6 +70,8 @@ TCG_CPU = "qemu64,+ssse3,+sse4.1,+sse4.2,+popcnt"
 # guest boots in the same 6 s with 16 MiB and uses 48 MiB of the default.
 TCG_CACHE_MIB = 128
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the NUL
+SHARE_FMODE = 0o660  # the host mode of every file a guest creates in a share (see `shares`)
+SHARE_DMODE = 0o770  # and of every folder
 NIC_DEVICES = {
     NicModel.VIRTIO: "virtio-net-pci",
     NicModel.E1000: "e1000",
@@ -574,15 +576,25 @@ class _Compiler:
         return ["-sandbox", SANDBOX]
 
     def shares(self, vm_path: KeyPath, vm: VmSpec) -> Iterator[str]:
-        """Each share over 9p (virtio): the guest's cloud-init mounts it by its tag. security_model
-        none: files keep the host's owners, and the guest's chown is ignored (as Lima does)."""
+        """Each share over 9p (virtio): the guest's cloud-init mounts it by its tag.
+
+        security_model=mapped-xattr: what the guest sets (owner, mode, file type) is kept in
+        `user.virtfs.*` extended attributes of the host file, never applied to it. QEMU creates every
+        host file as a regular file of mode `fmode` (a guest's mknod, mkfifo and symlink too) and every
+        folder with `dmode`, so a guest's root cannot plant a setuid, setgid, device, FIFO or symlink
+        on the host, nor file capabilities (only user.* and ACL xattrs pass, and ACLs are mapped too).
+        Group bits in fmode/dmode: where `up` gives the share's owner a default ACL entry
+        (`shareaccess.grant`), a new file's ACL mask is its create mode's group bits; with 0600 that
+        entry would grant nothing. Without an ACL, QEMU's umask (vmlaunch's) applies as usual."""
         for index, share in enumerate(vm.shares):
             path = (*vm_path, "share", index)
             self.need_device(path, "virtio-9p-pci")
             fsdev = f"fsdev{index}"
             backend = opts("local", id=fsdev, path=str(share.source),
                            **({"readonly": True} if share.readonly else {}))
-            yield from ("-fsdev", f"{backend},security_model=none")  # opts would write security-model
+            # opts would write security-model; QEMU reads fmode and dmode as C numbers (0 is octal)
+            yield from ("-fsdev", f"{backend},security_model=mapped-xattr,fmode={SHARE_FMODE:04o},"
+                                  f"dmode={SHARE_DMODE:04o}")
             yield from ("-device", json_arg({"driver": "virtio-9p-pci", "id": f"share{index}",
                                              "fsdev": fsdev, "mount_tag": share.tag}))
 

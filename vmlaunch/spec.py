@@ -205,11 +205,12 @@ def parse_lab(data: bytes, file: Path, *, files: bool = False, vms: Sequence[str
     builder = _Builder(doc, file.resolve(), source, problems, invalid)
     lab = builder.build()
     if files:  # of every VM, built or not: a broken key elsewhere never hides a missing kernel
-        from vmlaunch import specfiles
+        from vmlaunch import sharerules, specfiles
 
         for path, message, hint in [*specfiles.named_problems(builder.named, vms, builder.vm_images),
                                     *specfiles.disk_size_problems(lab, vms),
                                     *specfiles.kernel_memory_problems(lab, vms),
+                                    *sharerules.share_problems(lab, vms),
                                     *(specfiles.up_refusals(lab, vms) if up_refusals else [])]:
             problems.add(path, message, hint)
     if problems.items:

@@ -8,7 +8,9 @@ block device with `block_device = true`), be readable (and writable for a disk t
 be). Who may change the file and the folders on its path is `up`'s business (`diskfiles.py`, and
 `resources/script.py` for scripts): that rule needs the host as `up` finds it. `validate` asks it of
 a network's scripts all the same, and asks whether a local image names another file
-(`up_refusals`): the same checks `up` makes, with its messages.
+(`up_refusals`): the same checks `up` makes, with its messages. What a share's folder may be (not
+`/etc`, not one that holds the lab's SSH key or another VM's disk) is `sharerules.py`'s, asked here
+too: it compares folders with their symlinks resolved.
 
 Kept apart from `spec.py` on purpose: the spec is checked as text everywhere (`status`, `down` and
 `logs` work on a lab whose kernel has since been deleted); its files only where a VM is about to start.
@@ -107,9 +109,11 @@ def named_problems(named: Iterable[Named], vms: Sequence[str] = (),
 
 def file_problems(lab: LabSpec, vms: Sequence[str] = ()) -> list[Found]:
     """What is wrong with the files of the lab's VMs (those named that it has, or all)."""
+    from vmlaunch.sharerules import share_problems
+
     images = {vm.name: vm.image for vm in lab.vms if vm.image is not None}
     return [*named_problems(named_in(lab), vms, images), *disk_size_problems(lab, vms),
-            *kernel_memory_problems(lab, vms)]
+            *kernel_memory_problems(lab, vms), *share_problems(lab, vms)]
 
 
 def up_refusals(lab: LabSpec, vms: Sequence[str] = ()) -> list[Found]:

@@ -17,7 +17,15 @@ import xml.etree.ElementTree as ET
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
-from vmlaunch.compiler import TCG_CACHE_MIB, TCG_CPU, boot_disks, needs_lab_dir, reports_free_pages
+from vmlaunch.compiler import (
+    SHARE_DMODE,
+    SHARE_FMODE,
+    TCG_CACHE_MIB,
+    TCG_CPU,
+    boot_disks,
+    needs_lab_dir,
+    reports_free_pages,
+)
 from vmlaunch.errors import KeyPath
 from vmlaunch.export import Export, ExportedFile, Findings, qualified
 from vmlaunch.labdir import LabDir
@@ -206,8 +214,9 @@ def domain_xml(lab: LabSpec, vm: VmSpec, findings: Findings) -> str:
     if any(disk.bus is DiskBus.SCSI for disk in vm.disks):
         ET.SubElement(devices, "controller", type="scsi", index="0", model="virtio-scsi")
     for share in vm.shares:
-        # squash: QEMU's security_model=none, as vmlaunch (files keep their host owners)
-        fs = ET.SubElement(devices, "filesystem", type="mount", accessmode="squash")
+        # mapped: QEMU's security_model=mapped-xattr, with vmlaunch's creation modes (compiler.shares)
+        fs = ET.SubElement(devices, "filesystem", type="mount", accessmode="mapped",
+                           fmode=f"{SHARE_FMODE:04o}", dmode=f"{SHARE_DMODE:04o}")
         ET.SubElement(fs, "source", dir=str(share.source))
         ET.SubElement(fs, "target", dir=share.tag)
         if share.readonly:
