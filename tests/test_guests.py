@@ -106,6 +106,7 @@ def lab(debian: dict[str, object], tmp_path_factory: pytest.TempPathFactory) -> 
     (folder / "src").mkdir()
     (folder / "src" / "from-the-host.txt").write_text("shared\n")
     (folder / "out").mkdir()
+    os.chown(folder / "out", *FOLDER_OWNER)  # a user's folder: what the guest makes is handed to it
     image = Path(str(debian["path"]))
     served = Served(image.parent)
     cache = folder / "cache"
@@ -201,9 +202,21 @@ setcap cap_setuid+ep capsh 2>/dev/null && echo capability-set || echo capability
 """
 
 
+FOLDER_OWNER = (65534, 65534)  # nobody: the writable share's folder belongs to a user, not root
+
+
+def vm_uids_in(out: Path) -> set[int]:
+    """The owners of the share's files that are VMs' uids (confine.py)."""
+    from vmlaunch import confine
+
+    return {info.st_uid for path in [out, *out.rglob("*")] if (info := os.lstat(path)).st_uid in
+            confine.uid_range()}
+
+
 def test_a_writable_share_keeps_what_the_guest_sets_off_the_host(lab: tuple[Netns, Path]) -> None:
     """security_model=mapped-xattr: the guest sees the owners, modes and file types it set; the host
-    has regular files and folders only, none setuid or setgid, without file capabilities."""
+    has regular files and folders only, none setuid or setgid, without file capabilities, owned by
+    the VM's own uid while it runs, and the folder's owner can read them."""
     netns, spec = lab
     planted = ssh(netns, spec, "a", "sudo", "sh", "-c", PLANT)
     assert planted.returncode == 0, planted.stderr
@@ -228,6 +241,19 @@ def test_a_writable_share_keeps_what_the_guest_sets_off_the_host(lab: tuple[Netn
         assert "security.capability" not in os.listxattr(path, follow_symlinks=False), path
     assert (out / "link").read_text() == "/etc/shadow"  # a file holding the target, not a link
     assert os.stat(out / "rootsh").st_ino == os.stat(out / "hardlink").st_ino  # inside the share: kept
+    assert len(vm_uids_in(out)) == 1  # made by QEMU as the VM's uid, never root
+    # the folder's owner reads what the guest made (from a descriptor of the folder: the folders above
+    # it are pytest's, root's alone)
+    folder_fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        read = ("import os, sys; fd = os.open('script', os.O_RDONLY, dir_fd=int(sys.argv[1])); "
+                "print(os.read(fd, 100).decode())")
+        as_owner = subprocess.run(["setpriv", f"--reuid={FOLDER_OWNER[0]}", f"--regid={FOLDER_OWNER[1]}",
+                                   "--clear-groups", "/usr/bin/python3", "-c", read, str(folder_fd)],
+                                  capture_output=True, text=True, check=False, pass_fds=[folder_fd])
+    finally:
+        os.close(folder_fd)
+    assert as_owner.returncode == 0 and "echo ran" in as_owner.stdout, as_owner.stderr
 
 
 def test_down_then_up_keeps_the_machine_and_reset_makes_it_anew(lab: tuple[Netns, Path]) -> None:
@@ -235,6 +261,9 @@ def test_down_then_up_keeps_the_machine_and_reset_makes_it_anew(lab: tuple[Netns
     for vm in ("a", "b"):
         assert ssh(netns, spec, vm, "sh", "-c", "echo kept > /var/tmp/kept && sync").returncode == 0
     assert netns.vmlaunch("down", str(spec), env=netns.env, timeout=120).returncode == 0
+    out = spec.parent / "out"  # handed back: the folder's owner has what the guest made, no VM uid
+    assert vm_uids_in(out) == set() and {os.lstat(path).st_uid for path in out.rglob("*")} == {
+        FOLDER_OWNER[0]}
     assert netns.vmlaunch("reset", str(spec), "b", env=netns.env).returncode == 0
     up = netns.vmlaunch("up", str(spec), "--wait", "ssh", "--timeout", BOOT_TIMEOUT, env=netns.env,
                         timeout=float(BOOT_TIMEOUT) + 60)

@@ -359,7 +359,8 @@ def user_resources(vms: Sequence[VmSpec], host: Host) -> Iterator[Resource]:
     """Last, right before the QEMUs start: each VM's own uid (confine.py)."""
     if confined_as_root(host):
         for vm in vms:
-            yield VmUser(vm=vm.name, run_root=host.run_root)
+            yield VmUser(vm=vm.name, run_root=host.run_root,
+                         shares=tuple((share.source, share.readonly) for share in vm.shares))
 
 
 def host_resources(lab: LabSpec, vms: Sequence[VmSpec], host: Host | None = None) -> Iterator[Resource]:

@@ -15,7 +15,7 @@ from vmlaunch.resources.pci import PciRecord
 from vmlaunch.resources.placement import PlacementRecord
 from vmlaunch.resources.script import ScriptRecord
 from vmlaunch.resources.tap import TapRecord
-from vmlaunch.resources.vmuser import VmUserRecord
+from vmlaunch.resources.vmuser import VmUserClaimRecord, VmUserRecord
 
 RECORDS: dict[str, type[Record]] = {record.kind: record for record in (
     ImageRecord,
@@ -30,6 +30,7 @@ RECORDS: dict[str, type[Record]] = {record.kind: record for record in (
     KsmRecord,
     PlacementRecord,
     VmUserRecord,
+    VmUserClaimRecord,
 )}
 
 # Kinds that keep claims outside the journal (a bridge shared between labs: bridge_registry.py), each a
