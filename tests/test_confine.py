@@ -116,3 +116,35 @@ def test_the_confinement_of_a_process() -> None:
     assert confine.Confinement(1879048192, 1879048192, True).problems(as_root=True) == []
     assert confine.Confinement(1000, 1000, True).problems(as_root=False) == []
     assert confine.Confinement.of(2 ** 30) == confine.Confinement(None, None, None)  # no such process
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a folder to another uid")
+def test_a_vms_uid_is_given_its_shares_and_everything_is_handed_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The claim journaled first names the uid and the shares: undone (a crash before the record), it
+    hands back what the uid made there and frees the uid; the record does the same after the grants."""
+    from vmlaunch.resources.base import Context
+    from vmlaunch.resources.vmuser import VmUserClaim, VmUserClaimRecord, VmUserRecord
+
+    monkeypatch.setattr(confine, "HOST_ROOT", tmp_path / "host")
+    share = tmp_path / "share"
+    share.mkdir()
+    os.chown(share, 65534, 65534)
+    user = VmUser(vm="a", run_root=tmp_path / "runs", shares=((share, False),))
+    ctx = Context(lab="conf")
+    claimed = VmUserClaim(user).apply(ctx)
+    assert isinstance(claimed, VmUserClaimRecord) and claimed.kind == "vm-user-claim"
+    assert claimed.shares == (str(share),) and claimed.uid in confine.uid_range()
+    made = share / "made-by-the-guest"
+    made.write_text("x")
+    os.chown(made, claimed.uid, claimed.gid)  # as QEMU would make it
+    claimed.undo(ctx, rollback=True)
+    assert (made.stat().st_uid, made.stat().st_gid) == (65534, 65534)
+    assert not (tmp_path / "host" / confine.UIDS_FILE).exists()  # the uid is free again
+
+    record = user.apply(ctx)
+    assert isinstance(record, VmUserRecord) and record.kind == "vm-user"
+    assert "system.posix_acl_access" in os.listxattr(share)  # given to the uid
+    record.undo(ctx, rollback=False)
+    assert "system.posix_acl_access" not in os.listxattr(share)  # as it was
+    assert not (tmp_path / "host" / confine.UIDS_FILE).exists()
