@@ -21,6 +21,7 @@ from vmlaunch.resources.placement import PlacementRecord
 from vmlaunch.resources.registry import RECORDS
 from vmlaunch.resources.script import ScriptEnv, ScriptRecord
 from vmlaunch.resources.tap import TapRecord
+from vmlaunch.resources.vmuser import VmUserClaimRecord, VmUserRecord
 from vmlaunch.rundir import RunDir
 
 SAMPLES = [
@@ -49,6 +50,8 @@ SAMPLES = [
     Entry("placement", "a", "a", PlacementRecord("a", Path("/sys/fs/cgroup/cpuset/vmlaunch.lab.a"), (1,),
                                                   (8, 9, 10, 11))),
     Entry("placement", "b", "b", PlacementRecord("b", None, (0, 1), (0, 1, 2, 3))),
+    Entry("vm-user", "a", "a", VmUserRecord("a", 1879048192, "/run/vmlaunch", ("/l/share",))),
+    Entry("vm-user-claim", "b", "b", VmUserClaimRecord("b", 1879048193, "/run/vmlaunch")),
 ]
 
 
@@ -70,7 +73,7 @@ def good(resources: list[Any] | None = None, **changes: Any) -> dict[str, Any]:
 
 def test_registry_covers_every_record_kind() -> None:
     assert set(RECORDS) == {"image", "bridge", "tap", "pci", "labdir", "vmfile", "hugepages",
-                            "manager", "ksm", "placement", "script"}
+                            "manager", "ksm", "placement", "script", "vm-user", "vm-user-claim"}
     assert {e.kind for e in SAMPLES} == set(RECORDS)
 
 
