@@ -41,10 +41,10 @@ def test_the_run_state(reply: object, expected: str | None) -> None:
 @pytest.mark.parametrize(("console", "run_state", "expected"), [
     ("[ 1.0] Linux version 6.1\nready\n", "running", ("running", None)),
     ("[ 1.0] Linux version 6.1\n[ 9.0] Kernel panic - not syncing: VFS: Unable to mount root fs\n",
-     "running", ("panicked", "Kernel panic - not syncing: VFS: Unable to mount root fs")),
+     "running", ("guest-panicked", "Kernel panic - not syncing: VFS: Unable to mount root fs")),
     # a panic before a reboot is not the state of the guest that booted after it
     ("Kernel panic - not syncing: x\n[ 0.0] Linux version 6.1\nready\n", "running", ("running", None)),
-    ("", "guest-panicked", ("panicked", "QEMU reported a guest panic (pvpanic)")),
+    ("", "guest-panicked", ("guest-panicked", "QEMU reported a guest panic (pvpanic)")),
     ("", None, ("unresponsive", "its QMP did not answer within 2 s")),
     ("", "paused", ("paused", "by its user (`vmlaunch pause`, or QMP stop), or by a vmlaunch snapshot "
                               "under way: `vmlaunch resume SPEC VM` resumes it")),

@@ -85,7 +85,8 @@ class LabMemoryStatus:
 class VmStatus:
     name: str
     state: str  # running | stopped (not up) | off (up, the guest powered itself off) | crashed |
-    # panicked | unresponsive (its QMP does not answer) | paused | shutdown | internal-error | ...
+    # guest-panicked | unresponsive (its QMP does not answer) | paused | shutdown | internal-error |
+    # starting (its guest never ran yet) | another of QEMU's run states
     pid: int | None = None
     accel: str | None = None
     balloon_bytes: int | None = None
@@ -180,10 +181,6 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
 
 BALLOON = "/machine/peripheral/balloon0"  # the balloon's QOM path (its id is balloon0)
 STATUS_QMP_TIMEOUT = 2.0  # seconds `status` gives a VM's QMP to connect and answer each question
-# QEMU's run states (QMP query-status) as `status` names them; any other is shown as QEMU says it.
-_SHOWN_STATES = {"running": "running", "guest-panicked": "panicked", "internal-error": "internal-error",
-                 "shutdown": "shutdown", "paused": "paused", "suspended": "suspended",
-                 "io-error": "io-error", "watchdog": "watchdog"}
 
 
 def read_run_state(qmp: QuickQmp | Qmp) -> str | None:
@@ -205,13 +202,13 @@ def vm_state(files: VmFiles, run_state: str | None, held: str | None = None, *,
              busy: bool = False) -> tuple[str, str | None]:
     """What `status` says of a VM whose QEMU runs, and why when it is not plainly running: QEMU's run
     state, else "unresponsive" when its QMP did not answer; a guest whose console shows a kernel
-    panic since it booted is "panicked" whatever QEMU thinks (without a pvpanic driver in the guest,
-    QEMU goes on running a guest that panicked). `held`: why vmlaunch keeps it paused (an
+    panic since it booted is "guest-panicked" (QEMU's name) whatever QEMU thinks (without a pvpanic
+    driver in the guest, QEMU goes on running a guest that panicked). `held`: why vmlaunch keeps it paused (an
     interrupted restore, or an operation under way in another vmlaunch: `busy`, which has its QMP
     meanwhile); a VM paused otherwise was paused by its user (`vmlaunch pause`, QMP stop)."""
     panic = qemu.console_panic(files)
     if run_state == "guest-panicked" or panic is not None:
-        return "panicked", panic or "QEMU reported a guest panic (pvpanic)"
+        return "guest-panicked", panic or "QEMU reported a guest panic (pvpanic)"
     if run_state is None and busy:
         return "paused", held
     if run_state is None:
@@ -222,7 +219,7 @@ def vm_state(files: VmFiles, run_state: str | None, held: str | None = None, *,
     if run_state == "paused":
         return "paused", held or ("by its user (`vmlaunch pause`, or QMP stop), or by a vmlaunch "
                                   "snapshot under way: `vmlaunch resume SPEC VM` resumes it")
-    return _SHOWN_STATES.get(run_state, run_state), None if run_state == "running" else f"QEMU: {run_state}"
+    return run_state, None if run_state == "running" else f"QEMU: {run_state}"
 
 
 def guest_stats(reply: Any) -> dict[str, int]:
