@@ -398,16 +398,13 @@ def resume(run_dir: RunDir, names: Sequence[str], timeout: float = 10.0) -> dict
 
 def _pause_or_resume(run_dir: RunDir, names: Sequence[str], timeout: float, *,
                      pausing: bool) -> dict[str, str]:
-    from vmlaunch.intent import held_paused
+    from vmlaunch.intent import held_paused, settle
     from vmlaunch.journal import locked
 
     for name in names:
         running_pid(run_dir, name)
     with locked(run_dir, timeout):
-        if os.path.lexists(run_dir.intent):
-            from vmlaunch.snapshot import settle
-
-            settle(run_dir, timeout)
+        settle(run_dir, timeout)
         held = {name: why for name, why in held_paused(run_dir).items() if name in names}
         if held and not pausing:
             raise RuntimeFailure("not resumed: " + "; ".join(f"{name} is kept paused {why}"

@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vmlaunch import lastrun, qemu, signals
+from vmlaunch import intent, lastrun, qemu, signals
 from vmlaunch.errors import RuntimeFailure, UsageError, VmlaunchError
 from vmlaunch.journal import Entry, Journal, VmEntry, locked
 from vmlaunch.labdir import LabDir
@@ -40,6 +40,8 @@ def describe(plan: Plan) -> Iterator[str]:
     """What `up` would do, for `--dry-run`: the resources with what exists now, then each argv."""
     import shlex
 
+    from vmlaunch.resources.vmuser import VmUser
+
     yield f"lab {plan.lab}: run dir {plan.run_dir}"
     journal = Journal.load(plan.run_dir)
     for resource in plan.resources:
@@ -51,7 +53,7 @@ def describe(plan: Plan) -> Iterator[str]:
     for vm in plan.vms:
         running = vm.name in running_now
         yield f"{vm.name}: {vm.accel.accel.value}{' [running]' if running else ''}"
-        runas = " -runas UID:UID" if any(getattr(r, "kind", None) == "vm-user" and r.owner == vm.name
+        runas = " -runas UID:UID" if any(isinstance(r, VmUser) and r.vm == vm.name
                                          for r in plan.resources) else ""
         yield f"  {shlex.join(vm.argv)} -S{runas}  (in a session of its own; then QMP cont)"
 
@@ -135,7 +137,7 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
     with locked(plan.run_dir, timeout):
         journal = Journal.load(plan.run_dir)  # first: a journal it cannot read leaves no mark
         journal.check_spec(spec, force=force)
-        _settle_interrupted(plan.run_dir, timeout)
+        intent.settle(plan.run_dir, timeout)
         plan.run_dir.create()
         journal.spec = os.path.realpath(spec)
         already = running_vms(journal)
@@ -345,19 +347,6 @@ def _identities(journal: Journal, vms: Sequence[VmPlan]) -> dict[str, tuple[int,
         if entry is not None and isinstance(entry.record, VmUserRecord):
             found[vm.name] = (entry.record.uid, entry.record.gid)
     return found
-
-
-def _settle_interrupted(run_dir: RunDir, timeout: float) -> None:
-    """Finish or undo a snapshot operation a killed vmlaunch left (`snapshot.finish_interrupted`);
-    under the lab's lock. One that cannot be finished is said, and never stops `up` or `down`."""
-    if not os.path.lexists(run_dir.intent):
-        return  # the usual case: snapshot.py (and asyncio) need not be imported
-    from vmlaunch.snapshot import settle
-
-    try:
-        settle(run_dir, timeout)
-    except VmlaunchError as exc:
-        log.warning("an interrupted snapshot operation could not be finished: %s", exc.message)
 
 
 def _remove_files(files: VmFiles) -> None:
@@ -642,7 +631,7 @@ def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, fo
         journal = Journal.load(run_dir, force=force)
         if spec is not None:
             journal.check_spec(spec, force=force)
-        _settle_interrupted(run_dir, timeout + 30)  # a half-saved snapshot goes while QEMU can delete it
+        intent.settle(run_dir, timeout + 30)  # a half-saved snapshot goes while QEMU can delete it
         if not journal.unreadable:  # what an `up` killed before journaling left (resources/registry.py)
             _release_unjournaled(run_dir, journal.has)
         known = set(journal.vms)  # whose files the run dir may hold

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import logging
 import os
 import stat
 import time
@@ -29,6 +30,7 @@ from vmlaunch.errors import RuntimeFailure
 from vmlaunch.fsutil import write_atomic
 from vmlaunch.rundir import RunDir, open_in_run_dir
 
+log = logging.getLogger(__name__)
 MAX_SIZE = 1 << 20
 
 
@@ -125,6 +127,25 @@ def _parse(doc: Any) -> Intent:
                                         for vm, pairs in disks.items()})
 
 
+def settle(run_dir: RunDir, timeout: float = 60.0, *, strict: bool = False) -> None:
+    """Finish or undo an operation a killed vmlaunch left (`snapshot.finish_interrupted`) and say what
+    was done; the caller holds the lab's lock. One that cannot be finished is said, and never stops
+    the command that found it (`up`, `down`, `resume`...), unless `strict`: a snapshot operation must
+    not write its own intent over one still to finish."""
+    if not os.path.lexists(run_dir.intent):
+        return  # the usual case: snapshot.py (and asyncio) need not be imported
+    from vmlaunch.errors import VmlaunchError
+    from vmlaunch.snapshot import finish_interrupted
+
+    try:
+        for line in finish_interrupted(run_dir, timeout):
+            log.warning("%s", line)
+    except VmlaunchError as exc:
+        if strict:
+            raise
+        log.warning("an interrupted snapshot operation could not be finished: %s", exc.message)
+
+
 def settle_unlocked(run_dir: RunDir, timeout: float = 60.0) -> Intent | None:
     """For a command that does not hold the lab's lock (`status`, `snapshot list`): when an operation
     was recorded and nobody holds the lock (so it was interrupted), take the lock and finish it
@@ -136,8 +157,6 @@ def settle_unlocked(run_dir: RunDir, timeout: float = 60.0) -> Intent | None:
         return None
     try:
         with locked(run_dir, 0):
-            from vmlaunch.snapshot import settle
-
             settle(run_dir, timeout)
     except LabBusy:
         with contextlib.suppress(IntentError):

@@ -443,7 +443,7 @@ def save(run_dir: RunDir, lab: LabSpec, name: str, *, timeout: float = 60.0, for
     check_name(name)
     names = [vm.name for vm in lab.vms]
     with locked(run_dir, timeout):
-        settle(run_dir, timeout)
+        intent.settle(run_dir, timeout, strict=True)
         held = intent.held_paused(run_dir)
         if held:  # their memory may be half loaded: no snapshot of that
             why = next(iter(held.values()))
@@ -515,7 +515,7 @@ def restore(run_dir: RunDir, lab: LabSpec, name: str, *, timeout: float = 60.0) 
     check_name(name)
     names = [vm.name for vm in lab.vms]
     with locked(run_dir, timeout):
-        settle(run_dir, timeout)
+        intent.settle(run_dir, timeout, strict=True)
         disks = check(lab, names, running=running_vms(run_dir, names), doing="restore lab {lab}")
         taken = _run(_restore(run_dir, disks, name, time.monotonic() + timeout))
     log.debug("lab %s: restored snapshot %s", lab.name, name)
@@ -595,12 +595,6 @@ def finish_interrupted(run_dir: RunDir, timeout: float = 60.0) -> list[str]:
     deadline = time.monotonic() + timeout
     running = [vm for vm in found.vms if qemu.find_pid(run_dir.vm(vm)) is not None]
     return list(_run(_finish(run_dir, found, running, deadline)))
-
-
-def settle(run_dir: RunDir, timeout: float = 60.0) -> None:
-    """`finish_interrupted`, saying what it did; under the lab's lock."""
-    for line in finish_interrupted(run_dir, timeout):
-        log.warning("%s", line)
 
 
 def _intent_disks(found: Intent, vm: str) -> VmDisks:
@@ -783,7 +777,7 @@ def delete(run_dir: RunDir, lab: LabSpec, name: str, *, timeout: float = 60.0,
     check_name(name, number_ok=True)
     names = [vm.name for vm in lab.vms]
     with locked(run_dir, timeout):
-        settle(run_dir, timeout)
+        intent.settle(run_dir, timeout, strict=True)
         running = running_vms(run_dir, names)
         disks = {vm: vm_disks(lab, lab.vm(vm)) for vm in names}
         found = {vm: _found(run_dir, disks[vm], running, qemu_img) for vm in names if disks[vm].disks}
