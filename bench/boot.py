@@ -151,7 +151,7 @@ def overlay(path: Path) -> None:
 
 
 def boot_qemu(work: Path, keys: Keys, timeout: float, cpu_model: str | None = None) -> Sample:
-    from vmlaunch.cloudinit import write_seed
+    from vmlaunch.guests.cloudinit import write_seed
 
     folder = Path(tempfile.mkdtemp(dir=work, prefix="qemu-"))
     port = free_port()

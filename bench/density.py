@@ -95,7 +95,7 @@ def ksm_kept() -> Iterator[dict[str, str]]:
 
 def ksmd_seconds() -> float:
     """CPU time ksmd (KSM's kernel thread) has used."""
-    from vmlaunch.hostmem import ksmd_cpu_seconds
+    from vmlaunch.host.memory import ksmd_cpu_seconds
 
     return ksmd_cpu_seconds() or 0.0
 
@@ -193,8 +193,8 @@ class Vmlaunch(Arm):
         subprocess.run([*argv, *args], env=self.env, check=True, stdout=subprocess.DEVNULL)
 
     def start(self) -> None:
-        from vmlaunch.journal import Journal
-        from vmlaunch.rundir import RunDir
+        from vmlaunch.layout.rundir import RunDir
+        from vmlaunch.runtime.journal import Journal
 
         text = '[lab]\nname = "density"\n'  # KSM: on by default (root, several VMs)
         for vm in self.vms():

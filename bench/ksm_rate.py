@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vmlaunch.hostmem import ksmd_cpu_seconds  # noqa: E402
+from vmlaunch.host.memory import ksmd_cpu_seconds  # noqa: E402
 from vmlaunch.resources.ksm import SETTINGS, default_settings, read  # noqa: E402
 
 ADVISOR = ("advisor_mode", "advisor_target_scan_time", "advisor_max_cpu")  # beside SETTINGS

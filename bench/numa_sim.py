@@ -35,7 +35,7 @@ import attrs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vmlaunch.placement import Demand, Node, VmLoad, balance, place, smooth  # noqa: E402
+from vmlaunch.policy.placement import Demand, Node, VmLoad, balance, place, smooth  # noqa: E402
 
 NODES, CPUS, NODE_MIB = 4, 10, 64 << 10
 VM_MIB, VCPUS = 2048, 4

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 GUEST = ROOT / "examples" / "guest"
 
-from vmlaunch.rundir import RunDir  # noqa: E402
+from vmlaunch.layout.rundir import RunDir  # noqa: E402
 
 
 def spec_text(name: str, count: int) -> str:

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from vmlaunch.host import Host, KvmStatus, QemuInfo
-from vmlaunch.hostmem import KsmSupport
+from vmlaunch.host.facts import Host, KvmStatus, QemuInfo
+from vmlaunch.host.memory import KsmSupport
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

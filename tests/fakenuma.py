@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from vmlaunch.numa import format_cpulist
+from vmlaunch.host.numa import format_cpulist
 
 
 def make_nodes(sysfs: Path, nodes: int, cpus_per_node: int, memory_mib: int,

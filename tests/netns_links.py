@@ -27,14 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import attrs  # noqa: E402
 
-from vmlaunch.dirs import run_root  # noqa: E402
-from vmlaunch.hostlinks import LinkError, Netlink, netlink  # noqa: E402
-from vmlaunch.naming import default_bridge_name, tap_name  # noqa: E402
+from vmlaunch.core.naming import default_bridge_name, tap_name  # noqa: E402
+from vmlaunch.host.bridge_registry import REGISTRY_FILE  # noqa: E402
+from vmlaunch.host.links import LinkError, Netlink, netlink  # noqa: E402
+from vmlaunch.layout.dirs import run_root  # noqa: E402
+from vmlaunch.layout.rundir import RunDir  # noqa: E402
 from vmlaunch.resources.base import Context  # noqa: E402
 from vmlaunch.resources.bridge import Bridge, BridgeRecord  # noqa: E402
-from vmlaunch.resources.bridge_registry import REGISTRY_FILE  # noqa: E402
 from vmlaunch.resources.tap import Tap, TapRecord  # noqa: E402
-from vmlaunch.rundir import RunDir  # noqa: E402
 
 CTX = Context(lab="t")
 WARNINGS: list[str] = []  # what vmlaunch logged at WARNING, for the scenarios that expect it
@@ -384,7 +384,7 @@ def killed_step(mode: str) -> dict[str, Any]:
 def killed(_: str) -> dict[str, Any]:
     """After a killed up (`killed_step`), `down` of lab k removes the bridge; or the next up finishes
     it (the record says created) and its down removes it. One result per way."""
-    from vmlaunch import executor
+    from vmlaunch.runtime import executor
 
     name = default_bridge_name("k", "lan")
     results: dict[str, Any] = {}

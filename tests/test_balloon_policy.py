@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vmlaunch.balloon_policy import Decision, Guest, Host, Params, decide
+from vmlaunch.policy.balloon import Decision, Guest, Host, Params, decide
 
 M = 1 << 20
 ROOMY = Host(total=64 << 30, available=32 << 30)  # the budget binds, never the host

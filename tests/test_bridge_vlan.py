@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
+from vmlaunch.core.naming import vlan_link_name
 from vmlaunch.errors import EXIT_HOST
-from vmlaunch.hostlinks import Link, LinkError, Netlink, vlan_request
-from vmlaunch.naming import vlan_link_name
+from vmlaunch.host.bridge_registry import REGISTRY_FILE
+from vmlaunch.host.links import Link, LinkError, Netlink, vlan_request
+from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources import bridge as bridge_module
 from vmlaunch.resources.base import Context
 from vmlaunch.resources.bridge import Bridge, BridgeRecord
-from vmlaunch.resources.bridge_registry import REGISTRY_FILE
-from vmlaunch.rundir import RunDir
 
 # --- the requests, encoded ---------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The host-wide bridge registry (vmlaunch/resources/bridge_registry.py): its file, its lock, stale
+"""The host-wide bridge registry (vmlaunch/host/bridge_registry.py): its file, its lock, stale
 claims. What it does with real bridges is in tests/test_links.py (in a network namespace)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vmlaunch.resources.bridge_registry import (
+from vmlaunch.host.bridge_registry import (
     REGISTRY_FILE,
     REGISTRY_LOCK,
     BridgeEntry,
@@ -19,7 +19,7 @@ from vmlaunch.resources.bridge_registry import (
     RegistryError,
     lab_in_use,
 )
-from vmlaunch.rundir import RunDir
+from vmlaunch.layout.rundir import RunDir
 
 
 def write(root: Path, doc: object) -> Path:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import EXAMPLES, write_spec
-from vmlaunch import __version__
 from vmlaunch.cli import main
+from vmlaunch.core.version import __version__
 
 
 def vmlaunch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -82,8 +82,8 @@ def test_cmdline_json_and_shell(capsys: pytest.CaptureFixture[str], qemu_binary:
 
 def test_the_accelerator_reason_is_told_once_a_day(capsys: pytest.CaptureFixture[str],
                                                    qemu_binary: str) -> None:
-    from vmlaunch.dirs import cache_dir
-    from vmlaunch.host import ACCEL_TOLD
+    from vmlaunch.host.facts import ACCEL_TOLD
+    from vmlaunch.layout.dirs import cache_dir
 
     stamp = cache_dir() / ACCEL_TOLD
     stamp.unlink(missing_ok=True)

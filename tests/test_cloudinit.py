@@ -18,11 +18,11 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vmlaunch import cloudinit
 from vmlaunch.errors import HostError, RuntimeFailure, SpecError
-from vmlaunch.labdir import LabDir
-from vmlaunch.model import LabSpec, VmSpec
-from vmlaunch.spec import parse_lab
+from vmlaunch.guests import cloudinit
+from vmlaunch.layout.labdir import LabDir
+from vmlaunch.spec.load import parse_lab
+from vmlaunch.spec.model import LabSpec, VmSpec
 
 LAB_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKCg43hHtm1AqSJq4/c9XRzwFTq6pkMz6rYUD5m+UgEx vmlaunch-demo"
 HOST_KEY = ("-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQ==\n"
@@ -268,8 +268,8 @@ def test_a_file_with_the_header_only_changes_nothing(tmp_path: Path) -> None:
 
 
 def test_yaml_is_imported_only_for_a_users_file(lab: LabSpec) -> None:
-    code = ("import sys; from pathlib import Path; from vmlaunch.spec import load_lab; "
-            "from vmlaunch import cloudinit; lab = load_lab(sys.argv[1]); "
+    code = ("import sys; from pathlib import Path; from vmlaunch.spec.load import load_lab; "
+            "from vmlaunch.guests import cloudinit; lab = load_lab(sys.argv[1]); "
             "cloudinit.user_data(lab, lab.vm('web'), 'k', ('a', 'b')); print('yaml' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(lab.file)], capture_output=True, text=True,
                          check=True)

@@ -12,18 +12,18 @@ from hypothesis import strategies as st
 
 from tests.conftest import EXAMPLES, fake_host, write_spec
 from tests.test_qemuopts import split_qemu_opts
-from vmlaunch.compiler import TCG_CPU, compile_lab
+from vmlaunch.compile.compiler import TCG_CPU, compile_lab
+from vmlaunch.core.naming import tap_name
 from vmlaunch.errors import HostError, UsageError
-from vmlaunch.host import KvmStatus
-from vmlaunch.model import Accel, DiskFormat, PciDriver
-from vmlaunch.naming import tap_name
+from vmlaunch.host.facts import KvmStatus
 from vmlaunch.resources.bridge import Bridge
 from vmlaunch.resources.image import Image
 from vmlaunch.resources.ksm import Ksm, default_settings
 from vmlaunch.resources.pci import PciBind
 from vmlaunch.resources.script import ScriptEnv, TapScript
 from vmlaunch.resources.tap import Tap
-from vmlaunch.spec import load_lab
+from vmlaunch.spec.load import load_lab
+from vmlaunch.spec.model import Accel, DiskFormat, PciDriver
 
 GOLDEN = Path(__file__).parent / "golden"
 EXAMPLE_SPECS = sorted(EXAMPLES.glob("*.toml"))

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import ROOT, write_spec
 from vmlaunch.cli import build_parser
-from vmlaunch.completion import GENERATED_BY, script
+from vmlaunch.cli.completion import GENERATED_BY, script
 
 VENV_BIN = Path(sys.executable).parent
 INSTALL = ROOT / "tools" / "install.sh"
@@ -401,7 +401,7 @@ def test_completion_usage_errors(args: list[str], message: str) -> None:
 def test_cli_start_up_does_not_import_completion() -> None:
     result = subprocess.run(
         [sys.executable, "-c", "import sys, vmlaunch.cli; vmlaunch.cli.build_parser(); "
-         "print('vmlaunch.completion' in sys.modules)"],
+         "print('vmlaunch.cli.completion' in sys.modules)"],
         capture_output=True, text=True, check=True, timeout=60)
     assert result.stdout == "False\n"
 

@@ -1,4 +1,4 @@
-"""Confinement without a guest (`confine.py`, `resources/vmuser.py`): the uid range and its checks
+"""Confinement without a guest (`host/confine.py`, `resources/vmuser.py`): the uid range and its checks
 against the host's accounts, the host-wide claims, the sandbox in every command line, and a refused
 range leaving the host untouched (the real QEMUs: tests/test_confine_real.py)."""
 
@@ -11,11 +11,11 @@ import attrs
 import pytest
 
 from tests.conftest import fake_host, write_spec
-from vmlaunch import confine
-from vmlaunch.compiler import compile_lab
+from vmlaunch.compile.compiler import compile_lab
 from vmlaunch.errors import EXIT_HOST, HostError
+from vmlaunch.host import confine
 from vmlaunch.resources.vmuser import VmUser
-from vmlaunch.spec import load_lab
+from vmlaunch.spec.load import load_lab
 
 SPEC = '[lab]\nname = "conf"\n[vm.a]\nmemory = 64\nkernel = "/k"\n[vm.b]\nmemory = 64\nkernel = "/k"\n'
 

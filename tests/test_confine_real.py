@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.test_e2e import READY, Netns, assert_clean, lab, netns_named, pair
-from vmlaunch import confine
-from vmlaunch.confine import Confinement, process_status
+from vmlaunch.host import confine
+from vmlaunch.host.confine import Confinement, process_status
 
 pytestmark = [pytest.mark.qemu, pytest.mark.guest]
 

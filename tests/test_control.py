@@ -1,4 +1,5 @@
-"""The parts of `control.py` that need no QEMU: what `status` makes of QEMU's answers and the console."""
+"""The parts of `runtime/control.py` that need no QEMU: what `status` makes of QEMU's answers and
+the console."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from typing import Any, cast
 
 import pytest
 
-from vmlaunch.control import read_balloon, read_run_state, vm_state
-from vmlaunch.rundir import RunDir
+from vmlaunch.layout.rundir import RunDir
+from vmlaunch.runtime.control import read_balloon, read_run_state, vm_state
 
 
 class Answers:

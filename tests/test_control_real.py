@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from vmlaunch.cli import main
-from vmlaunch.rundir import RunDir
-from vmlaunch.wait import wait_until
+from vmlaunch.core.wait import wait_until
+from vmlaunch.layout.rundir import RunDir
 
 pytestmark = [pytest.mark.qemu, pytest.mark.guest]
 READY = "VMLAUNCH-GUEST-READY"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import vmlaunch
-from vmlaunch import dirs
+from vmlaunch.layout import dirs
 
 
 def test_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The disk-file rule (vmlaunch/diskfiles.py): what `up` refuses to let QEMU open, and the checks the
+"""The disk-file rule (vmlaunch/guests/diskfiles.py): what `up` refuses to let QEMU open, and the checks the
 image resource makes before and after QEMU opens a disk."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import fake_host, write_spec
-from vmlaunch import executor
-from vmlaunch.compiler import compile_lab
-from vmlaunch.diskfiles import DiskFileRefused, Policy, Unsafe, check
+from vmlaunch.compile.compiler import compile_lab
+from vmlaunch.guests.diskfiles import DiskFileRefused, Policy, Unsafe, check
 from vmlaunch.resources.base import Context
 from vmlaunch.resources.image import Image
-from vmlaunch.spec import load_lab
+from vmlaunch.runtime import executor
+from vmlaunch.spec.load import load_lab
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (files of another user)")

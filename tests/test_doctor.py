@@ -22,10 +22,10 @@ from vmlaunch.doctor.findings import Finding, Status
 from vmlaunch.doctor.lab import check_lab
 from vmlaunch.doctor.network import check_network
 from vmlaunch.doctor.run import lab_warnings, one_line, render
-from vmlaunch.host import KvmStatus
-from vmlaunch.hostmem import KsmSupport
-from vmlaunch.numa import NumaNode, Topology
-from vmlaunch.spec import load_lab
+from vmlaunch.host.facts import KvmStatus
+from vmlaunch.host.memory import KsmSupport
+from vmlaunch.host.numa import NumaNode, Topology
+from vmlaunch.spec.load import load_lab
 
 
 @pytest.fixture
@@ -288,7 +288,7 @@ def test_memory_over_commit_against_80_percent(tmp_path: Path) -> None:
 def test_up_of_one_vm_notes_its_memory_and_doctor_the_labs(tmp_path: Path) -> None:
     """`up SPEC web` with memory = "1T": the note weighs web (the VM started), the doctor line the
     whole lab; each says which, in a form a human reads first."""
-    from vmlaunch.compiler import compile_lab
+    from vmlaunch.compile.compiler import compile_lab
 
     lab = load_lab(lab_spec(tmp_path, vm("web", "1T") + vm("db", "256M")))
     host = fake_host(memory_mib=16000)

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.test_e2e import READY, Netns, assert_clean, lab, netns_named, pair, qemu_pids
-from vmlaunch.naming import tap_name
-from vmlaunch.spec import load_lab
+from vmlaunch.core.naming import tap_name
+from vmlaunch.spec.load import load_lab
 
 pytestmark = [pytest.mark.qemu, pytest.mark.guest]
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,12 +12,12 @@ import attrs
 import pytest
 
 from tests.test_pci import IDS_E1000, FakeSysfs, sysfs  # noqa: F401 - the fixture
-from vmlaunch import executor
-from vmlaunch.compiler import compile_lab
+from vmlaunch.compile.compiler import compile_lab
 from vmlaunch.errors import HostError, RuntimeFailure
-from vmlaunch.host import detect_host
-from vmlaunch.pci import PciError
-from vmlaunch.spec import load_lab
+from vmlaunch.host.facts import detect_host
+from vmlaunch.host.pci import PciError
+from vmlaunch.runtime import executor
+from vmlaunch.spec.load import load_lab
 
 pytestmark = pytest.mark.qemu
 

@@ -20,7 +20,7 @@ from vmlaunch.cli import main
 from vmlaunch.export import Export
 from vmlaunch.export.kubevirt import KubevirtOptions, claim_name, export_kubevirt
 from vmlaunch.export.libvirt import export_libvirt
-from vmlaunch.spec import load_lab
+from vmlaunch.spec.load import load_lab
 
 GOLDEN = Path(__file__).parent / "golden" / "export"
 FULL = Path(__file__).parent / "data" / "export" / "full.toml"

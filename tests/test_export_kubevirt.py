@@ -25,7 +25,7 @@ import yaml
 
 from tests.test_export import FULL, LAB_KEY, SPECS
 from vmlaunch.export.kubevirt import KubevirtOptions, export_kubevirt
-from vmlaunch.spec import load_lab
+from vmlaunch.spec.load import load_lab
 
 SCHEMAS = Path(__file__).parent / "data" / "schemas"
 SWAGGER = SCHEMAS / "kubevirt-v1.9.0-swagger.json"

@@ -36,10 +36,10 @@ import pytest
 from tests.conftest import FAKE_DEVICES, ROOT, fake_host
 from tests.test_export import FULL, SPECS
 from tools.private_libvirt import PrivateLibvirt
-from vmlaunch.compiler import compile_lab
+from vmlaunch.compile.compiler import compile_lab
 from vmlaunch.export.libvirt import export_libvirt
-from vmlaunch.host import KvmStatus, Ovmf
-from vmlaunch.spec import load_lab
+from vmlaunch.host.facts import KvmStatus, Ovmf
+from vmlaunch.spec.load import load_lab
 
 pytestmark = [pytest.mark.qemu]
 READY = "VMLAUNCH-GUEST-READY"

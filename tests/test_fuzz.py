@@ -140,7 +140,7 @@ def set_path(doc: dict[str, Any], path: tuple[str | int, ...], value: Any) -> di
 def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Private run and cache dirs for the whole test (hypothesis runs many examples in one call)."""
     root = tmp_path_factory.mktemp("fuzz")
-    (root / "vmlinuz").write_bytes(b"a kernel")  # the files VALID_LAB names exist (vmlaunch/specfiles.py)
+    (root / "vmlinuz").write_bytes(b"a kernel")  # the files VALID_LAB names exist (preflight)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VMLAUNCH_RUN_DIR", str(root / "run"))
         patch.setenv("VMLAUNCH_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cache"))

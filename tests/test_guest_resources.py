@@ -48,9 +48,9 @@ def files(tmp_path: Path) -> dict[str, int]:
 
 def test_the_lab_dir_lives_across_down_and_fresh(tmp_path: Path, run_dir: Path, test_guest: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    from vmlaunch import cloudinit
-    from vmlaunch.model import DiskFormat
+    from vmlaunch.guests import cloudinit
     from vmlaunch.resources.image import virtual_size
+    from vmlaunch.spec.model import DiskFormat
 
     spec = spec_of(tmp_path, test_guest)
     try:
@@ -112,7 +112,7 @@ def test_a_first_up_that_fails_leaves_no_lab_dir(tmp_path: Path, run_dir: Path, 
 ])
 def test_wait_ssh_reads_cloud_inits_result(tmp_path: Path, files: dict[str, str] | None, said: str) -> None:
     """The shell `--wait ssh` runs in the guest, here with a stand-in /run/cloud-init and cloud-init."""
-    from vmlaunch.executor import _CLOUD_INIT_DONE
+    from vmlaunch.runtime.executor import _CLOUD_INIT_DONE
 
     run_dir = tmp_path / "run-cloud-init"
     if files is not None:
@@ -131,7 +131,7 @@ def test_wait_ssh_reads_cloud_inits_result(tmp_path: Path, files: dict[str, str]
 
 
 def test_wait_ssh_without_cloud_init_is_done_at_once() -> None:
-    from vmlaunch.executor import _CLOUD_INIT_DONE
+    from vmlaunch.runtime.executor import _CLOUD_INIT_DONE
 
     done = subprocess.run(["/bin/sh", "-c", _CLOUD_INIT_DONE], capture_output=True, text=True, timeout=10,
                           check=False, env={"PATH": "/nonexistent"})
@@ -143,9 +143,9 @@ def test_a_guest_refusing_its_cpu_ends_the_wait_with_the_fix() -> None:
     from types import SimpleNamespace
     from typing import cast
 
+    from vmlaunch.compile.plan import VmPlan
     from vmlaunch.errors import RuntimeFailure
-    from vmlaunch.executor import check_cpu_level
-    from vmlaunch.plan import VmPlan
+    from vmlaunch.runtime.executor import check_cpu_level
 
     vm = cast(VmPlan, SimpleNamespace(name="rhel", argv=("qemu", "-cpu", "qemu64", "-m", "1G")))
     check_cpu_level(vm, "Booting\nWelcome to Rocky Linux 9\n")

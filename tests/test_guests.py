@@ -206,8 +206,8 @@ FOLDER_OWNER = (65534, 65534)  # nobody: the writable share's folder belongs to 
 
 
 def vm_uids_in(out: Path) -> set[int]:
-    """The owners of the share's files that are VMs' uids (confine.py)."""
-    from vmlaunch import confine
+    """The owners of the share's files that are VMs' uids (host/confine.py)."""
+    from vmlaunch.host import confine
 
     return {info.st_uid for path in [out, *out.rglob("*")] if (info := os.lstat(path)).st_uid in
             confine.uid_range()}

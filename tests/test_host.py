@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vmlaunch import host
+from vmlaunch.host import facts as host
 
 
 def test_a_hung_probe_leaves_no_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

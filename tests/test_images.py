@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from vmlaunch import executor
 from vmlaunch.errors import RuntimeFailure, VmlaunchError
-from vmlaunch.journal import Journal
-from vmlaunch.model import DiskFormat
+from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.base import Context
 from vmlaunch.resources.image import Image, ImageClaim, ImageRecord, partial_path
-from vmlaunch.rundir import RunDir
+from vmlaunch.runtime import executor
+from vmlaunch.runtime.journal import Journal
+from vmlaunch.spec.model import DiskFormat
 
 CTX = Context(lab="t", qemu_img="qemu-img")
 
@@ -109,12 +109,12 @@ def test_a_failing_qemu_img_leaves_nothing(tmp_path: Path) -> None:
 KILLED_UP = """
 import contextlib, sys
 from pathlib import Path
-from vmlaunch import executor
-from vmlaunch.journal import Journal
-from vmlaunch.model import DiskFormat
+from vmlaunch.runtime import executor
+from vmlaunch.runtime.journal import Journal
+from vmlaunch.spec.model import DiskFormat
 from vmlaunch.resources.base import Context
 from vmlaunch.resources.image import Image
-from vmlaunch.rundir import RunDir
+from vmlaunch.layout.rundir import RunDir
 
 run_dir = RunDir.of(Path(sys.argv[1]), "t")
 run_dir.create()

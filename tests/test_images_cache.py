@@ -1,4 +1,4 @@
-"""The image cache (vmlaunch/images.py, `vmlaunch image`): real downloads from a real HTTP server on
+"""The image cache (vmlaunch/guests/images.py, `vmlaunch image`): real downloads from a real HTTP server on
 127.0.0.1, real qcow2 files from qemu-img, real concurrent processes."""
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import Any, cast
 
 import pytest
 
-from vmlaunch import images
 from vmlaunch.cli import main
 from vmlaunch.errors import HostError, RuntimeFailure, UsageError
-from vmlaunch.model import DiskFormat, Image
+from vmlaunch.guests import images
+from vmlaunch.spec.model import DiskFormat, Image
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = 3 << 20
@@ -339,7 +339,7 @@ class Lines(logging.Handler):
 
 @pytest.fixture
 def lines() -> Iterator[Lines]:
-    logger = logging.getLogger("vmlaunch.images")
+    logger = logging.getLogger("vmlaunch.guests.images")
     handler, level = Lines(), logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

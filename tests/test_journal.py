@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from vmlaunch.journal import JOURNAL_VERSION, Entry, Journal, JournalError, VmEntry
+from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.bridge import BridgeRecord
 from vmlaunch.resources.guest import LabDirRecord, VmFileRecord
 from vmlaunch.resources.hugepages import HugepagesRecord
@@ -22,7 +22,7 @@ from vmlaunch.resources.registry import RECORDS
 from vmlaunch.resources.script import ScriptEnv, ScriptRecord
 from vmlaunch.resources.tap import TapRecord
 from vmlaunch.resources.vmuser import VmUserClaimRecord, VmUserRecord
-from vmlaunch.rundir import RunDir
+from vmlaunch.runtime.journal import JOURNAL_VERSION, Entry, Journal, JournalError, VmEntry
 
 SAMPLES = [
     Entry("image", "/l/a.img", "a", ImageRecord(Path("/l/a.img"), created=True)),

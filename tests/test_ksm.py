@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import fake_host, write_spec
-from vmlaunch.compiler import compile_lab
+from vmlaunch.compile.compiler import compile_lab
 from vmlaunch.errors import HostError, SpecError
-from vmlaunch.hostmem import KsmSupport
-from vmlaunch.journal import JournalError
+from vmlaunch.host.hostwide import RegistryError
+from vmlaunch.host.memory import KsmSupport
+from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.base import Context
-from vmlaunch.resources.hostwide import RegistryError
 from vmlaunch.resources.ksm import (
     CLAIMS_FILE,
     PASS_SECONDS,
@@ -28,8 +28,8 @@ from vmlaunch.resources.ksm import (
     explicit_settings,
     release_unjournaled_ksm,
 )
-from vmlaunch.rundir import RunDir
-from vmlaunch.spec import load_lab
+from vmlaunch.runtime.journal import JournalError
+from vmlaunch.spec.load import load_lab
 
 HOST_AS_IT_WAS = {"run": "0", "pages_to_scan": "100", "sleep_millisecs": "20", "advisor_mode": "none",
                   "pages_sharing": "0"}
@@ -264,7 +264,7 @@ def test_a_rate_with_ksm_off_is_a_spec_error(tmp_path: Path) -> None:
 def test_down_force_of_an_unreadable_journal_releases_the_labs_claim(sysfs: Path, tmp_path: Path) -> None:
     """The journal's KSM record cannot be read: once the lab is down, its claim is stale, and KSM goes
     back as the host had it then, not when the next lab comes."""
-    from vmlaunch import executor
+    from vmlaunch.runtime import executor
 
     run_dir = RunDir.of(tmp_path / "run", "a")
     run_dir.create()

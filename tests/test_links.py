@@ -1,4 +1,4 @@
-"""The bridge and tap resources (vmlaunch/resources/bridge.py, tap.py) over netlink (hostlinks.py).
+"""The bridge and tap resources (vmlaunch/resources/bridge.py, tap.py) over netlink (host/links.py).
 
 Every netlink operation runs in a private network namespace (`unshare -n`): tests/netns_links.py runs
 one scenario there and prints what it saw as JSON. The host's interfaces are never touched.
@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from vmlaunch.errors import EXIT_HOST, EXIT_RUNTIME
-from vmlaunch.hostlinks import LinkError
+from vmlaunch.host.links import LinkError
 
 SCRIPT = Path(__file__).resolve().parent / "netns_links.py"
 # as root a network namespace is enough; otherwise a user namespace gives CAP_NET_ADMIN inside it
@@ -55,7 +55,7 @@ def in_netns(scenario: str, *args: str, wrap: tuple[str, ...] = ()) -> dict[str,
 
 
 def test_import_does_not_load_pyroute2() -> None:
-    code = ("import sys, vmlaunch.resources.registry, vmlaunch.compiler; "
+    code = ("import sys, vmlaunch.resources.registry, vmlaunch.compile.compiler; "
             "print(sorted(m for m in sys.modules if m.startswith('pyroute2')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"

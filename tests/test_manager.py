@@ -12,12 +12,12 @@ import pytest
 
 from tests.conftest import fake_host, write_spec
 from vmlaunch.cli import main
-from vmlaunch.compiler import compile_lab
-from vmlaunch.control import guest_stats
+from vmlaunch.compile.compiler import compile_lab
+from vmlaunch.core.units import human_size
+from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.manager import LabManager, ManagedVm, ManagerConfig, read_config, write_config
-from vmlaunch.rundir import RunDir
-from vmlaunch.spec import load_lab
-from vmlaunch.units import human_size
+from vmlaunch.runtime.control import guest_stats
+from vmlaunch.spec.load import load_lab
 
 M = 1 << 20
 VM = '[vm.{name}]\nmemory = "{memory}"\nkernel = "/k"\n'
@@ -137,9 +137,9 @@ def test_a_manager_missing_from_its_journal_stops_itself(tmp_path: Path) -> None
     would stop it, so after a grace period it stops itself; one that is journaled goes on."""
     import asyncio
 
-    from vmlaunch.journal import Entry, Journal
-    from vmlaunch.manager import ORPHAN_AFTER, Manager
     from vmlaunch.resources.manager import ManagerRecord
+    from vmlaunch.runtime.journal import Entry, Journal
+    from vmlaunch.runtime.manager import ORPHAN_AFTER, Manager
 
     run_dir = RunDir(tmp_path / "t")
     run_dir.create()
@@ -167,7 +167,7 @@ def test_the_manager_notes_a_guests_floor_when_its_balloon_stops_short(tmp_path:
     keeps it over. One that has not moved yet (its driver is still loading) has shown no floor."""
     from typing import Any, cast
 
-    from vmlaunch.manager import Manager, Watched
+    from vmlaunch.runtime.manager import Manager, Watched
 
     run_dir = RunDir(tmp_path / "t")
     run_dir.create()

@@ -17,11 +17,11 @@ import pytest
 
 from vmlaunch.api import Lab
 from vmlaunch.cli import main
-from vmlaunch.journal import Journal
-from vmlaunch.qemu import alive
-from vmlaunch.qmp import QuickQmp
-from vmlaunch.rundir import RunDir
-from vmlaunch.wait import wait_until
+from vmlaunch.core.wait import wait_until
+from vmlaunch.layout.rundir import RunDir
+from vmlaunch.qemu.qmp import QuickQmp
+from vmlaunch.runtime.journal import Journal
+from vmlaunch.runtime.process import alive
 
 pytestmark = [pytest.mark.qemu, pytest.mark.guest]
 READY = "VMLAUNCH-GUEST-READY"

@@ -1,4 +1,4 @@
-"""Derived names and name rules (vmlaunch/naming.py): interface names that cannot collide by accident
+"""Derived names and name rules (vmlaunch/core/naming.py): interface names that cannot collide by accident
 or be taken on purpose, marks, and names the kernel would misread refused."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vmlaunch.naming import (
+from vmlaunch.core.naming import (
     IFNAMSIZ,
     default_bridge_name,
     interface_mark,

@@ -1,5 +1,5 @@
-"""The host's NUMA topology and a VM's NUMA state as read from sysfs and proc (vmlaunch/numa.py), on
-fake 2- and 4-node hosts, and the `numa` report (vmlaunch/numareport.py) from fake numa_maps."""
+"""The host's NUMA topology and a VM's NUMA state as read from sysfs and proc (vmlaunch/host/numa.py), on
+fake 2- and 4-node hosts, and the `numa` report (vmlaunch/runtime/numareport.py) from fake numa_maps."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.fakenuma import make_nodes, make_vm
-from vmlaunch.numa import (
+from vmlaunch.host.numa import (
     Topology,
     allowed_cpus,
     format_cpulist,
@@ -22,8 +22,8 @@ from vmlaunch.numa import (
     read_topology,
     vcpu_index,
 )
-from vmlaunch.numareport import NodeReport, NumaReport, render, vm_report
 from vmlaunch.resources.placement import PlacementRecord
+from vmlaunch.runtime.numareport import NodeReport, NumaReport, render, vm_report
 
 
 @pytest.fixture

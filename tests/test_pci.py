@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from vmlaunch import pci
 from vmlaunch.errors import EXIT_HOST
-from vmlaunch.journal import Entry, Journal
-from vmlaunch.model import PciDriver
-from vmlaunch.pci import PciError, bind, check_viable, restore, sysfs_root
+from vmlaunch.host import pci
+from vmlaunch.host.pci import Binding, PciError, bind, check_viable, restore, sysfs_root
+from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.base import Context
-from vmlaunch.resources.pci import PciBind, PciRecord
-from vmlaunch.rundir import RunDir
+from vmlaunch.resources.pci import PciBind
+from vmlaunch.runtime.journal import Entry, Journal
+from vmlaunch.spec.model import PciDriver
 
 NIC = "0000:15:00.0"
 NIC2 = "0000:15:00.1"
@@ -231,7 +231,7 @@ def test_root_none_means_the_environment(sysfs: FakeSysfs) -> None:
 def test_vfio_bind_and_restore_exact_writes(sysfs: FakeSysfs) -> None:
     sysfs.add(NIC)
     binding = bind(NIC, PciDriver.VFIO, sysfs.root)
-    assert binding == PciRecord(address=NIC, driver="vfio-pci", original_driver="ixgbe")
+    assert binding == Binding(address=NIC, driver="vfio-pci", original_driver="ixgbe")
     assert sysfs.writes == [
         (dev(NIC, "driver_override"), "vfio-pci"),
         (dev(NIC, "driver/unbind"), NIC),
@@ -266,7 +266,7 @@ def test_unbound_device_is_bound_and_restored_to_unbound(sysfs: FakeSysfs) -> No
 def test_already_on_the_wanted_driver_is_a_no_op(sysfs: FakeSysfs, driver: PciDriver) -> None:
     sysfs.add(NIC, driver=driver.value)
     binding = bind(NIC, driver, sysfs.root)
-    assert binding == PciRecord(NIC, driver.value, original_driver=driver.value, changed=False)
+    assert binding == Binding(NIC, driver.value, original_driver=driver.value, changed=False)
     restore(binding, sysfs.root)
     assert sysfs.writes == []
     assert sysfs.driver(NIC) == driver.value
@@ -361,7 +361,7 @@ def test_busy_unbind_is_a_pci_error_and_nothing_is_left_changed(sysfs: FakeSysfs
 def test_pci_stub_bind_and_restore_exact_writes(sysfs: FakeSysfs) -> None:
     sysfs.add(NIC)
     binding = bind(NIC, PciDriver.PCI_STUB, sysfs.root)
-    assert binding == PciRecord(address=NIC, driver="pci-stub", original_driver="ixgbe", ids="8086 10fb")
+    assert binding == Binding(address=NIC, driver="pci-stub", original_driver="ixgbe", ids="8086 10fb")
     assert sysfs.writes == [
         (drv("pci-stub", "new_id"), "8086 10fb"),
         (dev(NIC, "driver/unbind"), NIC),

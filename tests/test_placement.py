@@ -1,4 +1,4 @@
-"""Placement and the balancer as pure functions (vmlaunch/placement.py), table-tested on fake 2- and
+"""Placement and the balancer as pure functions (vmlaunch/policy/placement.py), table-tested on fake 2- and
 4-node hosts, with properties for any host; and what the compiler makes of them (argv, refusals,
 notes, the lab manager's settings)."""
 
@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import fake_host
-from vmlaunch.cgroups import CgroupVersion, Cpusets
-from vmlaunch.compiler import compile_lab
+from vmlaunch.compile.compiler import compile_lab
 from vmlaunch.errors import HostError
-from vmlaunch.numa import NumaNode, Topology
-from vmlaunch.placement import (
+from vmlaunch.host.cgroups import CgroupVersion, Cpusets
+from vmlaunch.host.numa import NumaNode, Topology
+from vmlaunch.policy.placement import (
     COOLDOWN,
     RETURN_AFTER,
     Binding,
@@ -29,7 +29,7 @@ from vmlaunch.placement import (
 )
 from vmlaunch.resources.manager import LabManager
 from vmlaunch.resources.placement import VmPlacement
-from vmlaunch.spec import load_lab
+from vmlaunch.spec.load import load_lab
 
 
 def nodes(count: int, cpus: int = 4, free: int = 8192, total: int | None = None) -> list[Node]:
@@ -210,7 +210,7 @@ def test_migrate_pages_is_best_effort() -> None:
     """This one-node host: node 1 does not exist, and nothing moves (no error either)."""
     import os
 
-    from vmlaunch.cgroups import migrate_pages
+    from vmlaunch.host.cgroups import migrate_pages
 
     migrate_pages(os.getpid(), (0,), (0, 1))
     migrate_pages(os.getpid(), (0,), (0,))  # nothing elsewhere: no call
@@ -379,10 +379,11 @@ def test_where_running_reads_the_cgroup_else_the_cpus_allowed(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from vmlaunch import qemu
-    from vmlaunch.journal import Entry, Journal, VmEntry
-    from vmlaunch.resources.placement import PlacementRecord, where_running
-    from vmlaunch.rundir import RunDir
+    from vmlaunch.layout.rundir import RunDir
+    from vmlaunch.resources.placement import PlacementRecord
+    from vmlaunch.runtime import process as qemu
+    from vmlaunch.runtime.journal import Entry, Journal, VmEntry
+    from vmlaunch.runtime.running import where_running
 
     run_dir = RunDir(tmp_path / "run" / "numa")
     run_dir.create()
@@ -398,7 +399,7 @@ def test_where_running_reads_the_cgroup_else_the_cpus_allowed(tmp_path: Path,
     journal.vms["unplaced"] = VmEntry(pid=os.getpid(), started=0.0, accel="tcg")
     journal.save()
     monkeypatch.setattr(qemu, "find_pid", lambda files, pid: None if files.name == "gone" else pid)
-    monkeypatch.setattr("vmlaunch.numa.allowed_cpus", lambda pid, tid=None: (1, 2))
+    monkeypatch.setattr("vmlaunch.host.numa.allowed_cpus", lambda pid, tid=None: (1, 2))
     assert where_running(run_dir, topology(2)) == {"a": (1,), "b": (0,)}
     assert where_running(run_dir, topology(1)) == {}  # one node: nothing to place beside
     assert where_running(RunDir(tmp_path / "run" / "none"), topology(2)) == {}

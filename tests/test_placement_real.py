@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from vmlaunch.cgroups import detect
 from vmlaunch.cli import main
-from vmlaunch.naming import cgroup_name
-from vmlaunch.numa import allowed_cpus, read_numa_maps, read_threads, read_topology, vcpu_index
+from vmlaunch.core.naming import cgroup_name
+from vmlaunch.host.cgroups import detect
+from vmlaunch.host.numa import allowed_cpus, read_numa_maps, read_threads, read_topology, vcpu_index
 
 pytestmark = [pytest.mark.qemu]
 READY = "VMLAUNCH-GUEST-READY"
@@ -114,7 +114,7 @@ def test_a_failing_up_removes_the_cgroups(tmp_path: Path, run_dir: Path, test_gu
 def test_without_cpusets_the_threads_are_pinned_by_affinity(
         tmp_path: Path, run_dir: Path, test_guest: Path, node0_cpus: tuple[int, ...],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("vmlaunch.host.detect_cpusets", lambda: None)
+    monkeypatch.setattr("vmlaunch.host.facts.detect_cpusets", lambda: None)
     spec = lab(tmp_path, test_guest, "affine", "cpu_pinning = [0]\n")
     assert main(["up", str(spec), "--wait-for", READY, "--timeout", "90"]) == 0
     try:

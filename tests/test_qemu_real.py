@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 
 from tests.conftest import EXAMPLES, netns_argv
-from vmlaunch.compiler import compile_lab
-from vmlaunch.host import detect_host, probe_bios
-from vmlaunch.model import Accel
-from vmlaunch.plan import Plan
+from vmlaunch.compile.compiler import compile_lab
+from vmlaunch.compile.plan import Plan
+from vmlaunch.host.facts import detect_host, probe_bios
 from vmlaunch.resources.tap import Tap
-from vmlaunch.spec import load_lab
+from vmlaunch.spec.load import load_lab
+from vmlaunch.spec.model import Accel
 
 DRIVER = Path(__file__).parent / "qemu_driver.py"
 pytestmark = pytest.mark.qemu

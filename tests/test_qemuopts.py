@@ -7,7 +7,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vmlaunch.qemuopts import escape, json_arg, opts
+from vmlaunch.qemu.opts import escape, json_arg, opts
 
 
 def split_qemu_opts(text: str) -> list[str]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from vmlaunch.qmp import Qmp, QmpError, QuickQmp, result
+from vmlaunch.qemu.qmp import Qmp, QmpError, QuickQmp, result
 
 GREETING = {"QMP": {"version": {"qemu": {"major": 7, "minor": 2, "micro": 0}, "package": ""},
                     "capabilities": []}}

@@ -1,4 +1,5 @@
-"""One owner per name: the run dir's file names are spelled in rundir.py only, QMP lives in qmp.py."""
+"""One owner per name: the run dir's file names are spelled in layout/rundir.py only, QMP lives in
+qemu/qmp.py."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vmlaunch.rundir import RunDir
+from vmlaunch.layout.rundir import RunDir
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vmlaunch"
 SUFFIXES = (".qmp", ".console", ".pid", ".stderr.log", ".serial.log", ".lock", "state.json")
@@ -19,7 +20,7 @@ def sources() -> dict[str, str]:
 
 def test_run_dir_names_are_spelled_in_one_module() -> None:
     for name, text in sources().items():
-        if name in ("rundir.py", "images.py"):  # images.py: the image cache's own names (its locks)
+        if name in ("layout/rundir.py", "guests/images.py"):  # guests/images.py: the image cache's locks
             continue
         for suffix in SUFFIXES:
             # a name built from a suffix: f"{name}.qmp", "state.json", ... (not "qemu.qmp", a module)
@@ -29,7 +30,7 @@ def test_run_dir_names_are_spelled_in_one_module() -> None:
 
 def test_one_qmp_module() -> None:
     users = {name for name, text in sources().items() if "qemu.qmp" in text or "QMPClient" in text}
-    assert users == {"qmp.py"}
+    assert users == {"qemu/qmp.py"}
 
 
 def test_layout() -> None:
@@ -46,7 +47,7 @@ def test_layout() -> None:
 
 def test_ls_lists_only_labs_that_are_up(run_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Folders vmlaunch did not make, labs with nothing up and unreadable journals are not labs up."""
-    from vmlaunch.control import labs_up
+    from vmlaunch.runtime.control import labs_up
 
     (run_dir / "stranger").mkdir()
     (run_dir / "bridges.json").write_text("{}")  # the run root holds files too

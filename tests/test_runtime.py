@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from vmlaunch import control, executor, qemu
-from vmlaunch.compiler import compile_lab
+from vmlaunch.compile.compiler import compile_lab
+from vmlaunch.compile.plan import Plan
 from vmlaunch.errors import RuntimeFailure, UsageError
-from vmlaunch.host import detect_host
-from vmlaunch.journal import Journal, JournalError
-from vmlaunch.plan import Plan
-from vmlaunch.spec import load_lab
+from vmlaunch.host.facts import detect_host
+from vmlaunch.runtime import control, executor
+from vmlaunch.runtime import process as qemu
+from vmlaunch.runtime.journal import Journal, JournalError
+from vmlaunch.spec.load import load_lab
 
 pytestmark = [pytest.mark.qemu, pytest.mark.guest]
 READY = "VMLAUNCH-GUEST-READY"

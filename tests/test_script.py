@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import fake_host, write_spec
-from vmlaunch import executor, signals
-from vmlaunch.compiler import compile_lab
+from vmlaunch.compile.compiler import compile_lab
+from vmlaunch.core import signals
 from vmlaunch.errors import RuntimeFailure
-from vmlaunch.journal import Journal
+from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.base import Context, UndoneWithError
 from vmlaunch.resources.script import (
     ScriptEnv,
@@ -28,8 +28,9 @@ from vmlaunch.resources.script import (
     environment,
     run_checked,
 )
-from vmlaunch.rundir import RunDir
-from vmlaunch.spec import load_lab
+from vmlaunch.runtime import executor
+from vmlaunch.runtime.journal import Journal
+from vmlaunch.spec.load import load_lab
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (files of another user)")

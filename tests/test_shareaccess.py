@@ -1,4 +1,4 @@
-"""A share given to a VM's uid and handed back (vmlaunch/shareaccess.py), on a real folder as root.
+"""A share given to a VM's uid and handed back (vmlaunch/guests/shareaccess.py), on a real folder as root.
 
 The VM's uid acts as QEMU does after `-runas`: a forked child that dropped to the uid and gid, working
 from a descriptor of the share's folder opened before (as QEMU's 9p server opens it at start-up), and
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from vmlaunch import journal, shareaccess
-from vmlaunch.compiler import SHARE_DMODE, SHARE_FMODE
-from vmlaunch.shareaccess import (
+from vmlaunch.compile.compiler import SHARE_DMODE, SHARE_FMODE
+from vmlaunch.guests import shareaccess
+from vmlaunch.guests.shareaccess import (
     ACCESS,
     DEFAULT,
     GROUP,
@@ -40,6 +40,7 @@ from vmlaunch.shareaccess import (
     grant,
     hand_back,
 )
+from vmlaunch.runtime import journal
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="gives files to other uids: needs root")
 
@@ -435,7 +436,7 @@ def test_a_missing_folder_cannot_be_given(tmp_path: Path) -> None:
 IN_NAMESPACE = """
 import json, os, subprocess, sys
 from pathlib import Path
-from vmlaunch import shareaccess
+from vmlaunch.guests import shareaccess
 base = Path(sys.argv[1])
 result = {}
 """
@@ -521,7 +522,7 @@ def test_up_refuses_a_writable_share_without_user_xattrs(tmp_path: Path) -> None
                     '[[vm.a.share]]\nsource = "ro"\ntarget = "/srv/ro"\nreadonly = true\n'
                     '[[vm.a.share]]\nsource = "rw"\ntarget = "/srv/rw"\n')
     result = in_mount_namespace(tmp_path, """
-        from vmlaunch.spec import load_lab
+        from vmlaunch.spec.load import load_lab
         for name in ("ro", "rw"):
             (base / name).mkdir()
             subprocess.run(["mount", "-t", "ramfs", "ramfs", str(base / name)], check=True)

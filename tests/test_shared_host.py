@@ -19,17 +19,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vmlaunch import executor, qemu
 from vmlaunch.cli import main
-from vmlaunch.compiler import compile_lab
-from vmlaunch.dirs import UnsafeDirectory, secure_dir
+from vmlaunch.compile.compiler import compile_lab
+from vmlaunch.compile.plan import Plan
+from vmlaunch.core.textsafe import printable
 from vmlaunch.errors import EXIT_HOST, EXIT_RUNTIME, RuntimeFailure
-from vmlaunch.host import detect_host
-from vmlaunch.journal import Journal, JournalError, LabTaken, VmEntry, locked
-from vmlaunch.plan import Plan
-from vmlaunch.rundir import RunDir, open_in_run_dir
-from vmlaunch.spec import load_lab
-from vmlaunch.textsafe import printable
+from vmlaunch.host.facts import detect_host
+from vmlaunch.layout.dirs import UnsafeDirectory, secure_dir
+from vmlaunch.layout.rundir import RunDir, open_in_run_dir
+from vmlaunch.runtime import executor
+from vmlaunch.runtime import process as qemu
+from vmlaunch.runtime.journal import Journal, JournalError, LabTaken, VmEntry, locked
+from vmlaunch.spec.load import load_lab
 
 NOBODY = pwd.getpwnam("nobody").pw_uid
 # Valid, and never started by the tests that use it: the kernel only has to exist.
@@ -229,7 +230,7 @@ def test_a_link_planted_for_a_vm_file_is_removed_before_qemu_opens_it(root: Path
     journal.vms["a"] = VmEntry(pid=None, started=0.0, accel="tcg")
     journal.save()
     with pytest.raises(RuntimeFailure, match="it is a symlink"):
-        from vmlaunch.control import read_log
+        from vmlaunch.runtime.control import read_log
 
         read_log(run_dir, "a")
 
@@ -505,7 +506,7 @@ def test_cli_runs_without_traceback_as_a_module() -> None:
 def test_a_cache_others_may_write_is_not_used(root: Path, monkeypatch: pytest.MonkeyPatch,
                                               caplog: pytest.LogCaptureFixture) -> None:
     """The cached host facts name the QEMU binary vmlaunch runs: a planted cache must not count."""
-    from vmlaunch import dirs
+    from vmlaunch.layout import dirs
 
     shared = root / "cache"
     shared.mkdir()

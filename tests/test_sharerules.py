@@ -1,4 +1,4 @@
-"""What a share may be (vmlaunch/sharerules.py): the rule on resolved paths, and the spec problems it
+"""What a share may be (vmlaunch/guests/sharerules.py): the rule on resolved paths, and the spec problems it
 gives where a spec's files are checked (`load_lab(files=True)`: validate, cmdline, up)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import write_spec
+from vmlaunch.compile.preflight import load_checked
 from vmlaunch.errors import SpecError
-from vmlaunch.sharerules import Held, refusal
-from vmlaunch.spec import load_lab
+from vmlaunch.guests.sharerules import Held, refusal
 
 HOMES = [("root", "/root"), ("alice", "/home/alice")]
 STATE = Held("/run/vmlaunch", "vmlaunch's run folder", "a guest could read it", inside_too=True)
@@ -96,7 +96,7 @@ HEAD = '[lab]\nname = "g"\n'
 
 def problems(spec: Path) -> list[str]:
     with pytest.raises(SpecError) as caught:
-        load_lab(spec, files=True)
+        load_checked(spec)
     return [str(problem).replace(str(spec.parent), "DIR") for problem in caught.value.problems]
 
 
@@ -133,7 +133,7 @@ def test_a_share_of_the_spec_folder_of_a_lab_with_a_lab_folder(lab_dir: Path) ->
 def test_a_kernel_lab_may_share_its_folder_read_only_but_not_writable(lab_dir: Path) -> None:
     """No lab folder there (a lab of kernels has none): its own kernel and the spec may be read."""
     spec = write_spec(lab_dir, HEAD + vm("a") + share(".", "/srv", readonly=True))
-    assert load_lab(spec, files=True).vm("a").shares[0].source == lab_dir
+    assert load_checked(spec).vm("a").shares[0].source == lab_dir
     spec.write_text(HEAD + vm("a") + share(".", "/srv"))
     assert problems(spec) == [
         "DIR/lab.toml:7: vm.a.share[0].source: a writable share of DIR is refused: it holds "
@@ -179,7 +179,7 @@ def test_a_writable_share_never_holds_a_writable_disk_even_its_own(lab_dir: Path
         "DIR/mine/a.img, its own disk[0]: written behind QEMU's back, the disk is corrupted "
         "(readonly = true, or share a subfolder that does not hold it)"]
     spec.write_text(text + "readonly = true\n")
-    load_lab(spec, files=True)  # its own disk, read: nothing another VM has
+    load_checked(spec)  # its own disk, read: nothing another VM has
 
 
 def test_vmlaunchs_own_folders_are_never_shared(lab_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

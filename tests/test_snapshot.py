@@ -1,4 +1,4 @@
-"""Snapshots of a whole lab (`vmlaunch/snapshot.py`, `vmlaunch snapshot`, `up --from-snapshot`).
+"""Snapshots of a whole lab (`vmlaunch/runtime/snapshot.py`, `vmlaunch snapshot`, `up --from-snapshot`).
 
 What a snapshot may hold and the refusals are checked on specs alone; the rest on one booted lab of
 two test guests under TCG (a socket network: nothing is created on the host), shared by the tests
@@ -24,16 +24,16 @@ import attrs
 import pytest
 
 from tests.conftest import fake_host
-from vmlaunch import executor, snapshot
 from vmlaunch.cli import main
-from vmlaunch.compiler import compile_lab
-from vmlaunch.dirs import run_root
+from vmlaunch.compile.compiler import compile_lab
 from vmlaunch.errors import RuntimeFailure, UsageError
-from vmlaunch.host import Ovmf
-from vmlaunch.journal import Journal
-from vmlaunch.model import LabSpec
-from vmlaunch.rundir import RunDir
-from vmlaunch.spec import load_lab
+from vmlaunch.host.facts import Ovmf
+from vmlaunch.layout.dirs import run_root
+from vmlaunch.layout.rundir import RunDir
+from vmlaunch.runtime import executor, snapshot
+from vmlaunch.runtime.journal import Journal
+from vmlaunch.spec.load import load_lab
+from vmlaunch.spec.model import LabSpec
 
 READY = "VMLAUNCH-GUEST-READY"
 VM = """
@@ -331,7 +331,7 @@ def listed(rig: Rig, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
 
 
 def running(rig: Rig) -> list[str]:
-    from vmlaunch.control import qmp_command
+    from vmlaunch.runtime.control import qmp_command
 
     return [qmp_command(rig.run_dir, vm, "query-status")["status"] for vm in ("a", "b")]
 
@@ -498,8 +498,8 @@ def test_an_interrupted_restore_holds_its_vms_and_a_save_resumes_its_own(
         rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
     """The state a restore killed half-way through its loads leaves (written here, so it is exactly
     that): both VMs paused, its intent there. Then what a killed save leaves: resumed."""
-    from vmlaunch import intent
-    from vmlaunch.control import qmp_command
+    from vmlaunch.runtime import intent
+    from vmlaunch.runtime.control import qmp_command
 
     disks: dict[str, tuple[tuple[str, str], ...]] = {vm: (("disk0", str(disk_of(rig, vm))),)
                                                       for vm in ("a", "b")}
@@ -606,7 +606,7 @@ def test_up_from_snapshot_starts_without_booting(rig: Rig, capsys: pytest.Captur
 
 def test_delete_by_a_number_while_up(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
     """QEMU's snapshot-delete job goes by the name too: the snapshot whose ID is 1 stays."""
-    from vmlaunch.control import qmp_command
+    from vmlaunch.runtime.control import qmp_command
 
     def ids() -> dict[str, str]:
         nodes = qmp_command(rig.run_dir, "a", "query-named-block-nodes", {"flat": True})

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vmlaunch.sourcemap import SourceMap
+from vmlaunch.core.sourcemap import SourceMap
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -11,10 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.conftest import EXAMPLES, write_spec
+from vmlaunch.compile.preflight import load_checked
+from vmlaunch.core.naming import derive_mac
 from vmlaunch.errors import SpecError
-from vmlaunch.model import Accel, Aio, BridgeNetwork, CacheMode, DiskBus, DiskFormat, UserNetwork
-from vmlaunch.naming import derive_mac
-from vmlaunch.spec import load_lab
+from vmlaunch.spec.load import load_lab
+from vmlaunch.spec.model import Accel, Aio, BridgeNetwork, CacheMode, DiskBus, DiskFormat, UserNetwork
 
 HEAD = '[lab]\nname = "t"\n'
 VM = '[vm.a]\nmemory = 64\nkernel = "k"\n'
@@ -180,7 +181,7 @@ def test_not_utf8(tmp_path: Path) -> None:
 
 def test_valid_spec_is_remembered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A spec that validated clean skips jsonschema next time; an edited one is checked again."""
-    import vmlaunch.spec as spec_module
+    import vmlaunch.spec.load as spec_module
 
     spec = write_spec(tmp_path, HEAD + VM)
     load_lab(spec)
@@ -247,7 +248,7 @@ def test_a_trailing_newline_passes_no_pattern(tmp_path: Path, text: str, where: 
 def _schema_patterns() -> list[str]:
     import json
 
-    from vmlaunch.spec import SCHEMA_FILE
+    from vmlaunch.spec.load import SCHEMA_FILE
 
     found: list[str] = []
 
@@ -427,8 +428,8 @@ def test_the_schema_takes_the_shape_of_size_that_parse_size_takes(text: str) -> 
     for its shape (not a size, or MB and the like), and no more."""
     import json
 
-    from vmlaunch.spec import SCHEMA_FILE, _ecma_search
-    from vmlaunch.units import parse_size
+    from vmlaunch.core.units import parse_size
+    from vmlaunch.spec.load import SCHEMA_FILE, _ecma_search
 
     pattern = json.loads(SCHEMA_FILE.read_text())["$defs"]["size"]["pattern"]
     try:
@@ -485,7 +486,7 @@ def test_each_problem_once(tmp_path: Path, text: str, expected: list[str]) -> No
 
 @pytest.mark.parametrize("kind", ["fifo", "directory", "device", "too large"])
 def test_spec_must_be_a_regular_file_of_sane_size(tmp_path: Path, kind: str) -> None:
-    from vmlaunch.spec import lab_name
+    from vmlaunch.spec.load import lab_name
 
     path = tmp_path / "lab.toml"
     if kind == "fifo":
@@ -504,7 +505,7 @@ def test_spec_must_be_a_regular_file_of_sane_size(tmp_path: Path, kind: str) -> 
 
 def test_lab_name_of_a_broken_spec_is_still_a_valid_name(tmp_path: Path) -> None:
     """`down` of a spec edited since `up` takes the name alone, but only a name `up` could have used."""
-    from vmlaunch.spec import lab_name
+    from vmlaunch.spec.load import lab_name
 
     assert lab_name(write_spec(tmp_path, '[lab]\nname = "t"\n[vm.a]\nmemory = "12X"\n')) == "t"
     for name in ("t\\n", "../t", "t\\u0000"):
@@ -521,7 +522,7 @@ def test_every_problem_of_a_table_at_once(tmp_path: Path) -> None:
                       '[[vm.a.nic]]\nnetwork = "u"\nmac = "01:00:00:00:00:01"\nspeed = 10\n'
                       '[[vm.a.disk]]\nfile = "d.img"\ncache = "unsafe"\nformt = "raw"\n')
     with pytest.raises(SpecError) as caught:
-        load_lab(spec, files=True)
+        load_checked(spec)
     assert [str(p).replace(str(spec), "lab.toml") for p in caught.value.problems] == [
         "lab.toml:6: vm.a.memory: '1.5M' is not a whole number of MiB",
         "lab.toml:7: vm.a.colour: unknown key 'colour' (known keys: accel, append, balloon, cloud_init, "
@@ -580,6 +581,6 @@ def test_one_mistake_one_line(tmp_path: Path, text: str, expected: list[str]) ->
 def test_a_control_character_in_a_path_stays_on_the_line(tmp_path: Path) -> None:
     spec = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\nkernel = "C:\\new"\n')
     with pytest.raises(SpecError) as caught:
-        load_lab(spec, files=True)
+        load_checked(spec)
     (problem,) = caught.value.problems
     assert "\n" not in str(problem) and f'"{tmp_path}/C:\\new" does not exist' in str(problem)

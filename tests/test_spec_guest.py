@@ -8,11 +8,11 @@ import attrs
 import pytest
 
 from tests.conftest import fake_host, write_spec
-from vmlaunch.compiler import compile_lab
+from vmlaunch.compile.compiler import compile_lab
 from vmlaunch.errors import HostError, SpecError
-from vmlaunch.host import Ovmf
-from vmlaunch.model import DiskFormat, Firmware
-from vmlaunch.spec import load_lab
+from vmlaunch.host.facts import Ovmf
+from vmlaunch.spec.load import load_lab
+from vmlaunch.spec.model import DiskFormat, Firmware
 
 SHA512 = "ab" * 64
 HEAD = '[lab]\nname = "g"\n'

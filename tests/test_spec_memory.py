@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from vmlaunch.errors import SpecError
-from vmlaunch.model import BalloonPolicy, HugepageSize, LabMemory, balloon_min_mib
-from vmlaunch.spec import load_lab
+from vmlaunch.spec.load import load_lab
+from vmlaunch.spec.model import BalloonPolicy, HugepageSize, LabMemory, balloon_min_mib
 
 VM = '[vm.{name}]\nmemory = "{memory}"\nkernel = "k"\n'
 

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import write_spec
+from vmlaunch.compile.preflight import load_checked
 from vmlaunch.errors import SpecError
-from vmlaunch.model import BridgeNetwork, TapNetwork
-from vmlaunch.spec import load_lab
+from vmlaunch.spec.load import load_lab
+from vmlaunch.spec.model import BridgeNetwork, TapNetwork
 
 HEAD = '[lab]\nname = "t"\n'
 NIC = '[vm.a]\nmemory = 64\nkernel = "k"\n[[vm.a.nic]]\nnetwork = "n"\n'
@@ -18,7 +19,7 @@ NIC = '[vm.a]\nmemory = 64\nkernel = "k"\n[[vm.a.nic]]\nnetwork = "n"\n'
 def problems(tmp_path: Path, text: str, *, files: bool = False) -> list[str]:
     spec = write_spec(tmp_path, text)
     with pytest.raises(SpecError) as info:
-        load_lab(spec, files=files)
+        (load_checked if files else load_lab)(spec)
     return [str(p).replace(str(spec), "lab.toml") for p in info.value.problems]
 
 

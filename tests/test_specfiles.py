@@ -11,9 +11,8 @@ import pytest
 
 from tests.conftest import write_spec
 from vmlaunch.cli import main
+from vmlaunch.compile.preflight import load_checked
 from vmlaunch.errors import SpecError
-from vmlaunch.spec import load_lab
-from vmlaunch.specfiles import check_files
 
 HEAD = '[lab]\nname = "files"\n'
 
@@ -25,7 +24,7 @@ def lab_with(tmp_path: Path, vm: str) -> Path:
 
 def problems(spec: Path) -> list[str]:
     with pytest.raises(SpecError) as caught:
-        check_files(load_lab(spec), shown=spec)
+        load_checked(spec)
     return [str(problem) for problem in caught.value.problems]
 
 
@@ -34,7 +33,7 @@ def test_good_files_pass(tmp_path: Path) -> None:
     spec = lab_with(tmp_path, 'kernel = "vmlinuz"\ninitrd = "vmlinuz"\n'
                     '[[vm.a.disk]]\nfile = "root.img"\n'
                     '[[vm.a.disk]]\nfile = "new.qcow2"\nsize = "1G"\n')  # created by up
-    check_files(load_lab(spec))
+    load_checked(spec)
 
 
 def test_each_bad_file_is_a_problem_on_its_line(tmp_path: Path) -> None:
@@ -63,7 +62,7 @@ def test_an_empty_disk_with_a_size_is_fine(tmp_path: Path) -> None:
     """`up` gives it its size (a note says so); only a disk it cannot size must have content."""
     (tmp_path / "empty.img").touch()
     spec = lab_with(tmp_path, 'kernel = "vmlinuz"\n[[vm.a.disk]]\nfile = "empty.img"\nsize = "1M"\n')
-    check_files(load_lab(spec))
+    load_checked(spec)
 
 
 def test_a_block_device_needs_the_opt_in(tmp_path: Path) -> None:
@@ -75,7 +74,7 @@ def test_a_block_device_needs_the_opt_in(tmp_path: Path) -> None:
     assert problems(spec) == [f"{spec}:6: vm.a.disk[0].file: {device} is a block device "
                               "(add block_device = true to the disk if that is meant)"]
     spec = lab_with(tmp_path, f'[[vm.a.disk]]\nfile = "{device}"\nreadonly = true\nblock_device = true\n')
-    check_files(load_lab(spec))
+    load_checked(spec)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may read and write any file")
@@ -94,7 +93,7 @@ def test_unreadable_and_unwritable_files(tmp_path: Path) -> None:  # pragma: no 
 
 def test_only_the_vms_named_are_checked(tmp_path: Path) -> None:
     spec = lab_with(tmp_path, 'kernel = "vmlinuz"\n[vm.b]\nmemory = 64\nkernel = "gone"\n')
-    check_files(load_lab(spec), ["a"])
+    load_checked(spec, vms=["a"])
     assert problems(spec) == [f"{spec}:8: vm.b.kernel: {tmp_path}/gone does not exist "
                               "(relative paths are relative to the spec file)"]
 
@@ -148,7 +147,7 @@ def test_memory_too_small_for_the_kernel_to_unpack(tmp_path: Path, memory: int, 
         initrd = 'initrd = "initrd"\n'
     spec = write_spec(tmp_path, HEAD + f'[vm.a]\nmemory = {memory}\nkernel = "vmlinuz"\n{initrd}')
     if not refused:
-        check_files(load_lab(spec))
+        load_checked(spec)
         return
     found = problems(spec)
     total = 16 + 64 + initrd_mib  # rounded up to whole MiB
@@ -168,12 +167,12 @@ def test_memory_too_small_for_the_kernel_to_unpack(tmp_path: Path, memory: int, 
 ])
 def test_kernels_the_check_cannot_read_are_left_to_qemu(tmp_path: Path, kernel: dict[str, Any]) -> None:
     bzimage(tmp_path / "vmlinuz", **{"init_mib": 63.6, **kernel})
-    check_files(load_lab(write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 32\nkernel = "vmlinuz"\n')))
+    load_checked(write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 32\nkernel = "vmlinuz"\n'))
 
 
 def test_a_short_kernel_file_is_left_to_qemu(tmp_path: Path) -> None:
     (tmp_path / "vmlinuz").write_bytes(b"HdrS")
-    check_files(load_lab(write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 32\nkernel = "vmlinuz"\n')))
+    load_checked(write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 32\nkernel = "vmlinuz"\n'))
 
 
 def test_the_test_guest_in_64m_is_refused_with_its_numbers(tmp_path: Path, test_guest: Path,

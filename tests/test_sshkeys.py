@@ -18,9 +18,9 @@ from pathlib import Path
 import attrs
 import pytest
 
-from vmlaunch import sshkeys
 from vmlaunch.errors import HostError
-from vmlaunch.labdir import LabDir
+from vmlaunch.guests import sshkeys
+from vmlaunch.layout.labdir import LabDir
 
 pytestmark = pytest.mark.skipif(shutil.which("ssh-keygen") is None or shutil.which("ssh") is None,
                                 reason="OpenSSH's client (package openssh-client) is not installed")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vmlaunch.textsafe import last_line, printable
+from vmlaunch.core.textsafe import last_line, printable
 
 
 def test_printable_takes_out_escapes_and_controls() -> None:

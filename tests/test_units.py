@@ -4,7 +4,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vmlaunch.units import bare_shown, format_size, is_bare, mib_words, parse_duration, parse_size, spelled
+from vmlaunch.core.units import (
+    bare_shown,
+    format_size,
+    is_bare,
+    mib_words,
+    parse_duration,
+    parse_size,
+    spelled,
+)
 
 
 @pytest.mark.parametrize(("text", "unit", "expected"), [

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from vmlaunch.wait import TimedOut, remaining, wait_until, wait_until_async
+from vmlaunch.core.wait import TimedOut, remaining, wait_until, wait_until_async
 
 
 def test_returns_the_first_true_value() -> None:

@@ -1,5 +1,9 @@
 """vmlaunch: a declarative QEMU/KVM lab launcher.
 
+The package's rooms, lowest first (ARCHITECTURE.md says what each holds; tests/test_layers.py keeps a
+room from importing one above it): core/ and errors, layout/, qemu/, spec/, policy/, host/, guests/,
+resources/, compile/, runtime/, doctor/ and export/, api, cli/ and pytest_plugin, this package.
+
 Kept tiny on purpose: the CLI imports this package first, so nothing heavy may be imported here. The
 public API is resolved on first use by `__getattr__` below.
 """
@@ -10,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
     from vmlaunch.api import Lab, Vm
-    from vmlaunch.control import VmStatus
     from vmlaunch.errors import HostError, RuntimeFailure, SpecError, UsageError, VmlaunchError
+    from vmlaunch.runtime.control import VmStatus
 
-__version__ = "0.1.0"
+from vmlaunch.core.version import __version__
+
 __all__ = [
     "HostError",
     "Lab",
@@ -30,7 +35,7 @@ __all__ = [
 _LAZY = {
     "Lab": "vmlaunch.api",
     "Vm": "vmlaunch.api",
-    "VmStatus": "vmlaunch.control",
+    "VmStatus": "vmlaunch.runtime.control",
     "VmlaunchError": "vmlaunch.errors",
     "SpecError": "vmlaunch.errors",
     "HostError": "vmlaunch.errors",

@@ -20,16 +20,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from vmlaunch import control, executor
-from vmlaunch.compiler import compile_lab
-from vmlaunch.control import VmStatus
+from vmlaunch.compile.compiler import compile_lab
+from vmlaunch.compile.plan import Plan
+from vmlaunch.compile.preflight import load_checked
+from vmlaunch.core.wait import TimedOut, wait_until
 from vmlaunch.errors import Location, Problem, RuntimeFailure, SpecError, VmlaunchError
-from vmlaunch.host import detect_host
-from vmlaunch.plan import Plan
-from vmlaunch.resources.placement import where_running
-from vmlaunch.rundir import RunDir
-from vmlaunch.spec import load_lab
-from vmlaunch.wait import TimedOut, wait_until
+from vmlaunch.host.facts import detect_host
+from vmlaunch.layout.rundir import RunDir
+from vmlaunch.runtime import control, executor, running
+from vmlaunch.runtime.control import VmStatus
 
 log = logging.getLogger("vmlaunch")
 
@@ -53,10 +52,10 @@ class Lab:
         __tracebackhide__ = True  # pytest: a missing or wrong spec shows the test's line
         base, base_is = _caller_base()
         self.spec = _locate_spec(spec, base, base_is)
-        self.model = load_lab(self.spec, files=True, vms=vms)
+        self.model = load_checked(self.spec, vms=vms)
         self.model.select(vms)  # a UsageError for a VM the lab does not have
         self.host = detect_host()
-        self.plan: Plan = compile_lab(self.model, self.host, vms, running=where_running(
+        self.plan: Plan = compile_lab(self.model, self.host, vms, running=running.where_running(
             RunDir.of(self.host.run_root, self.model.name), self.host.numa))
         self.only = tuple(vms)  # empty: the whole lab
         self.wait_for = wait_for
@@ -89,13 +88,13 @@ class Lab:
 
         Raises RuntimeFailure or HostError; whatever this call did is undone first.
         """
-        from vmlaunch.confine import warn_if_off
+        from vmlaunch.host.confine import warn_if_off
 
         warn_if_off(self.host)
         wait_ssh = wait_ssh if wait_ssh is not None else self.wait_ssh
         if timeout is None:
             timeout = self.timeout if self.timeout is not None else executor.default_timeout(wait_ssh)
-        from vmlaunch.shareaccess import require_xattrs
+        from vmlaunch.guests.shareaccess import require_xattrs
 
         require_xattrs(self.model, [vm.name for vm in self.plan.vms])
         executor.up(self.plan, spec=str(self.model.file), qemu_img=self.host.qemu.img,
@@ -170,7 +169,7 @@ class Vm:
     @property
     def pid(self) -> int:
         """The QEMU process's pid; RuntimeFailure when the VM is not running."""
-        return control.running_pid(self.lab.run_dir, self.name)
+        return running.running_pid(self.lab.run_dir, self.name)
 
     def console_output(self) -> str:
         """Everything the serial console has printed so far (as `vmlaunch logs`); RuntimeFailure
@@ -241,7 +240,7 @@ class Vm:
         command's (255: SSH itself failed). `check=True` raises RuntimeFailure on a non-zero status.
         UsageError when the VM has no SSH port; RuntimeFailure when it is not running."""
         words = ["sh", "-c", command] if isinstance(command, str) else list(command)
-        argv = control.ssh_argv_of(self.lab.run_dir, self.lab.model, self.name, words)
+        argv = running.ssh_argv_of(self.lab.run_dir, self.lab.model, self.name, words)
         try:
             done = subprocess.run(argv, capture_output=True, text=True, input=input, timeout=timeout,
                                   stdin=None if input is not None else subprocess.DEVNULL, check=False)
@@ -254,12 +253,12 @@ class Vm:
 
     def wait_ssh(self, timeout: float = 600.0) -> None:
         """Wait until the VM answers SSH and its cloud-init is done (as `up --wait ssh`)."""
-        from vmlaunch.journal import Journal
+        from vmlaunch.runtime.journal import Journal
 
         plan = self.lab.plan.vm(self.name)
         entry = Journal.load(self.lab.run_dir).vms.get(self.name)
         if plan.ssh_user is None:
-            raise control.no_ssh(self.lab.model, self.name)
+            raise running.no_ssh(self.lab.model, self.name)
         if entry is None or entry.ssh_port is None:
             raise RuntimeFailure(f"VM {self.name} is not up with an SSH port", "`up` it first")
         executor.wait_for_ssh(self.lab.plan, [plan], {self.name: self.pid},

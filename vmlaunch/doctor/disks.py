@@ -162,7 +162,7 @@ def _filesystem(reader: Reader, head: bytes, part: Partition) -> str | None:
 
 def cached_layout(path: Path, fmt: str, qemu_io: str = "qemu-io") -> ImageLayout:
     """`layout` of the image, from the cache when the file is the one it was read from."""
-    from vmlaunch.dirs import usable_cache_dir
+    from vmlaunch.layout.dirs import usable_cache_dir
 
     st = os.stat(path)
     key = [st.st_ino, st.st_size, st.st_mtime_ns, fmt]
@@ -182,7 +182,7 @@ def cached_layout(path: Path, fmt: str, qemu_io: str = "qemu-io") -> ImageLayout
                             "partitions": [attrs.asdict(part) for part in found.partitions]}
         for old in list(cache)[:-CACHE_ENTRIES]:
             del cache[old]
-        from vmlaunch.fsutil import write_atomic
+        from vmlaunch.core.fsutil import write_atomic
 
         with contextlib.suppress(OSError):
             write_atomic(folder / CACHE_FILE, json.dumps(cache) + "\n", durable=False)

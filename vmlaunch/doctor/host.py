@@ -6,9 +6,9 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from vmlaunch.core.units import format_size, human_size
 from vmlaunch.doctor.findings import GUIDE, NUMA_TALK, PASSTHROUGH, Finding, Status
-from vmlaunch.host import Host
-from vmlaunch.units import format_size, human_size
+from vmlaunch.host.facts import Host
 
 GOOD_SCHEDULERS = {"mq-deadline", "deadline", "none", "noop"}
 MEMORY_TARGET = 0.8  # the guide: target system use at 80 % or lower
@@ -217,7 +217,7 @@ def check_io_scheduler(folders: Sequence[Path], sysfs: Path) -> Iterator[Finding
 
 
 def check_memory() -> Iterator[Finding]:
-    from vmlaunch.hostmem import meminfo
+    from vmlaunch.host.memory import meminfo
 
     info = meminfo()
     if info is None:

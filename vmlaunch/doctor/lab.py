@@ -11,10 +11,11 @@ from pathlib import Path
 
 import attrs
 
+from vmlaunch.core.units import format_size, human_size, mib_words
 from vmlaunch.doctor.findings import CACHE_STUDY, GUIDE, PASSTHROUGH, Finding, Status
 from vmlaunch.errors import KeyPath, format_key_path
-from vmlaunch.host import Host
-from vmlaunch.model import (
+from vmlaunch.host.facts import Host
+from vmlaunch.spec.model import (
     BUDGET_SHARE,
     BalloonPolicy,
     CacheMode,
@@ -25,7 +26,6 @@ from vmlaunch.model import (
     VmSpec,
     balloon_min_mib,
 )
-from vmlaunch.units import format_size, human_size, mib_words
 
 
 @attrs.frozen
@@ -48,8 +48,8 @@ def where(lab: LabSpec, path: KeyPath) -> str:
 
 
 def disk_files(lab: LabSpec) -> list[DiskFile]:
-    from vmlaunch.images import image_info
-    from vmlaunch.labdir import LabDir
+    from vmlaunch.guests.images import image_info
+    from vmlaunch.layout.labdir import LabDir
 
     files = []
     lab_dir = LabDir.of(lab.file, lab.name)
@@ -100,11 +100,11 @@ CONFINE_WHY = ("a guest that escapes into its QEMU must find neither root nor an
 def check_confined(lab: LabSpec, host: Host) -> Iterator[Finding]:
     """Every running QEMU of the lab in a seccomp sandbox and, in a lab run as root, under a uid of its
     own: read from each one's /proc/PID/status (Uid, Seccomp)."""
-    from vmlaunch import qemu
-    from vmlaunch.confine import Confinement
     from vmlaunch.errors import VmlaunchError
-    from vmlaunch.journal import Journal
-    from vmlaunch.rundir import RunDir
+    from vmlaunch.host.confine import Confinement
+    from vmlaunch.layout.rundir import RunDir
+    from vmlaunch.runtime import process as qemu
+    from vmlaunch.runtime.journal import Journal
 
     run_dir = RunDir.of(host.run_root, lab.name)
     try:
@@ -135,7 +135,7 @@ def check_confined(lab: LabSpec, host: Host) -> Iterator[Finding]:
 def check_compiles(lab: LabSpec, host: Host) -> Iterator[Finding]:
     """What `up` would refuse on this host (a node or CPU it lacks, KSM without root, a device QEMU
     lacks): the compiler's own answer."""
-    from vmlaunch.compiler import compile_lab
+    from vmlaunch.compile.compiler import compile_lab
     from vmlaunch.errors import VmlaunchError
 
     try:
@@ -148,7 +148,7 @@ def check_compiles(lab: LabSpec, host: Host) -> Iterator[Finding]:
 
 
 def check_memory(lab: LabSpec, host: Host) -> Iterator[Finding]:
-    from vmlaunch.hostmem import meminfo
+    from vmlaunch.host.memory import meminfo
 
     auto = any(vm.balloon.enabled and vm.balloon.policy is BalloonPolicy.AUTO for vm in lab.vms)
     total = sum(vm.memory_mib for vm in lab.vms)
@@ -205,7 +205,7 @@ def check_vcpus(lab: LabSpec, host: Host) -> Iterator[Finding]:
 def check_disk_files(lab: LabSpec) -> Iterator[Finding]:
     """A disk that is no image file (a FIFO, a folder, a device): `validate` and `up` refuse it, in
     these words; the other checks leave it unopened."""
-    from vmlaunch.specfiles import not_a_file
+    from vmlaunch.compile.preflight import not_a_file
 
     for vm in lab.vms:
         for index, disk in enumerate(vm.disks):
@@ -371,7 +371,7 @@ def check_alignment(lab: LabSpec, files: Sequence[DiskFile], host: Host) -> Iter
 
 
 def check_pci(lab: LabSpec, host: Host) -> Iterator[Finding]:
-    from vmlaunch.pci import device_problems
+    from vmlaunch.host.pci import device_problems
 
     for vm in lab.vms:
         for index, dev in enumerate(vm.pci):

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from vmlaunch.doctor.findings import GUIDE, Finding, Status
-from vmlaunch.model import BridgeNetwork, LabSpec
+from vmlaunch.spec.model import BridgeNetwork, LabSpec
 
 
 def mtu(sysfs: Path, ifname: str) -> int | None:

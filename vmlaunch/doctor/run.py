@@ -7,20 +7,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from vmlaunch.doctor.findings import Finding, Status
-from vmlaunch.host import Host
-from vmlaunch.model import LabSpec
+from vmlaunch.host.facts import Host
+from vmlaunch.spec.model import LabSpec
 
 
 def roots() -> tuple[Path, Path]:
-    from vmlaunch.hostmem import proc_root
-    from vmlaunch.pci import sysfs_root
+    from vmlaunch.host.memory import proc_root
+    from vmlaunch.host.pci import sysfs_root
 
     return sysfs_root(), proc_root()
 
 
 def image_folders(lab: LabSpec | None) -> list[Path]:
     """Where guests' images live: the image cache, and the lab's folder and its disks' folders."""
-    from vmlaunch.dirs import cache_dir
+    from vmlaunch.layout.dirs import cache_dir
 
     folders = [cache_dir()]
     if lab is not None:
@@ -63,7 +63,7 @@ def doctor(lab: LabSpec | None) -> tuple[list[Finding], list[Finding]]:
     """(the host's findings, the lab's); the host as `detect_host` sees it, or a failing finding
     when it cannot (no QEMU)."""
     from vmlaunch.errors import HostError
-    from vmlaunch.host import detect_host
+    from vmlaunch.host.facts import detect_host
 
     host: Host | None
     try:

@@ -7,7 +7,7 @@
 Each exporter carries over what vmlaunch itself would do (the compiler's choices, not only the spec's
 keys), and reports each spec key the target has no equivalent for as a `Problem` with its line:
 a warning, or with `--strict` an error (`ExportError`, exit 3). Same lab, same bytes: output is
-deterministic (golden tests). The files are written by `exportcmd.py`; nothing here touches the disk,
+deterministic (golden tests). The files are written by `cli/export.py`; nothing here touches the disk,
 except that the KubeVirt exporter reads a VM's `cloud_init.user_data` file, as `up` would.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import attrs
 
 from vmlaunch.errors import KeyPath, Location, Problem
-from vmlaunch.model import LabSpec
+from vmlaunch.spec.model import LabSpec
 
 TARGETS = ("libvirt", "kubevirt")
 

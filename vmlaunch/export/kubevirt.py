@@ -29,10 +29,11 @@ from typing import Any
 
 import attrs
 
-from vmlaunch.compiler import TCG_CPU, reports_free_pages
+from vmlaunch.compile.compiler import TCG_CPU, reports_free_pages
+from vmlaunch.core.naming import default_bridge_name, management_mac
 from vmlaunch.errors import KeyPath, UsageError, format_key_path
 from vmlaunch.export import Export, ExportedFile, Findings, qualified
-from vmlaunch.model import (
+from vmlaunch.spec.model import (
     Accel,
     Aio,
     BalloonPolicy,
@@ -48,7 +49,6 @@ from vmlaunch.model import (
     UserNetwork,
     VmSpec,
 )
-from vmlaunch.naming import default_bridge_name, management_mac
 
 API = "kubevirt.io/v1"
 NAD_API = "k8s.cni.cncf.io/v1"
@@ -452,7 +452,7 @@ class _Exporter:
         return {"pvc": {"name": claim, "namespace": self.options.namespace or "default"}}
 
     def cloud_init(self, vm: VmSpec) -> dict[str, Any]:
-        from vmlaunch import cloudinit
+        from vmlaunch.guests import cloudinit
 
         # no share on a cluster, so none to mount; no host key from vmlaunch: the guest makes its own
         guest = attrs.evolve(vm, shares=())

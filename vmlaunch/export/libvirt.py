@@ -17,19 +17,19 @@ import xml.etree.ElementTree as ET
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
-from vmlaunch.compiler import (
+from vmlaunch.compile.compiler import (
     SHARE_DMODE,
     SHARE_FMODE,
     TCG_CACHE_MIB,
     TCG_CPU,
     boot_disks,
-    needs_lab_dir,
     reports_free_pages,
 )
+from vmlaunch.core.naming import management_mac, vlan_link_name
 from vmlaunch.errors import KeyPath
 from vmlaunch.export import Export, ExportedFile, Findings, qualified
-from vmlaunch.labdir import LabDir
-from vmlaunch.model import (
+from vmlaunch.layout.labdir import LabDir
+from vmlaunch.spec.model import (
     Accel,
     Aio,
     BalloonPolicy,
@@ -44,8 +44,8 @@ from vmlaunch.model import (
     TapNetwork,
     UserNetwork,
     VmSpec,
+    needs_lab_dir,
 )
-from vmlaunch.naming import management_mac, vlan_link_name
 
 # UUIDs of exported domains and networks: version 5, from this namespace and the object's name.
 UUID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "vmlaunch:export:libvirt")

@@ -27,10 +27,19 @@ from typing import Any, ClassVar
 
 import attrs
 
-from vmlaunch.hostlinks import BRIDGE_KIND, TUN_KIND, VLAN_KIND, Link, LinkError, Netlink, check_name, netlink
-from vmlaunch.naming import default_bridge_name, interface_mark, interface_name_problem, vlan_link_name
+from vmlaunch.core.naming import default_bridge_name, interface_mark, interface_name_problem, vlan_link_name
+from vmlaunch.host.bridge_registry import BridgeEntry, BridgeRegistry
+from vmlaunch.host.links import (
+    BRIDGE_KIND,
+    TUN_KIND,
+    VLAN_KIND,
+    Link,
+    LinkError,
+    Netlink,
+    check_name,
+    netlink,
+)
 from vmlaunch.resources.base import Context
-from vmlaunch.resources.bridge_registry import BridgeEntry, BridgeRegistry
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""What a real guest keeps in the lab dir (`labdir.py`): the lab dir itself, each VM's overlay of its
+"""What a real guest keeps in the lab dir (`layout/labdir.py`): the lab dir itself, each VM's overlay of its
 image, its UEFI variable store and its NoCloud seed.
 
 `down` keeps them all: the next `up` resumes the same machines (`up --fresh` or `vmlaunch reset`
@@ -22,9 +22,9 @@ import attrs
 
 from vmlaunch.errors import Location, RuntimeFailure, SpecError
 from vmlaunch.errors import Problem as SpecProblem
-from vmlaunch.labdir import LabDir, VmDir
-from vmlaunch.model import Image, LabSpec, VmSpec
+from vmlaunch.layout.labdir import LabDir, VmDir
 from vmlaunch.resources.base import Context
+from vmlaunch.spec.model import Image, LabSpec, VmSpec
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class Overlay:
         return self.vm
 
     def describe(self) -> str:
-        from vmlaunch.units import format_size
+        from vmlaunch.core.units import format_size
 
         size = f", {format_size(self.size)}" if self.size else ""
         return f"overlay {self.path} of image {self.image.name} for {self.vm}{size}"
@@ -156,7 +156,7 @@ class Overlay:
         return "exists: the VM resumes from it" if self.path.exists() else None
 
     def apply(self, ctx: Context) -> VmFileRecord:
-        from vmlaunch import images
+        from vmlaunch.guests import images
 
         if os.path.lexists(self.path):
             return VmFileRecord(self.path, created=False, what="overlay")
@@ -164,7 +164,7 @@ class Overlay:
         base = images.ensure(self.image)
         info = images.image_info(base, self.image.format)
         if self.size is not None and self.size < info.virtual_size:
-            from vmlaunch.units import format_size
+            from vmlaunch.core.units import format_size
 
             raise SpecError([SpecProblem(
                 Location(self.spec, self.line, ("vm", self.vm, "disk_size")),
@@ -266,7 +266,7 @@ class Seed:
         return "exists: written anew" if self.path.exists() else None
 
     def apply(self, ctx: Context) -> VmFileRecord:
-        from vmlaunch import cloudinit, sshkeys
+        from vmlaunch.guests import cloudinit, sshkeys
 
         vm: VmSpec = self.lab.vm(self.vm)
         vm_dir: VmDir = self.lab_dir.vm(self.vm)

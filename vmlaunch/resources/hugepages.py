@@ -20,13 +20,13 @@ from typing import ClassVar
 
 import attrs
 
+from vmlaunch.core.units import format_size
 from vmlaunch.errors import HostError
 from vmlaunch.resources.base import Context, Resource
-from vmlaunch.units import format_size
 
 
 def pool(ctx_sysfs: Path | None, size_kib: int) -> Path:
-    from vmlaunch.pci import sysfs_root
+    from vmlaunch.host.pci import sysfs_root
 
     return (ctx_sysfs or sysfs_root()) / "kernel" / "mm" / "hugepages" / f"hugepages-{size_kib}kB"
 

@@ -1,4 +1,4 @@
-"""Disk images: every disk file a VM opens is checked (`vmlaunch/diskfiles.py` has the rule), and
+"""Disk images: every disk file a VM opens is checked (`vmlaunch/guests/diskfiles.py` has the rule), and
 one with a `size` is created when missing, so that a crash at any moment leaves nothing that a later
 run could take for the user's image.
 
@@ -27,11 +27,11 @@ from typing import ClassVar, NoReturn
 
 import attrs
 
-from vmlaunch.diskfiles import DiskOrigin, Found, Policy, Unsafe, check, opened_by, refusal, refuse
+from vmlaunch.core.fsutil import fsync_dir
 from vmlaunch.errors import RuntimeFailure
-from vmlaunch.fsutil import fsync_dir
-from vmlaunch.model import DiskFormat
+from vmlaunch.guests.diskfiles import DiskOrigin, Found, Policy, Unsafe, check, opened_by, refusal, refuse
 from vmlaunch.resources.base import Context, Resource
+from vmlaunch.spec.model import DiskFormat
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class Image:
         return Policy(block_device=self.block_device, accept_other_owner=self.accept_other_owner)
 
     def describe(self) -> str:
-        from vmlaunch.units import format_size
+        from vmlaunch.core.units import format_size
 
         access = "read-only" if self.readonly else "read-write"
         if self.size is None:
@@ -188,7 +188,7 @@ class Image:
         return f"{where}: {how}" + (f"; note: {note}" if note else "")
 
     def check_path(self) -> Found:
-        """The disk's path under the rule of `diskfiles.py`; raises Unsafe."""
+        """The disk's path under the rule of `guests/diskfiles.py`; raises Unsafe."""
         return check(self.path, self.policy, creating=self.size is not None)
 
     def checked(self) -> Found:
@@ -294,7 +294,7 @@ class Image:
 
     def size_note(self, found: Found) -> str | None:
         """When an existing image's virtual size is not the spec's `size`: how to resize it."""
-        from vmlaunch.units import format_size
+        from vmlaunch.core.units import format_size
 
         if self.size is None or found.stat is None:
             return None

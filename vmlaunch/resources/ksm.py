@@ -44,13 +44,13 @@ from typing import Any, ClassVar
 
 import attrs
 
-from vmlaunch.dirs import run_root
+from vmlaunch.core.fsutil import write_atomic
 from vmlaunch.errors import HostError, needs_root
-from vmlaunch.fsutil import write_atomic
-from vmlaunch.hostmem import ksm_dir
-from vmlaunch.resources import hostwide
+from vmlaunch.host import hostwide
+from vmlaunch.host.hostwide import LAB_NAME, RegistryError
+from vmlaunch.host.memory import ksm_dir
+from vmlaunch.layout.dirs import run_root
 from vmlaunch.resources.base import Context
-from vmlaunch.resources.hostwide import LAB_NAME, RegistryError
 
 log = logging.getLogger(__name__)
 

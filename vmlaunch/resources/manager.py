@@ -1,4 +1,4 @@
-"""The lab manager as a resource: `up` starts it (one process per lab, `vmlaunch/manager.py`), the
+"""The lab manager as a resource: `up` starts it (one process per lab, `vmlaunch/runtime/manager.py`), the
 journal records which process it is, and `down` stops it.
 
 It is started when a VM's balloon has `policy = "auto"`, before the VMs (it finds them through the
@@ -27,11 +27,11 @@ from typing import Any, ClassVar
 
 import attrs
 
+from vmlaunch.core.fsutil import write_atomic
+from vmlaunch.core.textsafe import printable
 from vmlaunch.errors import RuntimeFailure
-from vmlaunch.fsutil import write_atomic
+from vmlaunch.layout.rundir import RunDir, open_in_run_dir
 from vmlaunch.resources.base import Context
-from vmlaunch.rundir import RunDir, open_in_run_dir
-from vmlaunch.textsafe import printable
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class ManagerRecord:
                             STOP_TIMEOUT)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.pid, signal.SIGKILL)
-        from vmlaunch import lastrun
+        from vmlaunch.layout import lastrun
 
         run_dir = RunDir(Path(self.run_dir))
         lastrun.keep_manager(run_dir)
@@ -190,7 +190,7 @@ class LabManager:
             # The manager forks once more and its first process exits at once: the manager is nobody's
             # child, and no caller of `up` (the API, a test) is left with a zombie.
             child = subprocess.Popen(
-                [sys.executable, "-m", "vmlaunch.manager", str(self.run_dir.path), "--ready-fd",
+                [sys.executable, "-m", "vmlaunch.runtime.manager", str(self.run_dir.path), "--ready-fd",
                  str(ready_w)], stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile,
                 pass_fds=(ready_w,), start_new_session=True, umask=0o077)
         finally:

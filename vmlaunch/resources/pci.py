@@ -1,6 +1,6 @@
 """Host PCI devices bound to a pass-through driver before QEMU starts, and given back after.
 
-The sysfs work is `vmlaunch/pci.py`; this module is its resource: the planned binding, the record of
+The sysfs work is `host/pci.py`; this module is its resource: the planned binding, the record of
 what was done (the driver the device had, the ids added to pci-stub), and the check that runs before
 anything changes (every IOMMU group viable).
 """
@@ -8,45 +8,25 @@ anything changes (every IOMMU group viable).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import attrs
 
-from vmlaunch.diskfiles import DiskOrigin
-from vmlaunch.model import PciDriver
-from vmlaunch.naming import is_driver_name, is_pci_address
+from vmlaunch.guests.diskfiles import DiskOrigin
+from vmlaunch.host.pci import Binding
 from vmlaunch.resources.base import Context
-
-
-def _address(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
-    if not is_pci_address(value):
-        raise ValueError(f"{attribute.name}: {value!r} is not a PCI address")
-
-
-def _pass_through(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
-    if value not in {driver.value for driver in PciDriver}:
-        raise ValueError(f"{attribute.name}: {value!r} is not a pass-through driver")
-
-
-def _driver_name(instance: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
-    if value is not None and not is_driver_name(value):
-        raise ValueError(f"{attribute.name}: {value!r} is not a driver name")
+from vmlaunch.spec.model import PciDriver
 
 
 @attrs.frozen
-class PciRecord:
-    """What binding did: enough to give the device back from another process."""
+class PciRecord(Binding):
+    """What binding did (`host.pci.Binding`), journaled: enough to give the device back from another
+    process."""
 
     kind: ClassVar[str] = "pci"
 
-    address: str = attrs.field(validator=_address)  # "0000:15:00.0"
-    driver: str = attrs.field(validator=_pass_through)  # what we bound it to
-    original_driver: str | None = attrs.field(validator=_driver_name)  # None: it was unbound
-    ids: str | None = None  # "8086 10fb" when we added them to pci-stub's new_id (removed again)
-    changed: bool = True  # False when it already was on the wanted driver: undo is a no-op
-
     def undo(self, ctx: Context, *, rollback: bool) -> None:
-        from vmlaunch.pci import restore
+        from vmlaunch.host.pci import restore
 
         restore(self, ctx.sysfs)
 
@@ -80,20 +60,20 @@ class PciBind:
         return f"PCI {self.address} for {self.vm}: bind to {self.driver.value}"
 
     def found(self) -> str | None:
-        from vmlaunch.pci import device_problems
+        from vmlaunch.host.pci import device_problems
 
         problems = device_problems(self.address)
         return f"refused: {'; '.join(problems)}" if problems else None
 
     def apply(self, ctx: Context) -> PciRecord:
-        from vmlaunch.pci import bind
+        from vmlaunch.host.pci import bind
 
-        return bind(self.address, self.driver, ctx.sysfs)
+        return PciRecord(**attrs.asdict(bind(self.address, self.driver, ctx.sysfs)))
 
     @staticmethod
     def preflight(binds: Sequence[PciBind]) -> None:
         """Every device to pass through is in a viable IOMMU group, before anything changes."""
-        from vmlaunch.pci import PciError, check_viable
+        from vmlaunch.host.pci import PciError, check_viable
 
         try:
             check_viable([b.address for b in binds], drivers={b.driver for b in binds})

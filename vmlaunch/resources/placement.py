@@ -1,8 +1,8 @@
-"""A VM held where placement put it (`vmlaunch/placement.py`): its QEMU's threads on the node's CPUs,
+"""A VM held where placement put it (`vmlaunch/policy/placement.py`): its QEMU's threads on the node's CPUs,
 its vCPUs on the host CPUs `cpu_pinning` names, its memory on the node (QEMU binds its RAM there with
 the memory backend's `host-nodes` and `policy = bind`, in the argv the compiler writes).
 
-Through a cpuset cgroup of its own where the host has them (`cgroups.py`): `apply` creates it with the
+Through a cpuset cgroup of its own where the host has them (`host/cgroups.py`): `apply` creates it with the
 node's CPUs and memory, and once QEMU runs paused `attach` moves every QEMU thread into it; the lab
 manager's balancer moves the VM later by rewriting the cgroup (CPUs and memory together), and `down`
 removes it. Without cpuset cgroups, `attach` pins each thread with sched_setaffinity instead (the VM
@@ -17,14 +17,13 @@ from typing import ClassVar
 
 import attrs
 
-from vmlaunch import cgroups
-from vmlaunch.cgroups import Cpusets
+from vmlaunch.core.naming import cgroup_name
 from vmlaunch.errors import HostError
-from vmlaunch.naming import cgroup_name
-from vmlaunch.numa import Topology, format_cpulist
-from vmlaunch.placement import Placed
+from vmlaunch.host import cgroups
+from vmlaunch.host.cgroups import Cpusets
+from vmlaunch.host.numa import format_cpulist
+from vmlaunch.policy.placement import Placed
 from vmlaunch.resources.base import Context
-from vmlaunch.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +93,7 @@ class VmPlacement:
 
     def attach(self, pid: int) -> None:
         """Once QEMU runs paused, before any guest code: its threads where they belong."""
-        from vmlaunch.numa import read_threads
+        from vmlaunch.host.numa import read_threads
 
         placed = self.placed
         if self.cgroup is not None:
@@ -118,41 +117,9 @@ class VmPlacement:
 
 def vcpu_threads(qmp_path: Path) -> dict[int, int]:
     """vCPU index -> host thread id, from QMP `query-cpus-fast`."""
-    from vmlaunch.qmp import QuickQmp
+    from vmlaunch.qemu.qmp import QuickQmp
 
     with QuickQmp(qmp_path, timeout=10) as qmp:
         cpus = qmp.cmd("query-cpus-fast")
     return {int(cpu["cpu-index"]): int(cpu["thread-id"]) for cpu in cpus
             if isinstance(cpu, dict) and "thread-id" in cpu}
-
-
-def where_running(run_dir: RunDir, topology: Topology | None) -> dict[str, tuple[int, ...]]:
-    """The nodes each placed VM of the lab that runs now is on: its cgroup's nodes (where the balancer
-    may have moved it since `up`), else the nodes of the CPUs its QEMU may run on. For an `up` that
-    starts more of a running lab's VMs: they are placed beside these as they are, not as they were.
-    Empty without several nodes, or a journal that cannot be read (`up` says so itself)."""
-    from vmlaunch import qemu
-    from vmlaunch.errors import VmlaunchError
-    from vmlaunch.journal import Journal
-    from vmlaunch.numa import allowed_cpus, nodes_of
-
-    if topology is None or not topology.multi_node:
-        return {}
-    try:
-        journal = Journal.load(run_dir)
-    except (VmlaunchError, OSError):
-        return {}
-    found: dict[str, tuple[int, ...]] = {}
-    for name, entry in journal.vms.items():
-        record = journal.entry(PlacementRecord.kind, name)
-        if record is None or not isinstance(record.record, PlacementRecord):
-            continue
-        pid = qemu.find_pid(run_dir.vm(name), entry.pid)
-        if pid is None:
-            continue
-        place = cgroups.place_of(record.record.cgroup) if record.record.cgroup is not None else None
-        nodes = place[1] if place is not None else nodes_of(allowed_cpus(pid), topology)
-        nodes = tuple(node for node in nodes if topology.node(node) is not None)
-        if nodes:
-            found[name] = nodes
-    return found

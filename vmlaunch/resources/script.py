@@ -21,7 +21,7 @@ no signal blocked; after SCRIPT_TIMEOUT seconds it is killed with everything it 
 session, and it dies with the vmlaunch that runs it (PR_SET_PDEATHSIG), SIGKILL included. It is
 code run as vmlaunch's user (root, to make taps), so it is refused, before anything changes and
 again just before it runs, when another user than you or root could change it or a folder on its
-path (`diskfiles.py`'s rule, with no opt-in).
+path (`guests/diskfiles.py`'s rule, with no opt-in).
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from typing import Any, ClassVar
 
 import attrs
 
-from vmlaunch.diskfiles import DiskOrigin, Policy, Unsafe, check_owner, resolve
+from vmlaunch.core.naming import interface_name_problem
+from vmlaunch.core.textsafe import printable
 from vmlaunch.errors import HostError, RuntimeFailure
-from vmlaunch.naming import interface_name_problem
+from vmlaunch.guests.diskfiles import DiskOrigin, Policy, Unsafe, check_owner, resolve
 from vmlaunch.resources.base import Context, Resource, UndoneWithError
-from vmlaunch.textsafe import printable
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ REFUSED_HINT = ("vmlaunch runs only scripts that no user but you and root can ch
 
 def check_script(script: Path) -> None:
     """Raise Unsafe when `script` is not a regular file that only you and root can change, by a path
-    only you and root can change (diskfiles.py's rule, with no opt-in)."""
+    only you and root can change (guests/diskfiles.py's rule, with no opt-in)."""
     policy = Policy()
     found = resolve(script, policy)
     if found.stat is None:
@@ -292,7 +292,7 @@ PR_SET_PDEATHSIG = 1  # prctl(2)
 def _in_child() -> Any:
     """What runs in the script's process before exec (prepared here: nothing is loaded after fork).
 
-    A rollback holds SIGINT, SIGTERM and SIGHUP (signals.py), and a blocked mask outlives exec: the
+    A rollback holds SIGINT, SIGTERM and SIGHUP (core/signals.py), and a blocked mask outlives exec: the
     script and what it runs must be able to receive them. And the script dies with the vmlaunch that
     runs it (PR_SET_PDEATHSIG): a vmlaunch killed with SIGKILL in an up_script leaves no script
     running on, half-way through wiring a tap that `down` removes (its down_script runs then, as the

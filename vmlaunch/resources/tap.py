@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 
 import attrs
 
-from vmlaunch.hostlinks import BRIDGE_KIND, TUN_KIND, LinkError, check_name, netlink, new_tap
-from vmlaunch.naming import interface_mark, interface_name_problem
+from vmlaunch.core.naming import interface_mark, interface_name_problem
+from vmlaunch.host.links import BRIDGE_KIND, TUN_KIND, LinkError, check_name, netlink, new_tap
 from vmlaunch.resources.base import Context
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
-"""The uid (and gid) a VM's QEMU runs as in a lab run as root (confine.py), and its shares given to that
-uid (shareaccess.py): claimed host-wide before the QEMU starts, taken back when the VM goes down. The
+"""The uid (and gid) a VM's QEMU runs as in a lab run as root (host/confine.py), and its shares given to that
+uid (guests/shareaccess.py): claimed host-wide before the QEMU starts, taken back when the VM goes down. The
 executor starts the QEMU with `-runas UID:GID` from this record.
 
 The uid and the shares are journaled first (a claim: `VmUserClaimRecord`), before any share is given:
@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import attrs
 
-from vmlaunch import confine
+from vmlaunch.host import confine
 from vmlaunch.resources.base import Context, Resource, UndoneWithError
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class VmUserRecord:
     def undo(self, ctx: Context, *, rollback: bool) -> None:
         """Every share back to its folder's owner (what the guest made there included), then the uid
         released. What could not be handed back is reported, and not tried again: the uid is free."""
-        from vmlaunch.shareaccess import hand_back
+        from vmlaunch.guests.shareaccess import hand_back
 
         problems = [f"share {folder}: {problem}" for folder in self.shares
                     for problem in hand_back(Path(folder), self.uid, self.gid)]
@@ -123,7 +123,7 @@ class VmUser:
         return VmUserClaim(self)
 
     def apply(self, ctx: Context) -> VmUserRecord:
-        from vmlaunch.shareaccess import grant
+        from vmlaunch.guests.shareaccess import grant
 
         uid = confine.claim(self.run_root, ctx.lab, self.vm, confine.uid_range())  # the claim's
         for folder, readonly in self.shares:

@@ -1,0 +1,130 @@
+"""`vmlaunch image pull|list|rm`: the cache of base images from the command line.
+
+Kept light like the rest of `cli/`: argparse only at import; `guests/images.py` is imported when a
+command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from vmlaunch.errors import UsageError
+
+log = logging.getLogger("vmlaunch")
+
+
+def add_parser(commands: argparse._SubParsersAction[Any]) -> None:
+    """Add the `image` command, with its sub-commands, to the CLI's `commands`."""
+    image = commands.add_parser(
+        "image", help="pull, list and remove base images (the image cache)",
+        description="Base images ([image.NAME] with a url) are downloaded once into the cache "
+        "($XDG_CACHE_HOME/vmlaunch/images), checked against their checksum, and never written: each VM "
+        "boots a qcow2 overlay of its own. `up` pulls what is missing; these commands manage the cache.",
+    )
+    sub = image.add_subparsers(dest="image_command", metavar="SUBCOMMAND", parser_class=type(image))
+    image.set_defaults(run=lambda args: _print_help(image))
+
+    pull = sub.add_parser(
+        "pull", help="download the spec's images into the cache",
+        description="Download every image of the spec that has a url (or the images named) into the "
+        "cache, unless it is there already, and print where each is. A download is checked against its "
+        "checksum before it is put in place; an interrupted one resumes; two pulls of one image wait for "
+        "each other. A named image with a local file is checked against its checksum. A download stops "
+        "past VMLAUNCH_IMAGE_MAX_SIZE (64G) received, before the cache's file system keeps less than 5 % "
+        "free (at least 1 GiB, at most 4 GiB), and below VMLAUNCH_PULL_SPEED_LIMIT bytes/s (1K; 0: "
+        "no minimum) over VMLAUNCH_PULL_SPEED_TIME (60 s).",
+    )
+    pull.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
+    pull.add_argument("images", metavar="IMAGE", nargs="*", default=[], help="only these images")
+    pull.set_defaults(run=cmd_pull)
+
+    list_ = sub.add_parser(
+        "list", help="list the cached images",
+        description="The cached images: ID (the start of the checksum), the image names they were "
+        "pulled as, format, size, when fetched, and the URL.",
+    )
+    list_.add_argument("--json", action="store_true", help='print JSON keyed by "sha512-HEX"')
+    list_.set_defaults(run=cmd_list)
+
+    rm = sub.add_parser(
+        "rm", help="remove cached images",
+        description="Remove cached images, each named by its ID (at least 8 hex digits of its checksum), "
+        "an image name or its URL, as `image list` shows them. A VM's overlay needs its image: the next "
+        "up pulls it again (the same bytes, by checksum). An image being pulled is left alone.",
+    )
+    rm.add_argument("ids", metavar="ID", nargs="*", default=[], help="e.g. 3f2a9c1e, or debian")
+    rm.add_argument("--all", action="store_true", help="remove every cached image, and partial downloads")
+    rm.add_argument("--partial", action="store_true",
+                    help="remove the partial downloads of interrupted pulls (not of pulls under way)")
+    rm.set_defaults(run=cmd_rm)
+
+
+def _print_help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 0
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from vmlaunch.guests import images
+    from vmlaunch.spec.load import load_lab
+
+    lab = load_lab(args.spec)
+    known = [image.name for image in lab.images]
+    unknown = [name for name in args.images if name not in known]
+    if unknown:
+        raise UsageError(f"{args.spec}: no image named {', '.join(map(repr, unknown))}",
+                         f"images in this lab: {', '.join(known) or 'none'}")
+    chosen = [image for image in lab.images
+              if image.name in args.images or (not args.images and image.url is not None)]
+    if not chosen:
+        log.info("%s: no image to pull (none has a url)", args.spec)
+    for image in chosen:
+        print(f"{image.name}: {images.ensure(image)}")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from vmlaunch.guests import images
+
+    cached = images.list_cached()
+    if args.json:
+        print(json.dumps({item.id: item.to_json() for item in cached}, indent=2))
+        return 0
+    if cached:
+        print(f"{'ID':<12} {'NAME(S)':<20} {'FORMAT':<6} {'SIZE':>10} {'FETCHED':<16} URL")
+    for item in cached:
+        fetched = time.strftime("%Y-%m-%d %H:%M", time.localtime(item.fetched)) if item.fetched else "-"
+        print(f"{item.short:<12} {', '.join(item.names) or '-':<20} {item.format or '-':<6} "
+              f"{images.human_size(item.size):>10} {fetched:<16} {item.url or '-'}")
+    if not cached:
+        log.info("no image in the cache (%s)", images.cache_dir())
+    left = images.partials()
+    if left:
+        log.info("%d partial download%s in %s: the next pull resumes %s; `vmlaunch image rm --partial` "
+                 "removes %s", len(left), "s" if len(left) != 1 else "", left[0].parent,
+                 "them" if len(left) != 1 else "it", "them" if len(left) != 1 else "it")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from vmlaunch.guests import images
+
+    if not (args.ids or args.all or args.partial):
+        raise UsageError("nothing to remove: give IDs (see `vmlaunch image list`), --all or --partial")
+    if args.ids and args.all:
+        raise UsageError("give IDs or --all, not both")
+    removed = images.remove(args.ids, every=args.all) if args.ids or args.all else []
+    for path in removed:
+        print(f"removed {path}")
+    if args.all or args.partial:
+        parts, busy = images.remove_partials()
+        for path in parts:
+            print(f"removed {path}")
+        for path in busy:
+            log.info("kept %s: a pull is under way", path)
+    return 0

@@ -1,0 +1,57 @@
+"""What `compile` produces: each VM's QEMU argv and the host resources the lab needs.
+
+A Plan is plain data: `cmdline` and `up --dry-run` print it, the executor carries it out.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from vmlaunch.layout.labdir import LabDir
+from vmlaunch.layout.rundir import RunDir, VmFiles
+from vmlaunch.policy.placement import Placed
+from vmlaunch.resources.base import Resource
+from vmlaunch.spec.model import Accel
+
+
+@attrs.frozen
+class AccelChoice:
+    accel: Accel  # KVM or TCG, never AUTO
+    reason: str
+
+
+@attrs.frozen
+class VmPlan:
+    name: str
+    argv: tuple[str, ...]
+    accel: AccelChoice
+    files: VmFiles
+    notes: tuple[str, ...] = ()  # warnings worth showing a user (vCPU over-commit, ...)
+    ssh_user: str | None = None  # a VM with an SSH port (management NIC): the user `vmlaunch ssh` logs in as
+    placement: Placed | None = None  # the NUMA node(s) and CPUs it runs on, when placed
+
+
+@attrs.frozen
+class Plan:
+    lab: str
+    run_dir: RunDir
+    resources: tuple[Resource, ...]
+    vms: tuple[VmPlan, ...]
+    notes: tuple[str, ...] = ()  # lab-wide warnings (memory over-commit)
+    lab_dir: LabDir | None = None  # beside the spec: keys, overlays, seeds (`layout/labdir.py`)
+
+    def vm(self, name: str) -> VmPlan:
+        for vm in self.vms:
+            if vm.name == name:
+                return vm
+        raise KeyError(name)
+
+    def accel_lines(self, *, why: bool = True) -> list[str]:
+        """The accelerator chosen and why, once per choice rather than per VM: `alpha, beta: tcg
+        (KVM not usable: ...)` (the reason is about the host, the same for every VM); without `why`,
+        `alpha, beta: tcg`."""
+        chosen: dict[AccelChoice, list[str]] = {}
+        for vm in self.vms:
+            chosen.setdefault(vm.accel, []).append(vm.name)
+        return [f"{', '.join(names)}: {choice.accel.value}" + (f" ({choice.reason})" if why else "")
+                for choice, names in chosen.items()]

@@ -1,0 +1,236 @@
+"""The one owner of a lab's run-dir layout: every file name under it is spelled here and nowhere else.
+
+    run_root/LAB/              the run dir (0700)
+        .vmlaunch-run-dir      vmlaunch's mark: only a run dir that has it is ever removed
+        state.json             the journal of what `up` did (`runtime/journal.py`)
+        V.qmp  V.console       QMP and serial console sockets of VM V
+        V.manager.qmp          the lab manager's own QMP monitor of VM V (labs with a manager)
+        V.pid                  QEMU's pidfile
+        V.stderr.log           QEMU's messages while it starts (before it opens V.qemu.log)
+        V.qemu.log             QEMU's messages from then on (-D), kept by `down` (`layout/lastrun.py`)
+        V.serial.log           what the guest printed on its serial console
+        V.console.lock         held while a `vmlaunch console` is attached
+        manager.log            what the lab manager did and why (`runtime/manager.py`), kept by `down`
+        manager.json           the lab manager's settings, written by `up` (`resources/manager.py`)
+        manager.state.json     what the lab manager saw and set last, read by `status`
+    run_root/.LAB.lock         serialises `up` and `down` of the lab (beside the run dir: `down`
+                               removes the run dir while holding it)
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+
+import attrs
+
+from vmlaunch.core.fsutil import is_temp_of
+from vmlaunch.errors import RuntimeFailure
+
+MARK = ".vmlaunch-run-dir"
+STATE = "state.json"
+VM_SUFFIXES = (".qmp", ".manager.qmp", ".console", ".console.lock", ".serial.log", ".pid", ".stderr.log",
+               ".qemu.log")
+MANAGER_LOG = "manager.log"
+MANAGER_CONFIG = "manager.json"
+MANAGER_STATE = "manager.state.json"
+INTENT = "intent.json"  # an operation on the running lab under way, or interrupted (runtime/intent.py)
+LAB_FILES = (MANAGER_LOG, MANAGER_CONFIG, MANAGER_STATE, INTENT)
+NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_in_run_dir(path: Path, flags: int, mode: int = 0o600) -> int:
+    """os.open that never follows a symlink: nothing in a run dir is one, so a link found there was
+    planted, and root must not create, truncate or read a file through it."""
+    try:
+        return os.open(path, flags | NOFOLLOW, mode)
+    except OSError as exc:
+        if exc.errno == 40:  # ELOOP: the last component is a symlink
+            raise RuntimeFailure(f"refusing to open {path}: it is a symlink, and vmlaunch never makes "
+                                 "one there", "remove it; someone may have planted it") from None
+        raise
+
+
+def vm_of_file(name: str) -> str | None:
+    """The VM whose file of the run dir this is (by its suffix: `a.manager.qmp` is VM a's), None for
+    a file that is no VM's."""
+    for suffix in sorted(VM_SUFFIXES, key=len, reverse=True):
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return name[:-len(suffix)]
+    return None
+
+
+@attrs.frozen
+class VmFiles:
+    """The files of one VM in its lab's run dir."""
+
+    dir: Path
+    name: str
+
+    def _file(self, suffix: str) -> Path:
+        assert suffix in VM_SUFFIXES
+        return self.dir / f"{self.name}{suffix}"
+
+    @property
+    def qmp(self) -> Path:
+        return self._file(".qmp")
+
+    @property
+    def manager_qmp(self) -> Path:
+        """A second QMP monitor for the lab manager: the first one stays free for users."""
+        return self._file(".manager.qmp")
+
+    @property
+    def console(self) -> Path:
+        return self._file(".console")
+
+    @property
+    def console_lock(self) -> Path:
+        return self._file(".console.lock")
+
+    @property
+    def serial_log(self) -> Path:
+        return self._file(".serial.log")
+
+    @property
+    def pidfile(self) -> Path:
+        return self._file(".pid")
+
+    @property
+    def stderr_log(self) -> Path:
+        return self._file(".stderr.log")
+
+    @property
+    def qemu_log(self) -> Path:
+        return self._file(".qemu.log")
+
+    @property
+    def sockets(self) -> tuple[Path, ...]:
+        return (self.qmp, self.manager_qmp, self.console)
+
+    @property
+    def every(self) -> tuple[Path, ...]:
+        return tuple(self._file(suffix) for suffix in VM_SUFFIXES)
+
+    @property
+    def stale(self) -> tuple[Path, ...]:
+        """What a crashed QEMU leaves that would make the next one fail to bind or be found."""
+        return (self.qmp, self.manager_qmp, self.console, self.pidfile)
+
+    @property
+    def private(self) -> tuple[Path, ...]:
+        """What QEMU creates under its own umask (027) and vmlaunch narrows to the owner."""
+        return (self.qmp, self.manager_qmp, self.console, self.serial_log, self.qemu_log)
+
+
+@attrs.frozen
+class RunDir:
+    """A lab's run dir: `root/LAB`."""
+
+    path: Path
+
+    @classmethod
+    def of(cls, root: Path, lab: str) -> RunDir:
+        return cls(root / lab)
+
+    @property
+    def lab(self) -> str:
+        return self.path.name
+
+    @property
+    def state(self) -> Path:
+        return self.path / STATE
+
+    @property
+    def mark(self) -> Path:
+        return self.path / MARK
+
+    @property
+    def manager_log(self) -> Path:
+        return self.path / MANAGER_LOG
+
+    @property
+    def manager_config(self) -> Path:
+        return self.path / MANAGER_CONFIG
+
+    @property
+    def manager_state(self) -> Path:
+        return self.path / MANAGER_STATE
+
+    @property
+    def intent(self) -> Path:
+        return self.path / INTENT
+
+    def secure(self, *, create: bool = False) -> bool:
+        """Check the run root and this run dir against the ownership rule (`dirs.secure_dir`); with
+        `create`, make what is missing. Returns whether the run dir exists."""
+        from vmlaunch.layout.dirs import secure_dir
+
+        return secure_dir(self.path, top=self.path.parent, create=create)
+
+    def create(self) -> None:
+        """Make the run dir (0700, marked as vmlaunch's), or check the one there is vmlaunch's."""
+        existed = self.path.exists()
+        self.secure(create=True)
+        if existed and not self.marked():
+            raise RuntimeFailure(f"{self.path} exists and was not made by vmlaunch (it has no "
+                                 f"{MARK} mark), so lab {self.lab} cannot use it",
+                                 "move it away, or give the lab another name")
+        os.chmod(self.path, 0o700)
+        if not existed:
+            fd = open_in_run_dir(self.mark, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            with os.fdopen(fd, "w") as out:
+                out.write(f"vmlaunch run dir of lab {self.lab}\n")
+
+    def marked(self) -> bool:
+        try:
+            return stat.S_ISREG(os.lstat(self.mark).st_mode)
+        except FileNotFoundError:
+            return False
+
+    def remove(self, vms: Iterable[str] = ()) -> str | None:
+        """Remove the run dir if it is vmlaunch's (marked) and holds only what vmlaunch puts there
+        (the journal, the files of the VMs named); else leave it and return why. Files are removed
+        one by one, never through a link."""
+        known = {MARK, STATE, *LAB_FILES} | {f"{vm}{suffix}" for vm in vms for suffix in VM_SUFFIXES}
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            return f"it cannot be opened ({exc.strerror})"
+        try:
+            names = os.listdir(fd)
+            if MARK not in names:
+                return f"it has no {MARK} mark, so vmlaunch did not make it"
+            temps = (STATE, MANAGER_CONFIG, MANAGER_STATE, INTENT)  # what write_atomic writes
+            strangers = [n for n in names if not (n in known or any(is_temp_of(n, f) for f in temps))
+                         or stat.S_ISDIR(os.lstat(n, dir_fd=fd).st_mode)]
+            if strangers:
+                return f"it holds what vmlaunch did not put there: {', '.join(sorted(strangers)[:5])}"
+            for name in names:
+                if name != MARK:
+                    os.unlink(name, dir_fd=fd)
+            os.unlink(MARK, dir_fd=fd)  # last: a removal cut short leaves a run dir still marked
+        except OSError as exc:
+            return f"it could not be emptied ({exc.strerror})"
+        finally:
+            os.close(fd)
+        try:
+            os.rmdir(self.path)
+        except OSError as exc:
+            return f"it could not be removed ({exc.strerror})"
+        return None
+
+    @property
+    def lock(self) -> Path:
+        return self.path.parent / f".{self.path.name}.lock"
+
+    def vm(self, name: str) -> VmFiles:
+        return VmFiles(self.path, name)
+
+    def __str__(self) -> str:
+        return str(self.path)
+

@@ -1,0 +1,686 @@
+"""Carry a Plan out (`up`) and undo it (`down`).
+
+`up` applies each resource, journals the record it returns and puts the record's undo on one
+ExitStack: any failure (or Ctrl-C) unwinds what this `up` did, in reverse. Every kind of resource is
+handled the same way (`resources/base.py`); nothing here knows bridges from images.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import logging
+import os
+import re
+import stat
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from vmlaunch.compile.plan import Plan, VmPlan
+from vmlaunch.core import signals
+from vmlaunch.core.textsafe import last_line, printable
+from vmlaunch.core.wait import TimedOut, remaining, wait_until
+from vmlaunch.errors import RuntimeFailure, UsageError, VmlaunchError
+from vmlaunch.layout import lastrun
+from vmlaunch.layout.labdir import LabDir
+from vmlaunch.layout.rundir import RunDir, VmFiles
+from vmlaunch.qemu.qmp import QuickQmp
+from vmlaunch.resources.base import Context, Resource, UndoneWithError, preflight
+from vmlaunch.runtime import process as qemu
+from vmlaunch.runtime import snapshot
+from vmlaunch.runtime.journal import Entry, Journal, VmEntry, locked
+from vmlaunch.runtime.running import running_vms
+
+if TYPE_CHECKING:
+    from vmlaunch.runtime.snapshot import WarmStart
+
+log = logging.getLogger(__name__)
+
+
+def describe(plan: Plan) -> Iterator[str]:
+    """What `up` would do, for `--dry-run`: the resources with what exists now, then each argv."""
+    import shlex
+
+    from vmlaunch.resources.vmuser import VmUser
+
+    yield f"lab {plan.lab}: run dir {plan.run_dir}"
+    journal = Journal.load(plan.run_dir)
+    for resource in plan.resources:
+        found = resource.found()
+        state = " [done]" if journal.has(resource.kind, resource.key) else f" [{found}]" if found else ""
+        yield f"  {resource.describe()}{state}"
+    running_now = running_vms(journal)
+    yield from (f"accelerator: {line}" for line in plan.accel_lines())
+    for vm in plan.vms:
+        running = vm.name in running_now
+        yield f"{vm.name}: {vm.accel.accel.value}{' [running]' if running else ''}"
+        runas = " -runas UID:UID" if any(isinstance(r, VmUser) and r.vm == vm.name
+                                         for r in plan.resources) else ""
+        yield f"  {shlex.join(vm.argv)} -S{runas}  (in a session of its own; then QMP cont)"
+
+
+def _apply(resource: Resource, ctx: Context, journal: Journal, stack: contextlib.ExitStack) -> None:
+    """Apply one resource, journal its record, and put its undo on the stack for a failing `up`.
+
+    A resource that writes for a while (an image) may name a `claim` to apply and journal first, unless
+    a killed run did: what a crash half-way leaves, `down` undoes and the next `up` finishes. The
+    finished record then replaces the claim's."""
+    claim_of = getattr(resource, "claim", None)
+    claim: Resource | None = claim_of(ctx) if claim_of is not None else None
+    claimed = contextlib.ExitStack()  # the claim's undo, until the record replaces it
+    try:
+        if claim is not None and not journal.has(claim.kind, claim.key):
+            _apply(claim, ctx, journal, claimed)
+        record = resource.apply(ctx)
+        entry = Entry(kind=resource.kind, key=resource.key, vm=resource.owner, record=record)
+        stack.callback(_roll_back, entry, ctx, journal)  # first: undone even if not journaled
+        claimed.pop_all()  # undoing the record undoes what the claim covered: never both
+    except BaseException:
+        with signals.held():
+            claimed.close()
+        raise
+    if claim is not None:
+        journal.resources = [e for e in journal.resources if (e.kind, e.key) != (claim.kind, claim.key)]
+    journal.add(entry)
+
+
+def _roll_back(entry: Entry, ctx: Context, journal: Journal) -> None:
+    """Undo one thing a failing `up` did. A failure is said, never raised: the error of the failing
+    `up` stays the one it exits with, and the rest of the rollback runs. What could not be undone
+    stays in the journal, for `down` to try again."""
+    try:
+        entry.record.undo(ctx, rollback=True)
+    except UndoneWithError as exc:  # done as far as it goes: never again
+        log.warning("%s", exc)
+    except Exception as exc:  # whatever it is, the error of the `up` comes first
+        log.warning("rolling back, could not undo %s: %s (it stays in the journal: `vmlaunch down SPEC` "
+                    "tries again)", entry.record.describe(), _reason(exc))
+        return
+    with contextlib.suppress(OSError):  # the run dir goes away after a failed up anyway
+        journal.drop(entry)
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, VmlaunchError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    return f"{type(exc).__name__}: {exc}"  # a bug: still said, and the rollback goes on
+
+
+def up(plan: Plan, *, spec: str | os.PathLike[str], qemu_img: str | None = None, wait_for: str | None = None,
+       timeout: float = 60.0, force: bool = False, wait_ssh: bool = False,
+       fresh: bool = False, from_snapshot: WarmStart | None = None) -> dict[str, int]:
+    """Make the plan real; return name -> pid of every VM of the plan now running.
+
+    A lab that is up from another spec file (same lab name) is refused unless `force` takes it over.
+    `from_snapshot` (`snapshot.warm_start`): the VMs, all down, start from a snapshot, RAM included.
+    """
+    if fresh and from_snapshot is not None:
+        raise UsageError("--fresh and --from-snapshot do not go together: --fresh makes the disks that "
+                         "hold the snapshot anew")
+    umask = os.umask(0o077)  # the run dir, journal and logs are for their owner only
+    try:
+        ctx = Context(lab=plan.lab, qemu_img=qemu_img or "qemu-img")
+        return _up(plan, os.fspath(spec), ctx, wait_for, timeout, force, wait_ssh, fresh, from_snapshot)
+    finally:
+        os.umask(umask)
+
+
+def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: float,
+        force: bool, wait_ssh: bool = False, fresh: bool = False,
+        from_snapshot: WarmStart | None = None) -> dict[str, int]:
+    with locked(plan.run_dir, timeout):
+        journal = Journal.load(plan.run_dir)  # first: a journal it cannot read leaves no mark
+        journal.check_spec(spec, force=force)
+        snapshot.settle(plan.run_dir, timeout)
+        plan.run_dir.create()
+        journal.spec = os.path.realpath(spec)
+        already = running_vms(journal)
+        for name in _never_ran(journal, already):  # an up killed before it let them run: started anew
+            del already[name], journal.vms[name]
+        to_start = [vm for vm in plan.vms if vm.name not in already]
+        if from_snapshot is not None and len(to_start) < len(plan.vms):
+            running = [vm.name for vm in plan.vms if vm.name in already]
+            raise RuntimeFailure(f"{', '.join(running)} {'runs' if len(running) == 1 else 'run'} already: "
+                                 "--from-snapshot starts VMs that are down", "restore a lab that is up "
+                                 f"with `vmlaunch snapshot SPEC restore {from_snapshot.name}`")
+        if fresh:
+            for name in already:
+                log.warning("%s runs already: not started afresh (down it first)", name)
+            _reset(plan.lab_dir, [vm.name for vm in to_start])
+        revived = _revive(plan, ctx, journal)
+        if not to_start:
+            if revived:
+                with contextlib.ExitStack() as stack:
+                    for resource in revived:
+                        _apply(resource, ctx, journal, stack)
+                    stack.pop_all()
+            log.info("lab %s: every VM already runs", plan.lab)
+            return already
+        wanted = {vm.name for vm in to_start}
+        resources = [r for r in plan.resources if not journal.has(r.kind, r.key)
+                     and (r.owner is None or r.owner in wanted)]
+        stack = contextlib.ExitStack()
+        try:
+            preflight(resources)
+            for resource in resources:
+                _apply(resource, ctx, journal, stack)
+            for vm in to_start:
+                _clear_stale(vm.files)
+                # Journaled before QEMU starts: a vmlaunch killed from here on leaves a journal that
+                # `down` finds the QEMU by (through the pidfile).
+                journal.vms[vm.name] = VmEntry(pid=None, started=time.time(), accel=vm.accel.accel.value)
+            journal.save()
+            if from_snapshot is not None:
+                to_start = [from_snapshot.starting(vm) for vm in to_start]
+            # Before start: a signal the moment start returns must not leave its QEMUs running.
+            stack.callback(qemu.kill_serving, [vm.files for vm in to_start])
+            pids = qemu.start(to_start, _identities(journal, to_start))
+            for resource in plan.resources:  # QEMUs wait paused: a resource may check what QEMU opened,
+                for hook in ("check_opened", "attach"):  # and put QEMU's threads where they belong
+                    call = getattr(resource, hook, None)
+                    if call is not None and resource.owner in pids:
+                        call(pids[resource.owner])
+            for vm in to_start:  # whatever umask QEMU had, these are ours alone
+                journal.vms[vm.name] = VmEntry(pid=pids[vm.name], started=journal.vms[vm.name].started,
+                                               accel=vm.accel.accel.value,
+                                               ssh_port=ssh_port(vm) if vm.ssh_user else None)
+                for path in vm.files.private:
+                    _narrow(path)
+            journal.save()
+            deadline = time.monotonic() + timeout
+            if from_snapshot is not None:  # still paused: the guests resume at the snapshot's instant
+                from_snapshot.load(to_start, timeout)
+            _wait_ready(to_start, pids, wait_for, timeout)
+            waited = [vm for vm in to_start if vm.ssh_user] if wait_ssh else []
+            if waited:  # with their clocks set in the same SSH session, after a snapshot
+                ports = {vm.name: journal.vms[vm.name].ssh_port for vm in waited}
+                wait_for_ssh(plan, waited, pids, ports, remaining(deadline, 1.0),
+                             clocks=[vm.name for vm in waited] if from_snapshot is not None else ())
+            if from_snapshot is not None:
+                from_snapshot.step_clocks(plan, [vm for vm in to_start if vm not in waited],
+                                          {vm.name: journal.vms[vm.name].ssh_port for vm in to_start})
+        except BaseException:
+            with signals.held():  # a second Ctrl-C must not cut the rollback short
+                try:
+                    stack.close()  # QEMUs killed first: their logs are complete
+                    lastrun.keep(plan.run_dir, [vm.name for vm in to_start])
+                finally:
+                    for vm in to_start:
+                        journal.vms.pop(vm.name, None)
+                    if not journal.empty:  # the run dir stays (for VMs that run, or what was not undone)
+                        for vm in to_start:  # but not these files: their logs were kept
+                            _remove_files(vm.files)
+                    _settle(journal, [vm.name for vm in plan.vms])
+            raise
+        stack.pop_all()  # success: keep everything for `down`
+        return {**already, **pids}
+
+
+def _revive(plan: Plan, ctx: Context, journal: Journal) -> list[Resource]:
+    """The lab's journaled processes (the lab manager) that are gone, to start again: their records
+    are dropped from the journal. Those that run are given this plan's settings (`refresh`)."""
+    revived = []
+    for resource in plan.resources:
+        entry = journal.entry(resource.kind, resource.key)
+        if entry is None:
+            continue
+        alive = getattr(entry.record, "alive", None)
+        if alive is not None and not alive():
+            log.warning("%s is gone: starting it again", entry.record.describe())
+            journal.drop(entry)
+            revived.append(resource)
+            continue
+        refresh = getattr(resource, "refresh", None)
+        if refresh is not None:
+            refresh(ctx)
+    return revived
+
+
+def ssh_port(vm: VmPlan) -> int:
+    """The host port QEMU's user network picked for the VM's SSH forward (127.0.0.1:0 in its argv),
+    from the monitor's `info usernet`: the section of the management netdev, the rule to port 22."""
+    import re
+
+    with QuickQmp(vm.files.qmp, timeout=5) as qmp:
+        text = qmp.cmd("human-monitor-command", **{"command-line": "info usernet"})
+    section = re.search(r"\(mgmt\):\r?\n(.*?)(?:\r?\nHub |\Z)", str(text), re.S)
+    found = section and re.search(r"TCP\[HOST_FORWARD\]\s+\d+\s+127\.0\.0\.1\s+(\d+)\s+\S+\s+22\b",
+                                  section.group(1))
+    if not found:
+        raise RuntimeFailure(f"{vm.name}: QEMU did not say which port it forwards to SSH",
+                             f"`info usernet` answered: {printable(str(text)).strip()[:200]!r}")
+    return int(found.group(1))
+
+
+def reset(run_dir: RunDir, lab_dir: LabDir, vms: Sequence[str], timeout: float = 10.0) -> None:
+    """`vmlaunch reset`: the next `up` starts these VMs afresh from their images. Refused for a VM
+    that runs (its QEMU holds the files)."""
+    with locked(run_dir, timeout):
+        running = [name for name in running_vms(Journal.load(run_dir)) if name in vms]
+        if running:
+            raise RuntimeFailure(f"{', '.join(running)} {'is' if len(running) == 1 else 'are'} up: "
+                                 "a running VM cannot be reset", "take it down first: `vmlaunch down "
+                                 f"SPEC {' '.join(running)}`")
+        _reset(lab_dir, vms)
+
+
+def _reset(lab_dir: LabDir | None, vms: Sequence[str]) -> None:
+    from vmlaunch.resources.guest import reset as reset_vm
+
+    if lab_dir is None:
+        return
+    for name in vms:
+        removed = reset_vm(lab_dir, name)
+        if removed:
+            log.info("%s: reset (removed %s)", name, ", ".join(path.name for path in removed))
+
+
+def _narrow(path: Path) -> None:
+    """chmod 0600, but never through a symlink (a chmod follows one)."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISLNK(os.lstat(path).st_mode):
+            os.chmod(path, 0o600)
+
+
+def _settle(journal: Journal, vms: Iterable[str]) -> list[str]:
+    """Save the journal, or remove the run dir when nothing is left in it; return what failed.
+
+    Removing needs no free space: a full run dir still loses an empty journal. A run dir that is not
+    vmlaunch's, or holds files vmlaunch did not put there, is kept and said so.
+    """
+    run_dir = journal.run_dir
+    if journal.empty:
+        if run_dir.path.exists() and not run_dir.marked():
+            log.warning("kept %s: it has no vmlaunch mark, so vmlaunch did not make it", run_dir)
+            return []
+        try:
+            if stat.S_ISREG(os.lstat(run_dir.state).st_mode):
+                os.unlink(run_dir.state)  # first: whatever else fails, nothing is left to undo
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            return [f"the journal {run_dir.state} could not be removed ({exc.strerror or exc}); "
+                    "everything it lists is undone: run down again to remove the run dir"]
+        why = run_dir.remove(vms)
+        if why is not None:
+            log.warning("kept %s: %s", run_dir, why)
+        return []
+    try:
+        journal.save()
+    except OSError as exc:
+        return [f"the journal {run_dir.state} could not be updated ({exc.strerror or exc}); it still "
+                "lists what was undone, which the next down finds gone and skips"]
+    return []
+
+
+def _never_ran(journal: Journal, running: dict[str, int]) -> list[str]:
+    """The VMs among `running` whose guest never ran (`qemu.NEVER_RAN`): an `up` was killed before it
+    let them run. Their QEMUs are stopped, for this `up` to start them anew."""
+    stalled = {}
+    for name, pid in running.items():
+        try:
+            with QuickQmp(journal.run_dir.vm(name).qmp, 2) as qmp:
+                state = qmp.cmd("query-status").get("status")
+        except (RuntimeFailure, OSError, ValueError):
+            continue  # busy or gone: left as it is
+        if state in qemu.NEVER_RAN:
+            stalled[name] = (pid, journal.run_dir.vm(name))
+    for name, how in qemu.stop_all(stalled, 1.0).items():
+        log.warning("%s: its guest never ran (an earlier up was interrupted before it let it run): %s, "
+                    "started again", name, how)
+    return list(stalled)
+
+
+def _identities(journal: Journal, vms: Sequence[VmPlan]) -> dict[str, tuple[int, int]]:
+    """VM -> (uid, gid) its QEMU runs as: the uid each VM claimed (resources/vmuser.py), if any."""
+    from vmlaunch.resources.vmuser import VmUserRecord
+
+    found = {}
+    for vm in vms:
+        entry = journal.entry(VmUserRecord.kind, vm.name)
+        if entry is not None and isinstance(entry.record, VmUserRecord):
+            found[vm.name] = (entry.record.uid, entry.record.gid)
+    return found
+
+
+def _remove_files(files: VmFiles) -> None:
+    for path in files.every:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _clear_stale(files: VmFiles) -> None:
+    """Sockets and pidfiles a crashed QEMU left behind would make QEMU fail to bind; and QEMU opens
+    its serial log itself, following links, so a link planted where any VM file goes is removed."""
+    for path in files.every:
+        with contextlib.suppress(FileNotFoundError):
+            if path in files.stale or stat.S_ISLNK(os.lstat(path).st_mode):
+                path.unlink()
+
+
+def _wait_ready(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str | None,
+                timeout: float) -> None:
+    """Every VM answers QMP and runs; with `wait_for`, every serial console has printed it."""
+    deadline = time.monotonic() + timeout
+    # They were started paused. Shake hands with every one first, then let them all run at once: a
+    # guest that already boots slows down the handshakes still to come.
+    with contextlib.ExitStack() as connections:
+        qmps = {vm.name: connections.enter_context(QuickQmp(vm.files.qmp, remaining(deadline, 1.0)))
+                for vm in vms}
+        for qmp in qmps.values():
+            qmp.cmd("cont")
+        for name, qmp in qmps.items():
+            status = qmp.cmd("query-status")
+            if status.get("status") != "running":
+                raise RuntimeFailure(f"{name}: QEMU is {status.get('status')}, not running")
+    if wait_for is not None:
+        _wait_console(vms, pids, wait_for, timeout)
+
+
+def _wait_console(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str, timeout: float) -> None:
+    waiting = {vm.name: vm for vm in vms}
+
+    def all_ready() -> bool:
+        for name, vm in list(waiting.items()):
+            if wait_for in qemu.read_text(vm.files.serial_log):
+                log.info("%s: ready (%r on the console)", name, wait_for)
+                del waiting[name]
+            elif not qemu.alive(pids[name]):
+                raise RuntimeFailure(f"{name}: QEMU exited before its console printed {wait_for!r}"
+                                     f"{_tail(vm.files.serial_log)}{_tail(vm.files.qemu_log, empty='')}")
+            else:
+                check_panic(vm, f"its console printed {wait_for!r}")
+        return not waiting
+
+    def progress(waited: float) -> None:
+        for name, vm in waiting.items():
+            console = qemu.read_text(vm.files.serial_log)
+            check_cpu_level(vm, console)
+            line = last_line(console) or "(nothing on the console yet)"
+            log.info("%s: waiting for %r, %.0f s: %s", name, wait_for, waited, line)
+
+    try:
+        wait_until(all_ready, timeout, progress=progress)
+    except TimedOut:
+        tails = "".join(f"\n{name}:{_tail(vm.files.serial_log)}" for name, vm in sorted(waiting.items()))
+        raise RuntimeFailure(f"timed out after {timeout:g} s waiting for {wait_for!r} on the "
+                             f"console of {', '.join(sorted(waiting))}; the last lines:{tails}") from None
+
+
+def check_panic(vm: VmPlan, before: str) -> None:
+    """Raise RuntimeFailure when the guest's console shows a kernel panic: it will never get ready,
+    so the wait ends now (and `up` rolls back), not at its timeout."""
+    panic = qemu.console_panic(vm.files)
+    if panic is not None:
+        raise RuntimeFailure(f"{vm.name}: the guest panicked before {before}: {panic}"
+                             f"{_tail(vm.files.serial_log)}", f"`vmlaunch logs SPEC {vm.name}` shows its "
+                             "whole console (kept after this failed up)")
+
+
+# How long `up` waits by default: for the VMs to run (and a console text), and with --wait ssh for a
+# cold boot of a distro under TCG (a minute or two on an idle host, several on a busy one; Lima's
+# default is ten minutes too).
+UP_TIMEOUT = 60.0
+SSH_TIMEOUT = 600.0
+
+
+def default_timeout(wait_ssh: bool) -> float:
+    return SSH_TIMEOUT if wait_ssh else UP_TIMEOUT
+
+
+# Run in the guest by `--wait ssh`: "cloud-init:0" once cloud-init has finished (or at once when the
+# guest has none, or it is disabled), "cloud-init:1" when it finished with errors. Read from the file
+# cloud-init writes when its last stage ends (/run/cloud-init/result.json: `"errors": []` when there
+# were none), as `cloud-init status` does; the shell is quicker than that Python command by a second
+# or two under TCG. A guest without that directory (cloud-init not started by its systemd generator)
+# is asked `cloud-init status --wait`.
+_CLOUD_INIT_DONE = (
+    "command -v cloud-init >/dev/null 2>&1 || exit 0; r=/run/cloud-init; "
+    "if [ -e $r/enabled ]; then "
+    "while [ ! -e $r/result.json ]; do sleep 0.5 2>/dev/null || sleep 1; done; "
+    "grep -q '\"errors\": \\[\\]' $r/result.json; echo cloud-init:$?; "
+    "elif [ -d $r ]; then echo cloud-init:0; "
+    "else cloud-init status --wait >/dev/null 2>&1; echo cloud-init:$?; fi")
+SSH_ATTEMPT = 5.0  # seconds one SSH attempt of `--wait ssh` may take before it is tried again
+
+
+def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports: dict[str, int | None],
+                 timeout: float, clocks: Collection[str] = ()) -> None:
+    """Every VM with an SSH port answers: `ssh ... true` with the lab's key and its pinned host key
+    succeeds, and cloud-init (when the guest has it) has finished. The VMs are tried all at once, each
+    every second; a progress line per VM every 5 s; a VM whose QEMU exits stops the wait.
+
+    `clocks`: VMs just loaded from a snapshot, whose clocks are behind: the same SSH session sets each
+    one's clock to the host's (`snapshot.clock_session`), so SSH is asked once, not twice."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vmlaunch.guests.sshkeys import ssh_argv
+    from vmlaunch.runtime.snapshot import clock_session
+
+    waiting = {vm.name: vm for vm in vms}
+    lab_dir = plan.lab_dir
+    assert lab_dir is not None  # compile_lab sets it
+    unset = set(clocks)  # VMs whose clock is still to be set
+
+    deadline = time.monotonic() + timeout
+    tried: dict[str, str] = {}  # VM -> why SSH did not answer it last
+
+    def answers(vm: VmPlan) -> bool:
+        """SSH runs a command, and cloud-init (when the guest has it) has finished: until then it may
+        still restart sshd with the host key it was given, or not have made the user yet. Why it did
+        not (yet) goes to `tried[vm.name]`."""
+        port = ports.get(vm.name)
+        assert port is not None and vm.ssh_user is not None
+        unreachable = port_unreachable(port)
+        if unreachable is not None:
+            tried[vm.name] = unreachable
+            return False
+        argv_of = functools.partial(ssh_argv, lab_dir, vm.name, vm.ssh_user, port)
+        if vm.name in unset:
+            session = clock_session(argv_of, then=_CLOUD_INIT_DONE, timeout=remaining(deadline, SSH_ATTEMPT))
+            if session.status is None or session.status == 255:
+                log.debug("%s: SSH: %s", vm.name, session.error)
+                tried[vm.name] = session.error or "SSH did not answer"
+                return False  # SSH did not answer (yet)
+            unset.discard(vm.name)
+            if session.error is not None:
+                log.warning("%s: its clock could not be set to the host's: %s", vm.name, session.error)
+                return False  # asked again, without the clock
+            log.info("%s: clock set to the host's (it was %.1f s %s)", vm.name, abs(session.behind),
+                     "behind" if session.behind >= 0 else "ahead")
+            status, output = session.status, session.output
+        else:
+            try:
+                done = subprocess.run(argv_of(["sh", "-c", _CLOUD_INIT_DONE]), stdin=subprocess.DEVNULL,
+                                      capture_output=True, check=False, text=True,
+                                      timeout=remaining(deadline, SSH_ATTEMPT))
+            except subprocess.TimeoutExpired:
+                tried[vm.name] = f"SSH did not finish within {SSH_ATTEMPT:g} s"
+                return False
+            status, output = done.returncode, done.stdout
+            if status != 0:
+                lines = [line for line in done.stderr.splitlines() if line.strip()]
+                tried[vm.name] = lines[-1].strip() if lines else f"ssh exited with status {status}"
+        if status != 0:
+            return False  # 255: ssh could not connect or log in (yet)
+        said = output.strip().rpartition("cloud-init:")[2]
+        if said not in ("", "0", "2"):  # 2: done, with warnings (`cloud-init status`)
+            log.warning("%s: cloud-init reported an error: `vmlaunch ssh SPEC %s -- cloud-init status "
+                        "--long` says which", vm.name, vm.name)
+        return True
+
+    def all_ready() -> bool:
+        trying = list(waiting.values())
+        with ThreadPoolExecutor(len(trying)) as pool:
+            answered = list(pool.map(answers, trying))
+        for vm, ok in zip(trying, answered):
+            if ok:
+                log.info("%s: ready (SSH answers on 127.0.0.1:%s)", vm.name, ports[vm.name])
+                del waiting[vm.name]
+                tried.pop(vm.name, None)
+            elif not qemu.alive(pids[vm.name]):
+                raise RuntimeFailure(f"{vm.name}: QEMU exited before SSH answered"
+                                     f"{_tail(vm.files.serial_log)}{_tail(vm.files.qemu_log, empty='')}")
+            else:
+                check_panic(vm, "SSH answered")
+                fix = cannot_heal(tried.get(vm.name, ""))
+                if fix is not None:
+                    raise RuntimeFailure(f"{vm.name}: SSH cannot reach 127.0.0.1:{ports[vm.name]}: "
+                                         f"{tried[vm.name]}; waiting would not help", fix)
+        return not waiting
+
+    def progress(waited: float) -> None:
+        for name, vm in waiting.items():
+            console = qemu.read_text(vm.files.serial_log)
+            check_cpu_level(vm, console)
+            line = last_line(console) or "(nothing on the console yet)"
+            ssh = f"; SSH: {printable(tried[name])[:120]}" if name in tried else ""
+            log.info("%s: waiting for SSH, %.0f s: %s%s", name, waited, line, ssh)
+
+    try:
+        wait_until(all_ready, timeout, interval=1.0, progress=progress)
+    except TimedOut:
+        tails = "".join(f"\n{name}:{_tail(vm.files.serial_log)}" for name, vm in sorted(waiting.items()))
+        last = "".join(f"\n{name}: SSH said last: {printable(tried[name])[:200]}"
+                       for name in sorted(waiting) if name in tried)
+        raise RuntimeFailure(f"timed out after {timeout:.0f} s waiting for SSH on "
+                             f"{', '.join(sorted(waiting))}; the last console lines:{tails}{last}",
+                             "a cold boot under TCG takes a minute or two: a longer --timeout?") from None
+
+
+# Errors of a connection to a forwarded port on 127.0.0.1 that no wait heals: the loopback interface
+# of this network namespace is down (a fresh `unshare -n` or `ip netns add` leaves it so), or it has
+# no 127.0.0.1.
+_NO_LOOPBACK = (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL)
+_NO_LOOPBACK_TEXT = tuple(os.strerror(code) for code in _NO_LOOPBACK)
+_LOOPBACK_FIX = ("the loopback interface is down in this network namespace: `ip link set lo up` "
+                 "(as root, in the namespace vmlaunch runs in), then `vmlaunch up` again")
+
+
+def port_unreachable(port: int, host: str = "127.0.0.1") -> str | None:
+    """Why a TCP connection to host:port fails at once for a reason no wait heals, else None (it
+    connects, is refused, or is slow: a guest that is still booting)."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return None
+    except OSError as exc:
+        if exc.errno in _NO_LOOPBACK:
+            return f"connect to {host} port {port}: {exc.strerror}"
+        return None
+
+
+def cannot_heal(error: str) -> str | None:
+    """The fix for an SSH error that waiting cannot heal, None for one that it may."""
+    return _LOOPBACK_FIX if any(text in error for text in _NO_LOOPBACK_TEXT) else None
+
+
+# What glibc (2.33 and later) prints when the CPU lacks the x86-64 level the distribution was built
+# for (RHEL 9 and its rebuilds: x86-64-v2; RHEL 10: v3): the guest's init dies at once, and the
+# guest panics or loops, never answering. Seen on the console, it ends a wait with the fix.
+_CPU_LEVEL_MISSING = re.compile(r"CPU does not support (x86-64-v[2-4])")
+
+
+def check_cpu_level(vm: VmPlan, console: str) -> None:
+    """Fail when the VM's console shows its OS refusing the VM's CPU model."""
+    found = _CPU_LEVEL_MISSING.search(console)
+    if found is None:
+        return
+    model = vm.argv[vm.argv.index("-cpu") + 1] if "-cpu" in vm.argv else "QEMU's default"
+    raise RuntimeFailure(f"{vm.name}: its OS needs an {found[1]} CPU (its console says \"{found[0]}\"), "
+                         f"and -cpu {model} is not one",
+                         f'set cpu_model = "max" in vm.{vm.name}: every x86-64 level')
+
+
+def _tail(path: Path, lines: int = 5, empty: str = " (nothing on its console)") -> str:
+    """The end of a log, for an error message (a failed `up` removes the run dir it lives in), with
+    the guest's terminal escapes taken out: this is vmlaunch speaking, not the guest."""
+    text = printable(qemu.read_text(path)).strip()
+    if not text:
+        return empty
+    return "".join(f"\n  | {line}" for line in text.splitlines()[-lines:])
+
+
+def _release_unjournaled(run_dir: RunDir, journaled: Callable[[str, str], bool]) -> None:
+    from vmlaunch.resources.registry import release_unjournaled
+
+    try:
+        for problem in release_unjournaled(Context(lab=run_dir.lab), journaled):
+            log.warning("%s", problem)
+    except (VmlaunchError, OSError) as exc:  # a read-only run root: still stop every VM
+        log.warning("%s", exc)
+
+
+def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, force: bool = False,
+         spec: str | os.PathLike[str] | None = None) -> bool:
+    """Stop the lab's VMs (or those named) and undo what `up` did; False when nothing was up.
+
+    Keeps going when a step fails (a full or read-only run dir included) and reports every failure
+    once at the end. With `force`, a journal that cannot be read whole is used for what can be read,
+    and the rest is reported, and a lab up from another spec than `spec` is taken down anyway.
+    """
+    with locked(run_dir, timeout + 30):
+        journal = Journal.load(run_dir, force=force)
+        if spec is not None:
+            journal.check_spec(spec, force=force)
+        snapshot.settle(run_dir, timeout + 30)  # a half-saved snapshot goes while QEMU can delete it
+        if not journal.unreadable:  # what an `up` killed before journaling left (resources/registry.py)
+            _release_unjournaled(run_dir, journal.has)
+        known = set(journal.vms)  # whose files the run dir may hold
+        journal_vms = set(known)
+        if journal.empty and not journal.unreadable:
+            _settle(journal, known)
+            return False
+        names = [name for name in journal.vms if not only or name in only]
+        targets = {name: (qemu.find_pid(run_dir.vm(name), journal.vms[name].pid), run_dir.vm(name))
+                   for name in names}
+        stopped = qemu.stop_all(targets, timeout)
+        lastrun.keep(run_dir, stopped)  # before the run dir, and the logs in it, go
+        for name, how in stopped.items():
+            log.info("%s: %s", name, how)
+            del journal.vms[name]
+            if journal.vms:  # the lab stays up: this VM's files go now, as the run dir would
+                _remove_files(run_dir.vm(name))
+        failures: list[str] = []
+        remaining_vms = set(journal.vms)
+        ctx = Context(lab=run_dir.lab)
+        for entry in reversed(list(journal.resources)):
+            if remaining_vms and (entry.vm is None or entry.vm in remaining_vms):
+                continue  # still used by a VM that keeps running
+            try:
+                entry.record.undo(ctx, rollback=False)
+                journal.resources.remove(entry)
+            except UndoneWithError as exc:  # done as far as it goes: never again
+                failures.append(str(exc))
+                journal.resources.remove(entry)
+            except VmlaunchError as exc:
+                failures.append(str(exc))
+            except OSError as exc:
+                failures.append(f"{entry.record.describe()}: {exc.strerror or exc}")
+        for line in journal.unreadable:  # only with force: anything else raised in load
+            log.warning("not recognised, so not undone (check by hand): %s", line)
+        if journal.unreadable and not journal.vms and not journal.resources:
+            # The lab is down as far as the journal knows; what it could not say is found without it:
+            # QEMUs by their pidfiles and command lines, taps by their mark, the lab's claims in the
+            # host-wide registries (stale now, released like those of a killed `up`).
+            from vmlaunch.runtime import salvage
+
+            known |= salvage.vm_names(run_dir)  # their files go with the run dir
+            left = salvage.take_down(run_dir, journal_vms, timeout)
+            if left:
+                raise RuntimeFailure("down --force could not take everything down; still there:\n"
+                                     + "\n".join(left), f"the journal is kept in {run_dir}; stop "
+                                     "what is listed by hand, then run down --force again")
+        failures += _settle(journal, known)
+        if failures:
+            raise RuntimeFailure("down could not undo everything:\n" + "\n".join(failures),
+                                 f"the journal is kept in {run_dir}; run down again after fixing it"
+                                 if run_dir.path.exists() else None)
+        return True

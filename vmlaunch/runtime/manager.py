@@ -1,0 +1,324 @@
+"""The lab manager: one process per lab that sizes the balloons of its `policy = "auto"` VMs.
+
+`up` starts it (`resources/manager.py`) as `python -m vmlaunch.manager RUN_DIR`, and `down` stops it
+(SIGTERM). Every round (`interval`, 2 s) it:
+
+1. reads its settings (`manager.json`, rewritten by each `up`) and the journal: the VMs that run now.
+   A VM that appears is connected to on its own QMP monitor (`V.manager.qmp`; the VM's first monitor
+   stays free for `status`, `balloon`, `qmp`, the API and a user's tools) and its guest statistics
+   are turned on; a VM that went away (down, crashed) is dropped;
+2. samples each VM (query-balloon; the balloon's guest-stats: available and free memory, major faults
+   and swap-ins since the last sample), the host (MemTotal, MemAvailable) and the KSM counters;
+3. asks the pure policy (`balloon_policy.decide`) for new targets, sets them, and logs each change with
+   its reason; with NUMA placement, the balancer (`runtime/balancer.py`) samples the VMs' runnable vCPUs and,
+   every `lab.placement.interval`, moves at most one VM between nodes;
+4. writes what it saw and set to `manager.state.json`, for `status` and for itself after a restart.
+
+It keeps nothing that cannot be rebuilt: started again, it reads the journal, QMP and its state file.
+Every event loop and QMP connection is asyncio (`qmp.AsyncQmp`), one loop for the whole lab. Errors of
+one VM (its QEMU gone half-way through a round) never end the manager: that VM is dropped and found
+again next round if it still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from vmlaunch.core.fsutil import write_atomic
+from vmlaunch.host.memory import ksm_counters, meminfo
+from vmlaunch.layout.rundir import RunDir
+from vmlaunch.policy.balloon import Guest, Host, decide
+from vmlaunch.qemu.qmp import AsyncQmp, QmpError
+from vmlaunch.resources.manager import INTERVAL, ManagedVm, ManagerConfig, read_config
+from vmlaunch.runtime.balancer import Balancer
+from vmlaunch.runtime.process import OUT_OF_MEMORY, console_line_since, console_size
+
+log = logging.getLogger("vmlaunch.runtime.manager")
+
+BALLOON = "/machine/peripheral/balloon0"
+MIB = 1 << 20
+UNKNOWN = 1 << 63  # QEMU reports a statistic the guest did not send as (uint64) -1
+ORPHAN_AFTER = 60.0  # seconds a manager not in its lab's journal runs before it takes itself for orphaned
+
+
+@attrs.define
+class Watched:
+    """One VM the manager is connected to."""
+
+    name: str
+    pid: int
+    qmp: AsyncQmp
+    target: int | None = None  # bytes: the target this manager (or the one before it) set
+    faults: tuple[float, int, int] | None = None  # (last-update, major faults, swap-in bytes) last seen
+    seen: dict[str, Any] = attrs.Factory(dict)  # the last sample, for the state file
+    set_from: int | None = None  # bytes: the balloon's actual size when the target was set last
+    last_actual: int | None = None  # bytes: its actual size at the last sample
+    floor: int | None = None  # bytes: where it stopped giving, short of a lower target (observed)
+    console_seen: int = 0  # bytes of its console log already looked at for signs of its floor
+
+
+def stat(stats: dict[str, Any], key: str) -> int | None:
+    value = stats.get(key)
+    return value if isinstance(value, int) and 0 <= value < UNKNOWN else None
+
+
+class Manager:
+    def __init__(self, run_dir: RunDir) -> None:
+        self.run_dir = run_dir
+        self.watched: dict[str, Watched] = {}
+        self.stopping = asyncio.Event()
+        self.config: ManagerConfig | None = None
+        self.saved_targets = self._saved_targets()
+        self.started = time.monotonic()
+        self.journaled = False  # seen in the lab's journal: from then on it must stay there
+        self.balancer = Balancer()
+
+    def _saved_targets(self) -> dict[str, tuple[int, int, int | None]]:
+        """name -> (QEMU pid, target, observed floor) from the state file a previous manager of this
+        lab left."""
+        try:
+            doc = json.loads(self.run_dir.manager_state.read_text())
+            return {name: (int(vm["pid"]), int(vm["target"]),
+                           int(vm["floor"]) if vm.get("floor") is not None else None)
+                    for name, vm in doc["vms"].items() if vm.get("target") is not None}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return {}
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        while not self.stopping.is_set():
+            started = time.monotonic()
+            try:
+                await self.round()
+            except Exception:  # a bug must not leave the lab without its manager: log it, go on
+                log.exception("round failed")
+            interval = self.config.interval if self.config else INTERVAL
+            left = max(0.1, interval - (time.monotonic() - started))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), left)
+        log.info("stopping: %d VM(s) watched", len(self.watched))
+        await asyncio.gather(*(vm.qmp.close() for vm in self.watched.values()))
+
+    def _read_config(self) -> ManagerConfig | None:
+        try:
+            config = read_config(self.run_dir)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("cannot read %s: %s", self.run_dir.manager_config, exc)
+            return self.config
+        if config != self.config:
+            auto = ", ".join(vm.name for vm in config.vms if vm.auto) or "none"
+            log.info("settings: budget %d MiB, auto balloons: %s", config.budget_mib, auto)
+        return config
+
+    def _running(self) -> dict[str, int]:
+        from vmlaunch.errors import VmlaunchError
+        from vmlaunch.runtime import process as qemu
+        from vmlaunch.runtime.journal import Journal
+
+        try:
+            journal = Journal.load(self.run_dir)
+        except VmlaunchError as exc:
+            log.warning("cannot read the journal: %s", exc)
+            return {name: vm.pid for name, vm in self.watched.items()}
+        mine = journal.entry("manager", "lab")
+        if mine is not None and getattr(mine.record, "pid", None) == os.getpid():
+            self.journaled = True
+        elif self.journaled or time.monotonic() - self.started > ORPHAN_AFTER:
+            # Taken out of the journal (down could not stop it), or never put in (the `up` that started
+            # it was killed before it could): nobody would ever stop it.
+            log.info("not in the lab's journal (any more): nothing would stop this manager, so it stops")
+            self.stopping.set()
+            return {}
+        found = {}
+        for name, entry in journal.vms.items():
+            if entry.pid is None:
+                continue  # still starting: next round
+            pid = qemu.find_pid(self.run_dir.vm(name), entry.pid)
+            if pid is not None:
+                found[name] = pid
+        return found
+
+    async def round(self) -> None:
+        self.config = self._read_config()
+        if self.config is None:
+            return
+        config = self.config
+        running = self._running()
+        if self.stopping.is_set():
+            return
+        wanted = {vm.name: vm for vm in config.vms if vm.name in running}
+        for name in [name for name, vm in self.watched.items()
+                     if name not in wanted or running.get(name) != vm.pid]:
+            log.info("%s: no longer running: not watched", name)
+            await self.watched.pop(name).qmp.close()
+        new = [vm for name, vm in wanted.items() if name not in self.watched]
+        connected = await asyncio.gather(*(self.connect(vm, running[vm.name]) for vm in new))
+        for vm, watched in zip(new, connected):
+            if watched is not None:
+                self.watched[vm.name] = watched
+        order = [vm for vm in config.vms if vm.name in self.watched]
+        samples = await asyncio.gather(*(self.sample(vm) for vm in order))
+        guests = [guest for guest in samples if guest is not None]
+        host_mem = meminfo()
+        if host_mem is not None and any(vm.auto for vm in order):
+            host = Host(total=host_mem.total, available=host_mem.available)
+            for decision in decide(config.budget_mib * MIB, host, guests):
+                await self.set_target(decision.name, decision.target, decision.reason)
+        if config.balance:
+            await self.balancer.round(config, running)
+        self.save(config, host_mem)
+
+    async def connect(self, vm: ManagedVm, pid: int) -> Watched | None:
+        qmp = AsyncQmp(self.run_dir.vm(vm.name).manager_qmp, timeout=5.0)
+        try:
+            await qmp.connect()
+            if vm.balloon:
+                await qmp.cmd("qom-set", path=BALLOON, property="guest-stats-polling-interval",
+                              value=max(1, round(self.config.interval if self.config else INTERVAL)))
+        except QmpError as exc:
+            log.debug("%s: not reachable yet: %s", vm.name, exc.message)
+            await qmp.close()
+            return None
+        saved = self.saved_targets.get(vm.name)
+        target, floor = (saved[1], saved[2]) if saved is not None and saved[0] == pid else (None, None)
+        log.info("%s: watched (QEMU pid %d%s%s)", vm.name, pid,
+                 f", target {target // MIB} MiB as set before" if target is not None else "",
+                 f", its floor {floor // MIB} MiB as seen before" if floor is not None else "")
+        return Watched(vm.name, pid, qmp, target=target, floor=floor,
+                       console_seen=console_size(self.run_dir.vm(vm.name)))
+
+    async def sample(self, vm: ManagedVm) -> Guest | None:
+        """The VM as the policy sees it; a VM without an auto balloon is held where it is."""
+        watched = self.watched[vm.name]
+        maximum = vm.maximum_mib * MIB
+        try:
+            actual = int((await watched.qmp.cmd("query-balloon"))["actual"]) if vm.balloon else maximum
+            stats = await watched.qmp.cmd("qom-get", path=BALLOON, property="guest-stats") \
+                if vm.balloon else {}
+        except QmpError as exc:
+            log.info("%s: QMP failed (%s): dropped until it answers again", vm.name, exc.message)
+            await self.watched.pop(vm.name).qmp.close()
+            return None
+        values = stats.get("stats", {}) if isinstance(stats, dict) else {}
+        updated = stats.get("last-update", 0) if isinstance(stats, dict) else 0
+        available = stat(values, "stat-available-memory") if updated else None
+        free = stat(values, "stat-free-memory") if updated else None
+        faults = stat(values, "stat-major-faults") or 0
+        swap_in = stat(values, "stat-swap-in") or 0
+        fault_rate = swap_rate = 0.0
+        if updated and watched.faults is not None and updated > watched.faults[0]:
+            elapsed = updated - watched.faults[0]
+            fault_rate = max(0, faults - watched.faults[1]) / elapsed
+            swap_rate = max(0, swap_in - watched.faults[2]) / elapsed
+        if updated and (watched.faults is None or updated > watched.faults[0]):
+            watched.faults = (float(updated), faults, swap_in)
+        if vm.auto:
+            self.observe_floor(watched, actual)
+        watched.seen = {"pid": watched.pid, "actual": actual, "target": watched.target,
+                        "available": available, "free": free, "major_faults_per_s": round(fault_rate, 1),
+                        "swap_in_per_s": round(swap_rate), "auto": vm.auto, "floor": watched.floor}
+        if vm.auto:
+            return Guest(name=vm.name, maximum=maximum, minimum=vm.minimum_mib * MIB, actual=actual,
+                         target=watched.target, available=available, free=free,
+                         total=stat(values, "stat-total-memory"), major_faults=fault_rate, swap_in=swap_rate,
+                         floor=watched.floor)
+        # Held where it is: counted against the budget, never moved.
+        return Guest(name=vm.name, maximum=actual, minimum=actual, actual=actual, target=None,
+                     available=None, free=free, total=None, major_faults=0.0, swap_in=0.0)
+
+    def observe_floor(self, watched: Watched, actual: int) -> None:
+        """Note the guest's floor when its balloon stopped short of a lower target: it gave some of the
+        way and then stopped moving for a round, or its console says it ran out of pages to give
+        ("Out of puff") or of memory (the OOM killer). The policy never asks it below that again, and
+        raises a target already under it: squeezing on would have the guest kill its own programs,
+        or panic."""
+        files = self.run_dir.vm(watched.name)
+        sign = console_line_since(files, watched.console_seen, OUT_OF_MEMORY)
+        watched.console_seen = console_size(files)
+        short = watched.target is not None and actual > watched.target
+        gave = watched.set_from is not None and actual < watched.set_from
+        stopped = short and gave and actual == watched.last_actual
+        watched.last_actual = actual
+        if (stopped or (short and sign is not None)) and (watched.floor is None or actual > watched.floor):
+            watched.floor = actual
+            log.warning("%s: its balloon stopped at %d MiB, short of the target %d MiB: its floor%s; "
+                        "it is not asked below it again", watched.name, actual // MIB,
+                        (watched.target or 0) // MIB, f" (its console: {sign!r})" if sign else "")
+
+    async def set_target(self, name: str, target: int, reason: str) -> None:
+        watched = self.watched.get(name)
+        if watched is None:
+            return
+        before = watched.target if watched.target is not None else watched.seen.get("actual")
+        try:
+            await watched.qmp.cmd("balloon", value=target)
+        except QmpError as exc:
+            log.warning("%s: balloon target %d MiB not set: %s", name, target // MIB, exc.message)
+            return
+        watched.target = target
+        watched.set_from = watched.seen.get("actual")
+        watched.seen["target"] = target
+        shown = f"{before // MIB} -> " if isinstance(before, int) else ""
+        log.info("%s: target %s%d MiB: %s", name, shown, target // MIB, reason)
+
+    def save(self, config: ManagerConfig, host_mem: Any) -> None:
+        ksm = ksm_counters()
+        doc = {"pid": os.getpid(), "time": time.time(), "budget": config.budget_mib * MIB,
+               "host": attrs.asdict(host_mem) if host_mem is not None else None,
+               "ksm": ksm.to_json() if ksm is not None else None,
+               "vms": {name: vm.seen for name, vm in self.watched.items()},
+               "placement": self.balancer.state or None}
+        try:
+            write_atomic(self.run_dir.manager_state, json.dumps(doc, indent=1) + "\n", durable=False)
+        except OSError as exc:
+            log.warning("cannot write %s: %s", self.run_dir.manager_state, exc.strerror or exc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vmlaunch.runtime.manager",
+                                     description="The lab manager (started by `vmlaunch up`).")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--ready-fd", type=int, default=None,
+                        help="write the manager's pid and a newline here once it runs")
+    args = parser.parse_args(argv)
+    if os.fork():
+        return 0  # the caller waits for this one; the manager goes on in the child, nobody's child
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+    logging.getLogger("qemu").setLevel(logging.CRITICAL)  # the QMP library's chatter about lost peers
+    run_dir = RunDir(args.run_dir)
+    log.info("lab manager of %s started (pid %d)", run_dir.lab, os.getpid())
+    if args.ready_fd is not None:
+        with contextlib.suppress(OSError):
+            os.write(args.ready_fd, f"{os.getpid()}\n".encode())
+            os.close(args.ready_fd)
+    async def serve() -> None:  # the manager's event is made on the loop that runs it
+        await Manager(run_dir).serve()
+
+    try:
+        asyncio.run(serve())
+    except Exception:
+        log.exception("the lab manager failed")
+        return 1
+    log.info("lab manager of %s stopped", run_dir.lab)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,376 @@
+"""The lab as frozen, typed values. After `spec.load_lab` nothing is a raw dict.
+
+Each default lives here (or in the compiler, when it depends on the host) with the reason for it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Union
+
+import attrs
+
+from vmlaunch.core.naming import DEFAULT_MAC_PREFIX
+from vmlaunch.core.sourcemap import SourceMap
+from vmlaunch.errors import UsageError
+
+DEFAULT_APPEND = "console=ttyS0"
+MACHINE_SATA_PORTS = {"q35": 6}  # machines with a built-in AHCI controller, and its ports
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The model's default for a field, for checks that run before the value object exists."""
+    return getattr(attrs.fields(cls), name).default
+
+
+class Accel(enum.Enum):
+    AUTO = "auto"  # KVM when it really runs a guest on this host, else TCG
+    KVM = "kvm"
+    TCG = "tcg"
+
+
+class CacheMode(enum.Enum):
+    """QEMU's cache modes; each is (write-back cache, O_DIRECT, ignore flushes)."""
+
+    NONE = "none"
+    WRITEBACK = "writeback"
+    WRITETHROUGH = "writethrough"
+    DIRECTSYNC = "directsync"
+    UNSAFE = "unsafe"
+
+    @property
+    def write_cache(self) -> bool:
+        return self in (CacheMode.NONE, CacheMode.WRITEBACK, CacheMode.UNSAFE)
+
+    @property
+    def direct(self) -> bool:
+        return self in (CacheMode.NONE, CacheMode.DIRECTSYNC)
+
+    @property
+    def no_flush(self) -> bool:
+        return self is CacheMode.UNSAFE
+
+
+class Aio(enum.Enum):
+    IO_URING = "io_uring"
+    NATIVE = "native"  # Linux AIO: needs O_DIRECT (cache none or directsync)
+    THREADS = "threads"
+
+
+class DiskFormat(enum.Enum):
+    RAW = "raw"
+    QCOW2 = "qcow2"
+
+
+class DiskBus(enum.Enum):
+    VIRTIO = "virtio"  # virtio-blk: the paravirtual default (seed 000: "use virtio")
+    SCSI = "scsi"  # virtio-scsi: many disks on one controller, SCSI passthrough commands
+    SATA = "sata"  # AHCI: for guests without virtio drivers
+
+
+class NicModel(enum.Enum):
+    VIRTIO = "virtio"  # virtio-net-pci: the paravirtual default
+    E1000 = "e1000"  # emulated, for guests without virtio drivers
+    E1000E = "e1000e"
+    RTL8139 = "rtl8139"
+
+
+class PciDriver(enum.Enum):
+    VFIO = "vfio-pci"
+    PCI_STUB = "pci-stub"
+
+
+class Firmware(enum.Enum):
+    BIOS = "bios"  # SeaBIOS: QEMU's default, nothing to copy per VM
+    UEFI = "uefi"  # OVMF: the code read-only and shared, a per-VM copy of the variable store
+
+
+class NetworkType(enum.Enum):
+    BRIDGE = "bridge"
+    USER = "user"
+    SOCKET = "socket"
+    TAP = "tap"
+
+
+@attrs.frozen
+class BridgeNetwork:
+    """A Linux bridge on the host; each NIC on it gets a tap device enslaved to it."""
+
+    name: str
+    bridge: str
+    mtu: int | None = None
+    uplink: str | None = None
+    subnet: str | None = None  # "10.10.0.0/24": NICs on it without an `ip` get one from it
+    vlan: int | None = None  # the uplink's 802.1Q VLAN: its VLAN link is the bridge's port, not itself
+    # A user's scripts, run as `SCRIPT TAP` once the tap is on the bridge / before it is removed
+    # (absolute paths; resources/script.py runs them)
+    up_script: Path | None = None
+    down_script: Path | None = None
+
+    type = NetworkType.BRIDGE
+
+
+@attrs.frozen
+class TapNetwork:
+    """Taps alone, no bridge: the network's up_script (always set) wires each tap where it belongs (an
+    Open vSwitch bridge, a bridge vmlaunch does not own, a routed link), its down_script unwires it."""
+
+    name: str
+    up_script: Path
+    down_script: Path | None = None
+    mtu: int | None = None
+    subnet: str | None = None
+
+    type = NetworkType.TAP
+
+
+@attrs.frozen
+class UserNetwork:
+    """QEMU's user-mode network (slirp): NAT to the host, no root, `forward` = hostfwd rules."""
+
+    name: str
+    forward: tuple[str, ...] = ()
+
+    type = NetworkType.USER
+
+
+@attrs.frozen
+class SocketNetwork:
+    """A LAN without root: every NIC joins one multicast group on the host's loopback."""
+
+    name: str
+    group: str  # "239.x.y.z"
+    port: int
+    subnet: str | None = None
+
+    type = NetworkType.SOCKET
+
+
+Network = Union[BridgeNetwork, UserNetwork, SocketNetwork, TapNetwork]
+TAP_NETWORKS = (BridgeNetwork, TapNetwork)  # the networks whose NICs are host taps
+
+
+@attrs.frozen
+class Disk:
+    file: Path  # absolute
+    format: DiskFormat
+    size: int | None = None  # bytes; the image is created (sparse) when missing
+    cache: CacheMode = CacheMode.NONE
+    aio: Aio | None = None  # None: the fastest this host supports (the compiler picks)
+    bus: DiskBus = DiskBus.VIRTIO
+    readonly: bool = False
+    discard: bool = True  # pass guest TRIM through: images stay sparse
+    # Opt-ins for disk files vmlaunch refuses by default (vmlaunch/guests/diskfiles.py has the rule):
+    block_device: bool = False  # the file may be a block device, not only a regular file
+    accept_other_owner: bool = False  # the file, or a folder on its path, may be another user's
+
+
+@attrs.frozen
+class Nic:
+    network: str
+    mac: str  # always set: explicit, or derived from (lab, vm, index)
+    model: NicModel = NicModel.VIRTIO
+    queues: int = 1
+    # A static address, "10.10.0.11/24" (given, or derived from the network's subnet); set in the
+    # guest by cloud-init, matched by MAC. None: the guest configures the NIC itself.
+    ip: str | None = None
+    gateway: str | None = None
+    dns: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class Image:
+    """A base image (`[image.NAME]`): fetched once into the cache (or a local file), never written;
+    each VM that boots it gets a qcow2 overlay of its own."""
+
+    name: str
+    url: str | None = None  # http://, https:// or file://; None: `file`
+    file: Path | None = None  # absolute
+    sha256: str | None = None  # lower-case hex; a URL needs one of the two
+    sha512: str | None = None
+    format: DiskFormat | None = None  # None: by suffix (.qcow2, .raw), else found from the file itself
+
+    @property
+    def checksum(self) -> tuple[str, str] | None:
+        """("sha512", hex) or ("sha256", hex): the strongest given."""
+        if self.sha512:
+            return ("sha512", self.sha512)
+        return ("sha256", self.sha256) if self.sha256 else None
+
+
+DEFAULT_CLOUD_USER = "vmlaunch"
+
+
+@attrs.frozen
+class CloudInit:
+    """What the VM's NoCloud seed asks of cloud-init, on top of what vmlaunch always puts in it (the
+    hostname, the lab's SSH key, the VM's host keys, static addresses, share mounts)."""
+
+    user: str = DEFAULT_CLOUD_USER  # gets the lab's SSH key and passwordless sudo
+    packages: tuple[str, ...] = ()
+    runcmd: tuple[str, ...] = ()
+    user_data: Path | None = None  # a cloud-config file merged over the generated one
+
+
+@attrs.frozen
+class Share:
+    """A host directory mounted in the guest over 9p (virtio)."""
+
+    source: Path  # absolute
+    target: str  # absolute path in the guest
+    tag: str  # the 9p mount tag, derived from the VM and the share's index
+    readonly: bool = False
+
+
+@attrs.frozen
+class PciDevice:
+    host: str  # normalised "0000:15:00.0"
+    driver: PciDriver = PciDriver.VFIO
+
+
+class BalloonPolicy(enum.Enum):
+    MANUAL = "manual"  # the balloon moves when a user says (`vmlaunch balloon`, the API)
+    AUTO = "auto"  # the lab manager sizes the guest (policy/balloon.py)
+
+
+@attrs.frozen
+class Balloon:
+    enabled: bool = True
+    # Off, as in libvirt: with it on, Linux guests keep ballooned pages in MemTotal (the balloon only
+    # shows in MemFree) and may take memory back under pressure; opt in for that safety net. With policy
+    # "auto" it is on unless the spec says otherwise (spec/load.py).
+    deflate_on_oom: bool = False
+    free_page_reporting: bool = True  # freed guest pages go back to the host
+    policy: BalloonPolicy = BalloonPolicy.MANUAL
+    min_mib: int | None = None  # the least the manager leaves the guest; None: DEFAULT_MIN_SHARE of it
+
+
+# `balloon.min` when the spec gives none: a quarter of the VM's memory, at least 64 MiB (what a small
+# Linux guest needs to keep running while its page cache is squeezed).
+DEFAULT_MIN_SHARE = 4
+DEFAULT_MIN_FLOOR_MIB = 64
+
+
+def balloon_min_mib(vm: VmSpec) -> int:
+    """The least the lab manager may leave `vm` (`balloon.min`, or its default)."""
+    if vm.balloon.min_mib is not None:
+        return vm.balloon.min_mib
+    return min(vm.memory_mib, max(DEFAULT_MIN_FLOOR_MIB, vm.memory_mib // DEFAULT_MIN_SHARE))
+
+
+class HugepageSize(enum.Enum):
+    """Guest RAM from the host's hugepages of this size (hugetlbfs through a memfd)."""
+
+    SIZE_2M = "2M"
+    SIZE_1G = "1G"
+
+    @property
+    def kib(self) -> int:
+        return {"2M": 2048, "1G": 1048576}[self.value]
+
+
+@attrs.frozen
+class LabMemory:
+    """`[lab.memory]`: what the lab's guests may hold together, and KSM while the lab runs."""
+
+    budget_mib: int | None = None  # None: BUDGET_SHARE of the host's memory (known at compile time)
+    ksm: bool | None = None  # None: on where vmlaunch may turn it on (root), else left as it is
+    ksm_pages_to_scan: int | None = None  # None: the default rate (resources/ksm.py)
+    ksm_sleep_ms: int | None = None
+
+
+BUDGET_SHARE = 0.8  # the KVM guide: keep guests within 80 % of the host's memory
+
+
+class PlacementPolicy(enum.Enum):
+    AUTO = "auto"  # vmlaunch puts each VM on one NUMA node, memory and vCPUs together
+    NONE = "none"  # the kernel's scheduler decides
+
+
+@attrs.frozen
+class LabPlacement:
+    """`[lab.placement]`: where the lab's VMs run on a NUMA host (seed 001's balancer)."""
+
+    policy: PlacementPolicy | None = None  # None: auto on a host with more than one NUMA node, else none
+    balance: bool | None = None  # None: on with policy auto
+    interval_s: float = 5.0  # the seed's balancing period
+
+
+@attrs.frozen
+class VmSpec:
+    """One VM as the spec describes it (the running VM is `api.Vm`)."""
+
+    name: str
+    memory_mib: int
+    cpus: int = 1
+    numa_node: int | None = None  # the host node its memory and vCPUs are bound to; None: placement's
+    cpu_pinning: tuple[int, ...] = ()  # host CPU of vCPU i; a pinned VM is never balanced
+    accel: Accel = Accel.AUTO
+    cpu_model: str | None = None  # None: "host" under KVM, "max" under TCG
+    machine: str = "q35"
+    kernel: Path | None = None
+    initrd: Path | None = None
+    # a direct-boot kernel without a console= argument would leave the serial log empty
+    append: str | None = attrs.field(
+        default=attrs.Factory(lambda vm: DEFAULT_APPEND if vm.kernel else None, takes_self=True))
+    disks: tuple[Disk, ...] = ()
+    nics: tuple[Nic, ...] = ()
+    pci: tuple[PciDevice, ...] = ()
+    balloon: Balloon = Balloon()
+    image: str | None = None  # the [image.NAME] its first disk is an overlay of
+    disk_size: int | None = None  # bytes: the overlay's virtual size (None: the image's)
+    firmware: Firmware = Firmware.BIOS
+    cloud_init: CloudInit | None = None  # always set when the VM has an image
+    shares: tuple[Share, ...] = ()
+    ssh: bool = False  # a management NIC with a 127.0.0.1 port forwarded to 22, and `vmlaunch ssh`
+    hugepages: HugepageSize | None = None  # guest RAM from hugepages of this size
+    reserve_hugepages: bool = False  # vmlaunch raises nr_hugepages for it, and gives them back
+
+
+def needs_lab_dir(vm: VmSpec) -> bool:
+    """A VM keeps files beside the spec when it boots an image, has a seed or UEFI variables."""
+    return vm.image is not None or vm.cloud_init is not None or vm.firmware is Firmware.UEFI
+
+
+@attrs.frozen
+class LabSpec:
+    """The lab as the spec describes it (the lab brought up is `api.Lab`)."""
+
+    name: str
+    file: Path  # the spec file, absolute
+    source: SourceMap = attrs.field(eq=False, repr=False)  # key path -> line, for messages
+    networks: tuple[Network, ...] = ()
+    vms: tuple[VmSpec, ...] = ()
+    mac_prefix: str = DEFAULT_MAC_PREFIX
+    images: tuple[Image, ...] = ()
+    memory: LabMemory = LabMemory()
+    placement: LabPlacement = LabPlacement()
+
+    def image(self, name: str) -> Image:
+        for image in self.images:
+            if image.name == name:
+                return image
+        raise KeyError(name)
+
+    def network(self, name: str) -> Network:
+        for net in self.networks:
+            if net.name == name:
+                return net
+        raise KeyError(name)
+
+    def vm(self, name: str) -> VmSpec:
+        for vm in self.vms:
+            if vm.name == name:
+                return vm
+        raise KeyError(name)
+
+    def select(self, names: Sequence[str] = ()) -> tuple[VmSpec, ...]:
+        """The VMs named (all of them when none are): the one check of VM names a user gives."""
+        known = [vm.name for vm in self.vms]
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise UsageError(f"{self.file}: no VM named {', '.join(map(repr, unknown))}",
+                             f"VMs in this lab: {', '.join(known) or 'none'}")
+        return tuple(vm for vm in self.vms if not names or vm.name in names)
