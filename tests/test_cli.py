@@ -220,12 +220,12 @@ def test_closed_stdout_exits_quietly(command: str, tmp_path: Path, qemu_binary: 
 
 
 def _failing_validate(monkeypatch: pytest.MonkeyPatch, exc: BaseException) -> None:
-    from vmlaunch import cli
+    from vmlaunch.cli import lab
 
     def fail(args: object) -> int:
         raise exc
 
-    monkeypatch.setattr(cli, "cmd_validate", fail)
+    monkeypatch.setattr(lab, "cmd_validate", fail)
 
 
 @pytest.mark.parametrize(("exc", "code", "said"), [

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vmlaunch.cli.common import Commands, add_spec, add_vms, command
 from vmlaunch.errors import RuntimeFailure, UsageError
 
 if TYPE_CHECKING:
@@ -27,11 +28,12 @@ MANIFEST = ".vmlaunch-export"
 EXPORTED_NAME = re.compile(r"(domains|networks|vms)/[A-Za-z0-9_][A-Za-z0-9_.-]*\.(xml|yaml)")
 
 
-def add_parser(commands: argparse._SubParsersAction[Any]) -> None:
-    """Add the `export` command to the CLI's `commands`."""
-    export = commands.add_parser(
-        "export", help="write the lab as libvirt domains and networks, or as KubeVirt objects",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description="""\
+def register(commands: Commands, root: argparse.ArgumentParser) -> None:
+    """The `export` command."""
+    export = command(
+        commands, "export", cmd_export,
+        help="write the lab as libvirt domains and networks, or as KubeVirt objects", raw=True,
+        description="""\
 Write the lab (or the VMs named, and the networks they use) as another engine's
 definitions, carrying over what vmlaunch would run: devices, disk cache and AIO,
 MACs, MTU, balloon, hugepages, CPU pinning and NUMA node, kernel, UEFI, seeds.
@@ -46,8 +48,8 @@ A setting the engine has no equivalent for is a warning with its spec line
 (--strict: an error, exit 3). What to do before defining or applying the files
 (uploads, images to build, a bridge the host needs) is said at the end.""",
     )
-    export.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
-    export.add_argument("vms", metavar="VM", nargs="*", default=[], help="only these VMs")
+    add_spec(export)
+    add_vms(export)
     export.add_argument("--to", metavar="ENGINE", choices=("libvirt", "kubevirt"), required=True,
                         help="libvirt or kubevirt")
     export.add_argument("--out", metavar="DIR",
@@ -69,7 +71,6 @@ A setting the engine has no equivalent for is a warning with its spec line
                         help="kubevirt: what the cluster has for a file of the lab: vm.V.kernel=IMAGE, "
                         "vm.V.disk[N]=pvc:CLAIM|dv:NAME|containerdisk:IMAGE, "
                         "image.I=pvc:CLAIM|registry:IMAGE, vm.V.pci[N]=RESOURCE; repeatable")
-    export.set_defaults(run=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:

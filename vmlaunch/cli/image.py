@@ -8,26 +8,26 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any
 
+from vmlaunch.cli.common import Commands, add_json, add_spec, command
 from vmlaunch.errors import UsageError
 
 log = logging.getLogger("vmlaunch")
 
 
-def add_parser(commands: argparse._SubParsersAction[Any]) -> None:
-    """Add the `image` command, with its sub-commands, to the CLI's `commands`."""
-    image = commands.add_parser(
-        "image", help="pull, list and remove base images (the image cache)",
+def register(commands: Commands, root: argparse.ArgumentParser) -> None:
+    """The `image` command, with its sub-commands."""
+    image = command(
+        commands, "image", lambda args: _print_help(image),
+        help="pull, list and remove base images (the image cache)",
         description="Base images ([image.NAME] with a url) are downloaded once into the cache "
         "($XDG_CACHE_HOME/vmlaunch/images), checked against their checksum, and never written: each VM "
         "boots a qcow2 overlay of its own. `up` pulls what is missing; these commands manage the cache.",
     )
     sub = image.add_subparsers(dest="image_command", metavar="SUBCOMMAND", parser_class=type(image))
-    image.set_defaults(run=lambda args: _print_help(image))
 
-    pull = sub.add_parser(
-        "pull", help="download the spec's images into the cache",
+    pull = command(
+        sub, "pull", cmd_pull, help="download the spec's images into the cache",
         description="Download every image of the spec that has a url (or the images named) into the "
         "cache, unless it is there already, and print where each is. A download is checked against its "
         "checksum before it is put in place; an interrupted one resumes; two pulls of one image wait for "
@@ -36,20 +36,18 @@ def add_parser(commands: argparse._SubParsersAction[Any]) -> None:
         "free (at least 1 GiB, at most 4 GiB), and below VMLAUNCH_PULL_SPEED_LIMIT bytes/s (1K; 0: "
         "no minimum) over VMLAUNCH_PULL_SPEED_TIME (60 s).",
     )
-    pull.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
+    add_spec(pull)
     pull.add_argument("images", metavar="IMAGE", nargs="*", default=[], help="only these images")
-    pull.set_defaults(run=cmd_pull)
 
-    list_ = sub.add_parser(
-        "list", help="list the cached images",
+    list_ = command(
+        sub, "list", cmd_list, help="list the cached images",
         description="The cached images: ID (the start of the checksum), the image names they were "
         "pulled as, format, size, when fetched, and the URL.",
     )
-    list_.add_argument("--json", action="store_true", help='print JSON keyed by "sha512-HEX"')
-    list_.set_defaults(run=cmd_list)
+    add_json(list_, 'print JSON keyed by "sha512-HEX"')
 
-    rm = sub.add_parser(
-        "rm", help="remove cached images",
+    rm = command(
+        sub, "rm", cmd_rm, help="remove cached images",
         description="Remove cached images, each named by its ID (at least 8 hex digits of its checksum), "
         "an image name or its URL, as `image list` shows them. A VM's overlay needs its image: the next "
         "up pulls it again (the same bytes, by checksum). An image being pulled is left alone.",
@@ -58,7 +56,6 @@ def add_parser(commands: argparse._SubParsersAction[Any]) -> None:
     rm.add_argument("--all", action="store_true", help="remove every cached image, and partial downloads")
     rm.add_argument("--partial", action="store_true",
                     help="remove the partial downloads of interrupted pulls (not of pulls under way)")
-    rm.set_defaults(run=cmd_rm)
 
 
 def _print_help(parser: argparse.ArgumentParser) -> int:

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from vmlaunch.cli.common import Commands, add_json, add_spec, add_timeout, command
 from vmlaunch.errors import UsageError
 
 if TYPE_CHECKING:
@@ -24,17 +25,15 @@ ACTIONS = ("save", "restore", "list", "delete")
 NAMED = ("save", "restore", "delete")  # the actions that take a NAME
 
 
-def add_parser(commands: argparse._SubParsersAction[Any]) -> None:
-    """Add the `snapshot` command to the CLI's `commands`.
+def register(commands: Commands, root: argparse.ArgumentParser) -> None:
+    """The `snapshot` command.
 
     Its sub-command comes after SPEC (`snapshot SPEC save NAME`), so it is a positional argument with
     choices rather than an argparse sub-parser: the completion scripts (`cli/completion.py`) complete a
     command's sub-parsers as its first word, where SPEC goes here, and complete choices in place."""
-    from vmlaunch.cli import _seconds
-
-    snapshot = commands.add_parser(
-        "snapshot", help="save, restore, list and delete snapshots of a whole lab",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description="""\
+    snapshot = command(
+        commands, "snapshot", cmd_snapshot, help="save, restore, list and delete snapshots of a whole lab",
+        raw=True, description="""\
 A snapshot holds every VM of the lab at one instant, disks and RAM: the VMs are
 paused together, each QEMU saves into its qcow2 disks (the first also holds the
 RAM), and they are resumed together.
@@ -52,7 +51,7 @@ Refused before anything changes: a writable raw disk, a 9p share, a passed-
 through PCI device. `vmlaunch up SPEC --from-snapshot NAME` starts a lab that
 is down from a snapshot, RAM included.""",
     )
-    snapshot.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
+    add_spec(snapshot)
     snapshot.add_argument("action", metavar="SUBCOMMAND", choices=ACTIONS,
                           help="save, restore, list or delete")
     snapshot.add_argument("name", metavar="NAME", nargs="?",
@@ -62,12 +61,9 @@ is down from a snapshot, RAM included.""",
     snapshot.add_argument("--force", action="store_true",
                           help="save: replace a snapshot of that name (deleted first: if the save then "
                           "fails, neither is left)")
-    snapshot.add_argument("--json", action="store_true",
-                          help="list: print JSON keyed by snapshot, then VM")
-    snapshot.add_argument("--timeout", metavar="S", type=_seconds(zero_ok=False), default=60.0,
-                          help="save, restore, delete: seconds for the whole operation (and to wait for "
-                          "another up or down of the lab); default 60")
-    snapshot.set_defaults(run=cmd_snapshot)
+    add_json(snapshot, "list: print JSON keyed by snapshot, then VM")
+    add_timeout(snapshot, "save, restore, delete: seconds for the whole operation (and to wait for "
+                "another up or down of the lab); default 60", default=60.0)
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:

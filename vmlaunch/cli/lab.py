@@ -1,0 +1,251 @@
+"""The commands of a lab's life: `validate`, `cmdline`, `up`, `down`, `pause`, `resume`, `reset`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from vmlaunch.cli.common import (
+    Commands,
+    add_spec,
+    add_timeout,
+    add_vms,
+    command,
+    count,
+    lab_vm,
+)
+
+if TYPE_CHECKING:
+    from vmlaunch.compile.plan import Plan
+    from vmlaunch.layout.rundir import RunDir
+
+log = logging.getLogger("vmlaunch")
+
+
+def register(commands: Commands, root: argparse.ArgumentParser) -> None:
+    validate = command(
+        commands, "validate", cmd_validate, help="check a spec and print a one-line summary",
+        description="Check a spec: structure (the JSON schema), references, sizes and clashes. "
+        "Prints a one-line summary, or every problem as FILE:LINE: key.path: message.")
+    add_spec(validate)
+
+    cmdline = command(
+        commands, "cmdline", cmd_cmdline, help="print each VM's QEMU command line",
+        description="Print the QEMU command line of each VM (or of the VMs named), one "
+        "shell-quoted line per VM that can be pasted into a shell, or JSON with --json. "
+        "Which accelerator was chosen, and why, goes to standard error.")
+    add_spec(cmdline)
+    add_vms(cmdline)
+    cmdline.add_argument("--json", action="store_true", help='print {"VM": ["qemu-system-x86_64", ...], ...}')
+
+    up = command(
+        commands, "up", cmd_up, help="bring the lab (or the VMs named) up",
+        description="Create what the lab needs on the host (images, bridges, taps, PCI bindings) and "
+        "start every VM, in parallel; return when each runs and answers QMP. VMs already running are "
+        "left alone. Any failure undoes everything this run did.")
+    add_spec(up)
+    add_vms(up)
+    up.add_argument("--dry-run", action="store_true",
+                    help="print the host actions and each QEMU command line; change nothing")
+    up.add_argument("--wait-for", metavar="TEXT",
+                    help="also wait until each VM's serial console has printed TEXT")
+    add_timeout(up, "seconds to wait for the VMs (and for another up/down of the lab); "
+                "default 60, 600 with --wait ssh", default=None)
+    up.add_argument("--force", action="store_true",
+                    help="take the lab over when it is up from another spec file with the same lab name")
+    up.add_argument("--wait", metavar="WHAT", choices=("ssh",),
+                    help="ssh: also wait until each VM with an SSH port answers SSH")
+    up.add_argument("--fresh", action="store_true",
+                    help="start the VMs afresh from their images: their overlays, seeds and UEFI "
+                    "variables are made anew (what they wrote is lost; their SSH keys stay)")
+    up.add_argument("--from-snapshot", metavar="NAME",
+                    help="start the VMs, which must be down, from snapshot NAME (`vmlaunch snapshot`), "
+                    "RAM included: they run on from that instant, without booting")
+
+    for verb, run, description in (
+            ("pause", cmd_pause, "Pause the VMs (QMP stop): the guests stop running until `vmlaunch "
+             "resume`; a snapshot save or restore leaves a VM you paused paused."),
+            ("resume", cmd_resume, "Resume VMs that are paused (QMP cont). A VM an interrupted snapshot "
+             "restore left paused is refused: its memory may be half loaded (restore the snapshot "
+             "again, which resumes it).")):
+        step = command(commands, verb, run, help=f"{verb} the lab's VMs (or those named)",
+                       description=description)
+        add_spec(step)
+        add_vms(step)
+        add_timeout(step, "seconds to wait for another vmlaunch of the lab; default 10", default=10.0)
+
+    reset = command(
+        commands, "reset", cmd_reset, help="make VMs start afresh from their images at the next up",
+        description="Remove the VMs' overlays, cloud-init seeds and UEFI variables (kept beside the "
+        "spec in .vmlaunch/LAB/), so the next up boots them as new machines from their images. Their "
+        "SSH keys stay. A VM that is up is refused.")
+    add_spec(reset)
+    add_vms(reset)
+
+    down = command(
+        commands, "down", cmd_down, help="stop the lab (or the VMs named) and remove every trace of it",
+        description="Stop each VM (ACPI power button, then QMP quit, then kill), then remove the taps, "
+        "the bridges vmlaunch created, the PCI bindings and the run dir. Works after crashes; a second "
+        "down does nothing. Disk images are kept.")
+    add_spec(down)
+    add_vms(down)
+    add_timeout(down, "seconds each guest gets to power off before it is stopped (0: stop it at once); "
+                "default 10", default=10.0, zero_ok=True)
+    down.add_argument("--force", action="store_true",
+                      help="when the lab's journal cannot be read whole (damaged, or written by "
+                      "another vmlaunch version), stop and remove everything it recognises and list "
+                      "the rest; also take down a lab of this name that is up from another spec file")
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from vmlaunch.compile.preflight import load_checked
+    from vmlaunch.spec.model import BridgeNetwork
+
+    lab = load_checked(args.spec, up_refusals=True)
+    nets = ", ".join(
+        f"{net.name} (bridge {net.bridge})" if isinstance(net, BridgeNetwork)
+        else f"{net.name} ({net.type.value})"
+        for net in lab.networks
+    )
+    disks = sum(len(vm.disks) + (vm.image is not None) for vm in lab.vms)  # an image: its overlay
+    print(f"{args.spec}: valid: lab {lab.name}: {count(len(lab.vms), 'VM')} "
+          f"({', '.join(vm.name for vm in lab.vms)}), {count(len(lab.networks), 'network')}"
+          f"{f' ({nets})' if nets else ''}, {count(disks, 'disk')}")
+    return 0
+
+
+def cmd_cmdline(args: argparse.Namespace) -> int:
+    import json
+    import shlex
+
+    from vmlaunch.compile.compiler import compile_lab
+    from vmlaunch.compile.preflight import load_checked
+    from vmlaunch.host.facts import detect_host
+
+    lab = load_checked(args.spec, vms=args.vms)
+    plan = compile_lab(lab, detect_host(), args.vms)
+    for note in plan.notes:
+        log.info("note: %s", note)
+    log_accel(plan, args.verbose)
+    for vm in plan.vms:
+        for note in vm.notes:
+            log.info("note: %s", note)
+    if args.json:
+        print(json.dumps({vm.name: list(vm.argv) for vm in plan.vms}, indent=2))
+        return 0
+    for vm in plan.vms:
+        if len(plan.vms) > 1:
+            print(f"# {vm.name}")
+        print(shlex.join(vm.argv))
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from vmlaunch.compile.compiler import compile_lab
+    from vmlaunch.compile.preflight import load_checked
+    from vmlaunch.host.facts import detect_host
+    from vmlaunch.layout.rundir import RunDir
+    from vmlaunch.runtime import executor
+    from vmlaunch.runtime.running import where_running
+
+    lab = load_checked(args.spec, vms=args.vms)
+    host = detect_host()
+    from vmlaunch.host.confine import warn_if_off
+
+    warn_if_off(host)
+    plan = compile_lab(lab, host, args.vms,
+                       running=where_running(RunDir.of(host.run_root, lab.name), host.numa))
+    for note in plan.notes:
+        log.info("note: %s", note)
+    for vm in plan.vms:
+        for note in vm.notes:
+            log.info("note: %s", note)
+    if args.dry_run:
+        for line in executor.describe(plan):
+            print(line)
+        return 0
+    from vmlaunch.guests.shareaccess import require_xattrs
+
+    require_xattrs(lab, [vm.name for vm in plan.vms])  # it writes a probe: not for --dry-run
+    log_accel(plan, args.verbose)
+    from vmlaunch.runtime.journal import Journal
+    from vmlaunch.runtime.running import running_vms
+
+    before = running_vms(Journal.load(plan.run_dir))
+    if any(vm.name not in before for vm in plan.vms):  # the lab checks that warn, once, before starting
+        from vmlaunch.doctor.run import lab_warnings, one_line
+
+        for finding in lab_warnings(lab, host):
+            log.warning("%s", one_line(finding))
+    warm = None
+    if args.from_snapshot is not None:
+        from vmlaunch.runtime.snapshot import warm_start
+
+        warm = warm_start(lab, [vm.name for vm in plan.vms], args.from_snapshot, qemu_img=host.qemu.img)
+    pids = executor.up(plan, spec=str(lab.file), qemu_img=host.qemu.img, wait_for=args.wait_for,
+                       timeout=args.timeout if args.timeout is not None else
+                       executor.default_timeout(args.wait == "ssh"),
+                       force=args.force, wait_ssh=args.wait == "ssh",
+                       fresh=args.fresh, from_snapshot=warm)
+    for vm in plan.vms:
+        left = ", already: left alone" if before.get(vm.name) == pids[vm.name] else ""
+        print(f"{vm.name}: running (pid {pids[vm.name]}, {vm.accel.accel.value}{left})")
+    return 0
+
+
+def log_accel(plan: Plan, verbose: bool) -> None:
+    """Each VM's accelerator, and why in full the first time each day on this host (and always with
+    -v): `alpha, beta: tcg (KVM not usable: ...)`; else `alpha, beta: tcg`. `doctor` has the why."""
+    if not log.isEnabledFor(logging.INFO):  # -q: nothing shown, so nothing counts as told
+        return
+    from vmlaunch.host.facts import told_today
+
+    told = told_today(sorted({vm.accel.reason for vm in plan.vms}))
+    for line in plan.accel_lines(why=verbose or not told):
+        log.info("%s", line)
+
+
+def cmd_pause(args: argparse.Namespace) -> int:
+    from vmlaunch.runtime import control
+
+    return _print_done(control.pause, args)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from vmlaunch.runtime import control
+
+    return _print_done(control.resume, args)
+
+
+def _print_done(step: Callable[[RunDir, list[str], float], dict[str, str]], args: argparse.Namespace) -> int:
+    run_dir, lab = lab_vm(args.spec, *args.vms)
+    names = [vm.name for vm in lab.select(args.vms)]
+    for name, done in step(run_dir, names, args.timeout).items():
+        print(f"{name}: {done}")
+    return 0
+
+
+def cmd_reset(args: argparse.Namespace) -> int:
+    from vmlaunch.layout.labdir import LabDir
+    from vmlaunch.runtime import executor
+
+    run_dir, lab = lab_vm(args.spec, *args.vms)
+    names = [vm.name for vm in lab.select(args.vms)]
+    executor.reset(run_dir, LabDir.of(lab.file, lab.name), names)
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from vmlaunch.layout.dirs import run_root
+    from vmlaunch.layout.rundir import RunDir
+    from vmlaunch.runtime import executor
+    from vmlaunch.spec.load import lab_name
+
+    run_dir = RunDir.of(run_root(), lab_name(args.spec))
+    if args.vms:
+        lab_vm(args.spec, *args.vms)
+    if not executor.down(run_dir, args.vms, timeout=args.timeout, force=args.force, spec=args.spec):
+        print(f"lab {run_dir.lab} is not up")
+    return 0

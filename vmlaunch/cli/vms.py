@@ -1,0 +1,283 @@
+"""The commands that look at a lab that is up and drive its VMs: `ls`, `status`, `logs`, `console`,
+`ssh`, `balloon`, `qmp`, `numa`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from vmlaunch.cli.common import Commands, add_json, add_spec, add_timeout, add_vm, add_vms, command, lab_vm
+from vmlaunch.errors import RuntimeFailure, UsageError
+
+log = logging.getLogger("vmlaunch")
+
+
+def register(commands: Commands, root: argparse.ArgumentParser) -> None:
+    ls = command(commands, "ls", cmd_ls, help="list the labs that are up on this host",
+                 description="The labs that are up on this host (in this user's run dir): "
+                 "name, VMs (running or crashed), since when, and the spec file.")
+    add_json(ls, "print JSON keyed by lab name")
+
+    status = command(commands, "status", cmd_status, help="show each VM: running, stopped or crashed",
+                     description="Per VM: state, pid, accelerator, balloon size, uptime; "
+                     "and each NIC: its MAC, network (bridge and tap, user network with "
+                     "its forwarded ports, or socket group).")
+    add_spec(status)
+    add_json(status, "print JSON keyed by VM name")
+
+    logs = command(commands, "logs", cmd_logs, help="print a VM's serial console output",
+                   description="Print what the VM's serial console has printed; after "
+                   "`down`, what it printed in its last run (kept in "
+                   "/var/log/vmlaunch/LAB as root, else ~/.local/state/vmlaunch/logs/LAB).")
+    add_spec(logs)
+    add_vm(logs, optional=True, help="the VM whose console output to print (none with --manager)")
+    logs.add_argument("-f", "--follow", action="store_true",
+                      help="keep printing as it grows, until the VM stops or Ctrl-C")
+    logs.add_argument("--qemu", action="store_true",
+                      help="QEMU's own messages (its standard error) instead of the console")
+    logs.add_argument("--manager", action="store_true",
+                      help="the lab manager's log (balloon decisions and their reasons) instead of a VM's")
+
+    console = command(commands, "console", cmd_console, help="attach to a VM's serial console",
+                      description="Interactive serial console; Ctrl-] detaches and leaves the VM running.")
+    add_spec(console)
+    add_vm(console, help="the VM whose console to attach to")
+
+    ssh = command(commands, "ssh", cmd_ssh, help="log in to a VM over SSH, or run a command there",
+                  description="Run OpenSSH with the lab's key, the VM's user and port and its pinned host "
+                  "key. With -- CMD..., run CMD in the VM (each word arrives as a word) and exit with its "
+                  "status.")
+    add_spec(ssh)
+    add_vm(ssh, help="the VM to log in to")
+    ssh.add_argument("command", metavar="CMD", nargs=argparse.REMAINDER,
+                     help="-- and the command to run, e.g. -- sh -c 'exit 7'")
+
+    balloon = command(commands, "balloon", cmd_balloon, help="print or set a VM's balloon size",
+                      description="Without SIZE, print the memory the guest has now. With "
+                      "SIZE, set the balloon target and wait until the guest follows.")
+    add_spec(balloon)
+    add_vm(balloon, help="the VM whose balloon to print or set")
+    balloon.add_argument("size", metavar="SIZE", nargs="?",
+                         help="binary, as every size: 256M, 1G, 512MiB, or a bare number of MiB (512); "
+                         "MB and GB are refused (10^6 or 2^20 bytes?)")
+    add_timeout(balloon, "seconds the guest gets to follow; default 10", default=10.0)
+
+    qmp = command(commands, "qmp", cmd_qmp, help="send a raw QMP command, print the JSON reply",
+                  description="Send one QMP command to the VM and print its reply as JSON, "
+                  "e.g. `vmlaunch qmp lab.toml alpha query-status`. A reply that is text "
+                  "is printed as text: `vmlaunch qmp lab.toml alpha human-monitor-command "
+                  "'{\"command-line\": \"info chardev\"}'`.")
+    add_spec(qmp)
+    add_vm(qmp, help="the VM to send the command to")
+    qmp.add_argument("command", metavar="COMMAND", help="the QMP command, e.g. query-status")
+    qmp.add_argument("arguments", metavar="JSON-ARGS", nargs="?", help='e.g. \'{"value": 134217728}\'')
+
+    numa = command(commands, "numa", cmd_numa, help="where each VM's memory is and where its vCPUs run",
+                   description="Per VM: its memory per NUMA node (pages, MiB, percent, from "
+                   "/proc/PID/numa_maps), the share on the node(s) it is placed on, and each "
+                   "vCPU's last CPU and node; per node: CPUs, free memory, the lab's runnable "
+                   "vCPUs now and the load the balancer saw last.")
+    add_spec(numa)
+    add_vms(numa, "only these VMs (default: all)")
+    add_json(numa)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from vmlaunch.layout.dirs import run_root
+    from vmlaunch.runtime.control import labs_up
+
+    labs = labs_up(run_root())
+    if args.json:
+        print(json.dumps({lab.name: lab.to_json() for lab in labs}, indent=2))
+        return 0
+    if not labs:
+        log.info("no lab is up (run dir %s)", run_root())
+        return 0
+    print(f"{'LAB':<16} {'VMS':<24} {'SINCE':<19} SPEC")
+    for lab in labs:
+        vms = ", ".join(name if state == "running" else f"{name} ({state})"
+                        for name, state in lab.vms.items())
+        if len(vms) > 24:
+            running = sum(state == "running" for state in lab.vms.values())
+            vms = f"{running} of {len(lab.vms)} running"
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(lab.since))
+        print(f"{lab.name:<16} {vms:<24} {since:<19} {lab.spec or '-'}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from vmlaunch.core.textsafe import printable
+    from vmlaunch.core.units import human_size
+    from vmlaunch.runtime.control import status
+
+    run_dir, lab = lab_vm(args.spec)
+    rows = status(run_dir, [vm.name for vm in lab.vms], lab)
+    if args.json:
+        print(json.dumps({row.name: row.to_json() for row in rows}, indent=2))
+        return 0
+    def size(value: int | None) -> str:
+        return human_size(value) if value is not None else "-"
+
+    print(f"{'VM':<16} {'STATE':<8} {'PID':>8} {'ACCEL':<5} {'BALLOON':>8} {'UPTIME':>8} {'MAX':>6} "
+          f"{'TARGET':>7} {'FREE':>6}")
+    for row in rows:
+        uptime = f"{row.uptime:.0f}s" if row.uptime is not None else "-"
+        ssh = f"  ssh 127.0.0.1:{row.ssh_port}" if row.ssh_port else ""
+        memory = row.memory
+        target = "-" if memory is None else size(memory.target) if memory.policy == "auto" else \
+            (memory.policy or "-")
+        most, free = (memory.max, memory.guest_free) if memory else (None, None)
+        print(f"{row.name:<16} {row.state:<8} {row.pid or '-':>8} {row.accel or '-':<5} "
+              f"{size(row.balloon_bytes):>8} {uptime:>8} {size(most):>6} {target:>7} {size(free):>6}{ssh}")
+        if row.why:
+            print(f"  {row.state}: {printable(row.why)}")
+        for nic in row.nics:
+            print(f"  nic{nic.index} {nic.describe()}")
+    lab_memory = rows[0].lab_memory if rows else None
+    if lab_memory is not None:
+        ksm = lab_memory.ksm
+        shared = ("KSM off on the host" if not ksm or not ksm["run"] else
+                  f"KSM saves the host {size(ksm['saved'])} ({ksm['pages_sharing']} pages sharing)")
+        merged = f", {size(lab_memory.ksm_merged)} of it merged," if lab_memory.ksm_merged else ""
+        print(f"memory: the guests hold {size(lab_memory.actual)}{merged} of a budget of "
+              f"{size(lab_memory.budget)}; lab manager: {lab_memory.manager}")
+        print(f"ksm: {lab_memory.ksm_setting}; {shared}")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from vmlaunch.layout import lastrun
+    from vmlaunch.runtime.control import follow_log, follow_manager_log, is_up, read_log, read_manager_log
+
+    if args.manager:
+        if args.vm is not None or args.qemu:
+            raise UsageError("--manager shows the lab manager's log: no VM and no --qemu with it")
+        run_dir, _ = lab_vm(args.spec)
+        text, running = read_manager_log(run_dir)
+        if not running:
+            log.info("the lab manager of %s does not run: this is its last run's log", run_dir.lab)
+        sys.stdout.write(text)
+        if args.follow and running:
+            for chunk in follow_manager_log(run_dir, len(text.encode())):
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+        return 0
+    if args.vm is None:
+        raise UsageError("name a VM, or --manager for the lab manager's log")
+    run_dir, _ = lab_vm(args.spec, args.vm)
+    text = read_log(run_dir, args.vm, qemu_messages=args.qemu)
+    if not is_up(run_dir, args.vm):
+        kept = lastrun.path_of(run_dir.lab, args.vm, "qemu" if args.qemu else "serial")
+        log.info("%s is not up: this is its last run's log (%s)", args.vm, kept)
+    if not args.follow or args.qemu or not is_up(run_dir, args.vm):
+        sys.stdout.write(text)
+        return 0
+    for chunk in follow_log(run_dir, args.vm):
+        sys.stdout.write(chunk)
+        sys.stdout.flush()
+    return 0
+
+
+def cmd_console(args: argparse.Namespace) -> int:
+    from vmlaunch.runtime.control import attach_console
+
+    run_dir, _ = lab_vm(args.spec, args.vm)
+    attach_console(run_dir, args.vm)
+    return 0
+
+
+def cmd_ssh(args: argparse.Namespace) -> int:
+    import signal
+    import subprocess
+
+    from vmlaunch.runtime.running import ssh_argv_of
+
+    run_dir, lab = lab_vm(args.spec, args.vm)
+    words = list(args.command)
+    if words and words[0] == "--":
+        words = words[1:]
+    argv = ssh_argv_of(run_dir, lab, args.vm, words or None)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for ssh (and the guest)
+    try:
+        return subprocess.run(argv, check=False).returncode
+    except OSError as exc:
+        raise RuntimeFailure(f"cannot run {argv[0]}: {exc.strerror or exc}",
+                             "install OpenSSH's client: apt-get install openssh-client") from None
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def cmd_balloon(args: argparse.Namespace) -> int:
+    from vmlaunch.core.units import bare_shown, format_size, parse_size, spelled
+    from vmlaunch.runtime.control import PAGE, balloon
+
+    run_dir, lab = lab_vm(args.spec, args.vm)
+    memory = lab.vm(args.vm).memory_mib << 20
+    size = None
+    if args.size is not None:
+        try:
+            size = parse_size(args.size)
+        except ValueError as exc:
+            raise UsageError(f"SIZE: {exc}") from None
+        if not PAGE <= size <= memory:
+            raise UsageError(f"SIZE: {bare_shown(args.size) or repr(args.size)} is not between 4K (a page) "
+                             f"and the memory of {args.vm}, {spelled(memory)}")
+    print(f"{args.vm}: {format_size(balloon(run_dir, args.vm, size, args.timeout, memory))}")
+    return 0
+
+
+# How QEMU's human monitor starts the text of a command that failed (`human-monitor-command` itself
+# succeeds): an unknown command, and the errors its commands report.
+HMP_FAILURES = ("unknown command:", "Error: ")
+
+
+# How QEMU's human monitor starts the text of a command that failed (`human-monitor-command` itself
+# succeeds): an unknown command, and the errors its commands report.
+HMP_FAILURES = ("unknown command:", "Error: ")
+
+
+def cmd_qmp(args: argparse.Namespace) -> int:
+    import json
+
+    from vmlaunch.runtime.control import qmp_command
+
+    run_dir, _ = lab_vm(args.spec, args.vm)
+    try:
+        arguments = json.loads(args.arguments) if args.arguments else {}
+    except ValueError as exc:
+        raise UsageError(f"JSON-ARGS is not JSON: {exc}") from None
+    if not isinstance(arguments, dict):
+        raise UsageError("JSON-ARGS must be a JSON object, e.g. '{\"value\": 134217728}'")
+    reply = qmp_command(run_dir, args.vm, args.command, arguments)
+    if isinstance(reply, str):  # human-monitor-command answers with the monitor's text: print it
+        text = reply.replace("\r\n", "\n")  # the monitor speaks to a terminal
+        if text.startswith(HMP_FAILURES):  # QMP says success: the monitor's failure is only text
+            from vmlaunch.core.textsafe import printable
+
+            raise RuntimeFailure(f"{args.vm}: the monitor says: {printable(text.strip())}",
+                                 "its command `help` lists the commands: vmlaunch qmp SPEC VM "
+                                 "human-monitor-command '{\"command-line\": \"help\"}'")
+        sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
+        return 0
+    print(json.dumps(reply, indent=2))
+    return 0
+
+
+def cmd_numa(args: argparse.Namespace) -> int:
+    import json
+
+    from vmlaunch.runtime.numareport import render, report
+
+    run_dir, lab = lab_vm(args.spec, *args.vms)
+    result = report(run_dir, [vm.name for vm in lab.select(args.vms)])
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print("\n".join(render(result)))
+    return 0
