@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         "With -- CMD..., run CMD in the VM (each word arrives as a word) and exit with its status.",
     )
     ssh.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
-    ssh.add_argument("vm", metavar="VM")
+    ssh.add_argument("vm", metavar="VM", help="the VM to log in to")
     ssh.add_argument("command", metavar="CMD", nargs=argparse.REMAINDER,
                      help="-- and the command to run, e.g. -- sh -c 'exit 7'")
     ssh.set_defaults(run=cmd_ssh)
@@ -215,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "`down`, what it printed in its last run (kept in "
                                "/var/log/vmlaunch/LAB as root, else ~/.local/state/vmlaunch/logs/LAB).")
     logs.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
-    logs.add_argument("vm", metavar="VM", nargs="?")
+    logs.add_argument("vm", metavar="VM", nargs="?",
+                      help="the VM whose console output to print (none with --manager)")
     logs.add_argument("-f", "--follow", action="store_true",
                       help="keep printing as it grows, until the VM stops or Ctrl-C")
     logs.add_argument("--qemu", action="store_true",
@@ -228,14 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
                                   description="Interactive serial console; Ctrl-] detaches and "
                                   "leaves the VM running.")
     console.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
-    console.add_argument("vm", metavar="VM")
+    console.add_argument("vm", metavar="VM", help="the VM whose console to attach to")
     console.set_defaults(run=cmd_console)
 
     balloon = commands.add_parser("balloon", help="print or set a VM's balloon size",
                                   description="Without SIZE, print the memory the guest has now. With "
                                   "SIZE, set the balloon target and wait until the guest follows.")
     balloon.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
-    balloon.add_argument("vm", metavar="VM")
+    balloon.add_argument("vm", metavar="VM", help="the VM whose balloon to print or set")
     balloon.add_argument("size", metavar="SIZE", nargs="?",
                          help="binary, as every size: 256M, 1G, 512MiB, or a bare number of MiB (512); "
                          "MB and GB are refused (10^6 or 2^20 bytes?)")
@@ -249,8 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "is printed as text: `vmlaunch qmp lab.toml alpha human-monitor-command "
                               "'{\"command-line\": \"info chardev\"}'`.")
     qmp.add_argument("spec", metavar="SPEC", help="the lab's TOML file")
-    qmp.add_argument("vm", metavar="VM")
-    qmp.add_argument("command", metavar="COMMAND")
+    qmp.add_argument("vm", metavar="VM", help="the VM to send the command to")
+    qmp.add_argument("command", metavar="COMMAND", help="the QMP command, e.g. query-status")
     qmp.add_argument("arguments", metavar="JSON-ARGS", nargs="?", help='e.g. \'{"value": 134217728}\'')
     qmp.set_defaults(run=cmd_qmp)
 
