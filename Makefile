@@ -8,7 +8,7 @@ VENV := .venv
 VMLAUNCH := $(VENV)/bin/vmlaunch
 PYTEST := $(VENV)/bin/python -m pytest
 
-.PHONY: setup demo test lint readme bench bench-boot bench-density clean install uninstall
+.PHONY: setup demo test lint readme docs bench bench-boot bench-density clean install uninstall
 
 setup:
 	@tools/setup.sh
@@ -33,6 +33,11 @@ test: setup
 # private network namespace, ~15 s); tests/test_readme.py fails when they drift from it.
 readme: setup
 	$(VENV)/bin/python tools/readme_transcripts.py --write
+
+# docs/reference/spec-keys.md and commands.md written anew from the schema, the model's defaults and the
+# argument parser; tests/test_reference.py fails when they drift from them.
+docs: setup
+	$(VENV)/bin/python tools/gen_reference.py --write
 
 lint: setup
 	$(VENV)/bin/python -m pip install -q -e '.[lint]' --config-settings editable_mode=compat
