@@ -99,7 +99,7 @@ def test_images_without_the_internet_are_shown() -> None:
     (its own argument parser takes them), the file they write is the one the spec names. The manual
     shows it in its guide to images, and points to it from the first real guest's tutorial."""
     images = section("Images")
-    assert "tools/build_debian.py" in section("Your first real guest")
+    assert "tools/build_debian.py" in section("A first real guest")
     commands = [line.split("#")[0].split() for block in blocks(images, "sh") for line in block.splitlines()
                 if line.startswith("tools/build_debian.py")]
     assert len(commands) >= 2
