@@ -116,12 +116,6 @@ def test_every_relative_link_of_the_manual_leads_to_a_file() -> None:
                 assert anchor in anchors(file.read_text()), f"{where}: no such heading"
 
 
-def test_the_reference_pages_are_left_to_their_generator() -> None:
-    """spec-keys.md and commands.md are written by tools/gen_reference.py, not by hand."""
-    for name in ("spec-keys.md", "commands.md"):
-        assert "tools/gen_reference.py" in (DOCS / "reference" / name).read_text()
-
-
 @pytest.mark.skipif(not HAVE_MKDOCS, reason="MkDocs and its Material theme (the docs extra): make docs")
 def test_mkdocs_builds_the_manual_strictly(tmp_path: Path) -> None:
     """What `make docs` runs, into a temporary folder (about a second)."""
