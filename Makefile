@@ -8,7 +8,7 @@ VENV := .venv
 VMLAUNCH := $(VENV)/bin/vmlaunch
 PYTEST := $(VENV)/bin/python -m pytest
 
-.PHONY: setup demo test lint readme docs bench bench-boot bench-density clean install uninstall
+.PHONY: setup demo test lint readme docs docs-serve bench bench-boot bench-density clean install uninstall
 
 setup:
 	@tools/setup.sh
@@ -29,20 +29,30 @@ demo: setup
 test: setup
 	$(PYTEST) --cov --cov-report=term $(PYTEST_ARGS)
 
-# The README's transcripts written anew from the commands' real output (root: the demo lab, in a
-# private network namespace, ~15 s); tests/test_readme.py fails when they drift from it.
+# The transcripts of the README and the manual (docs/) written anew from the commands' real output
+# (root: the demo lab, in a private network namespace, ~15 s); tests/test_readme.py fails when they
+# drift from it.
 readme: setup
 	$(VENV)/bin/python tools/readme_transcripts.py --write
-
-# docs/reference/spec-keys.md and commands.md written anew from the schema, the model's defaults and the
-# argument parser; tests/test_reference.py fails when they drift from them.
-docs: setup
-	$(VENV)/bin/python tools/gen_reference.py --write
 
 lint: setup
 	$(VENV)/bin/python -m pip install -q -e '.[lint]' --config-settings editable_mode=compat
 	$(VENV)/bin/ruff check vmlaunch tests tools bench
 	$(VENV)/bin/mypy vmlaunch tests tools bench
+
+# The manual (docs/, mkdocs.yml) built into site/ with MkDocs and its Material theme; --strict fails on
+# a broken link or anchor and on a page left out of nav. The reference pages (docs/reference/spec-keys.md
+# and commands.md) are written anew first from the schema, the model's defaults and the argument parser
+# (tests/test_reference.py fails when they drift). docs-serve serves it while it is edited.
+docs: setup
+	$(VENV)/bin/python -m pip install -q -e '.[docs]' --config-settings editable_mode=compat
+	$(VENV)/bin/python tools/gen_reference.py --write
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+docs-serve: setup
+	$(VENV)/bin/python -m pip install -q -e '.[docs]' --config-settings editable_mode=compat
+	$(VENV)/bin/python tools/gen_reference.py --write
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 bench: setup
 	$(VENV)/bin/python bench/startup.py
@@ -59,4 +69,4 @@ bench-density: setup
 	$(VENV)/bin/python bench/density.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info examples/guest
+	rm -rf $(VENV) build *.egg-info examples/guest site

@@ -644,9 +644,9 @@ def test_root_does_not_install_from_a_checkout_others_cannot_enter(open_dir: Pat
         "setup there",
     ]
     assert not installer.link.is_symlink() and not installer.bash_file.exists()
-    # the README shows it so, for a checkout in /root/vmlaunch
-    readme = (ROOT / "README.md").read_text()
-    shown = readme.split("```console\n# make install\n", 1)[1].split("```", 1)[0]
+    # the manual's install page shows it so, for a checkout in /root/vmlaunch
+    page = (ROOT / "docs" / "getting-started" / "install.md").read_text()
+    shown = page.split("```console\n# make install\n", 1)[1].split("```", 1)[0]
     assert shown.replace("/root/vmlaunch", str(checkout)).replace("/root ", f"{home} ") == done.stderr
 
 

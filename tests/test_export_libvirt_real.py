@@ -6,7 +6,7 @@
   are taken apart into what the guest gets (machine, CPU, memory and its backing, each disk with its
   format, cache, AIO, discard and read-only, each NIC with its model and MAC, shares, PCI devices,
   balloon, serial console, kernel, firmware) and compared; every difference found must be one the
-  README's mapping table names (`DIFFERENCES`), and the README must name it.
+  mapping table of the manual's export guide names (`DIFFERENCES`), and the guide must name it.
 - End to end: libvirt's daemon (Debian's, in a private mount and network namespace:
   tools/private_libvirt.py) defines and starts the exported test-guest lab under TCG, each guest
   prints its ready line on the logged serial console, the two VMs on the exported bridge network
@@ -43,7 +43,7 @@ from vmlaunch.spec.load import load_lab
 
 pytestmark = [pytest.mark.qemu]
 READY = "VMLAUNCH-GUEST-READY"
-README = ROOT / "README.md"
+EXPORT_GUIDE = ROOT / "docs" / "guides" / "export.md"
 
 if os.geteuid() != 0:  # pragma: no cover - CI and the README's machines run as root
     pytest.skip("a private libvirtd needs root (mount and network namespaces)", allow_module_level=True)
@@ -88,7 +88,7 @@ def libvirt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateLibvirt
 
 # --------------------------------------------------------------------------- the round trip
 
-# What may differ between the two command lines: each a row of the README's mapping table, found by
+# What may differ between the two command lines: each a row of the export guide's mapping table, found by
 # the text given. Anything else the comparison finds fails the test.
 DIFFERENCES = {
     "process name": "`-name process=`",
@@ -347,7 +347,7 @@ ROUND_TRIP_HOST = fake_host(
     hugepage_sizes_kib=frozenset({2048}))
 
 
-def test_round_trip_differs_only_where_the_readme_says(libvirt: PrivateLibvirt, tmp_path: Path) -> None:
+def test_round_trip_differs_only_where_the_export_guide_says(libvirt: PrivateLibvirt, tmp_path: Path) -> None:
     seen: dict[str, set[str]] = {}
     unexplained = []
     compared = 0
@@ -368,9 +368,9 @@ def test_round_trip_differs_only_where_the_readme_says(libvirt: PrivateLibvirt, 
             compared += 1
     assert compared >= 8
     assert unexplained == []
-    readme = README.read_text()
+    guide = EXPORT_GUIDE.read_text()
     for category, marker in DIFFERENCES.items():
-        assert marker in readme, f"the README's mapping table does not name {category!r} ({marker})"
+        assert marker in guide, f"the export guide's mapping table does not name {category!r} ({marker})"
     # the comparison sees what it is there to see: the labs have these
     assert {"PCI topology", "to-native NICs", "hugepage backing", "NUMA binding", "SATA CD-ROM"} <= set(seen)
 

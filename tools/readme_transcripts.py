@@ -1,22 +1,23 @@
 #!/usr/bin/env python3
-"""The README's transcripts of command output, made from the real output.
+"""The transcripts of command output in the README and the manual, made from the real output.
 
-A transcript is the ```console block right after a line `<!-- transcript: NAME -->` in README.md.
-Each NAME has a recipe here: the commands it runs. Today there is one, `demo`: `up`, `status` and
-`down` of the demo lab (examples/lab.toml) with the test guest, run as a user types them, in a
-private network namespace (`unshare --net`: its bridge and taps never touch the host's network) and
-with a cache of its own (so `up` tells why the accelerator was chosen, as it does the first time each
-day).
+A transcript is the ```console block right after a line `<!-- transcript: NAME -->` in README.md or
+in a page of the manual (docs/**/*.md); one transcript may be shown on several pages, and each copy
+is checked. Each NAME has a recipe here: the commands it runs. Today there is one, `demo`: `up`,
+`status` and `down` of the demo lab (examples/lab.toml) with the test guest, run as a user types
+them, in a private network namespace (`unshare --net`: its bridge and taps never touch the host's
+network) and with a cache of its own (so `up` tells why the accelerator was chosen, as it does the
+first time each day).
 
     tools/readme_transcripts.py            compare each transcript with the real output (exit 1
                                            when one drifted, with the difference)
-    tools/readme_transcripts.py --write    write the real output into README.md
+    tools/readme_transcripts.py --write    write the real output into every page that shows it
 
 What changes from run to run is compared as a placeholder (`normalise`): pids, uptimes, a guest's
 free memory, this host's memory budget and KSM counters, the accelerator and its reason, the lines
 that report progress while waiting, and the order in which VMs report being ready or off. Everything
-else must be the same: a column, a line or a word that the commands print and the README does not
-show (or the other way round) is drift. tests/test_readme.py runs the comparison.
+else must be the same: a column, a line or a word that the commands print and a page does not show
+(or the other way round) is drift. tests/test_readme.py runs the comparison.
 
 The lab's KSM settings are a private copy of the host's (`VMLAUNCH_SYSFS`), so the host's KSM is
 left alone (KSM is one setting for the whole host: turning it on and off under tests that run at the
@@ -40,10 +41,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 GUEST = ROOT / "examples" / "guest"
 MARKER = re.compile(r"^<!-- transcript: ([a-z0-9-]+) -->\n```console\n(.*?)^```\n", re.M | re.S)
 READY = "VMLAUNCH-GUEST-READY"
-# The commands of each transcript, as typed in the README (after `vmlaunch`), run in a folder holding
+# The commands of each transcript, as typed on the page (after `vmlaunch`), run in a folder holding
 # examples/lab.toml and examples/guest.
 RECIPES: dict[str, tuple[tuple[str, ...], ...]] = {
     "demo": (("up", "examples/lab.toml", "--wait-for", READY),
@@ -55,16 +57,28 @@ KSM_FILES = ("run", "pages_to_scan", "sleep_millisecs", "advisor_mode", "pages_s
 
 
 class Drift(Exception):
-    """The README's transcript and the real output differ."""
+    """A page's transcript and the real output differ."""
+
+
+def pages() -> list[Path]:
+    """The pages that may show transcripts: README.md, then the manual's pages (docs/**/*.md) in
+    order."""
+    return [README, *sorted(DOCS.rglob("*.md"))]
+
+
+def shown() -> dict[Path, dict[str, str]]:
+    """Each page's transcripts by name, for the pages that show any."""
+    found = {page: transcripts(page.read_text()) for page in pages()}
+    return {page: named for page, named in found.items() if named}
 
 
 def transcripts(text: str) -> dict[str, str]:
-    """The README's transcripts by name: the text of each one's console block."""
+    """A page's transcripts by name: the text of each one's console block."""
     return {match.group(1): match.group(2) for match in MARKER.finditer(text)}
 
 
 def replaced(text: str, name: str, block: str) -> str:
-    """The README text with transcript `name`'s block replaced by `block`."""
+    """The page's text with transcript `name`'s block replaced by `block`."""
     def swap(match: re.Match[str]) -> str:
         if match.group(1) != name:
             return match.group(0)
@@ -113,9 +127,10 @@ def normalise(transcript: str) -> list[str]:
     return lines
 
 
-def difference(readme: str, real: str) -> str:
-    """A diff of the two transcripts as compared (normalised), or "" when they agree."""
-    return "\n".join(difflib.unified_diff(normalise(readme), normalise(real), "README.md", "real output",
+def difference(page: str, real: str, where: str = "README.md") -> str:
+    """A diff of the two transcripts as compared (normalised), or "" when they agree; `where` names
+    the page the first one is shown on."""
+    return "\n".join(difflib.unified_diff(normalise(page), normalise(real), where, "real output",
                                           lineterm=""))
 
 
@@ -136,7 +151,7 @@ def _private_ksm(folder: Path) -> Path:
 
 
 def real_output(name: str, *, host_ksm: bool = False, timeout: float = 300) -> str:
-    """Run transcript `name`'s commands as the README shows them; their output (stdout and stderr as
+    """Run transcript `name`'s commands as the pages show them; their output (stdout and stderr as
     they came), each after its `$ vmlaunch ...` line."""
     if os.geteuid() != 0:
         raise SystemExit("readme_transcripts: the demo lab's bridge needs root (in a private network "
@@ -190,20 +205,24 @@ def _inside(name: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--write", action="store_true", help="write the real output into README.md")
+    parser.add_argument("--write", action="store_true",
+                        help="write the real output into every page that shows the transcript")
     parser.add_argument("--host-ksm", action="store_true",
                         help="the lab turns the host's own KSM on and off, as `make demo` does")
     parser.add_argument("--inside", metavar="NAME", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.inside is not None:
         return _inside(args.inside)
-    text = README.read_text()
-    found = transcripts(text)
-    missing = set(RECIPES) - set(found)
-    if missing:
-        print(f"readme_transcripts: README.md has no transcript {', '.join(sorted(missing))} "
+    found = shown()
+    names = {name for named in found.values() for name in named}
+    if missing := set(RECIPES) - names:
+        print(f"readme_transcripts: no page shows transcript {', '.join(sorted(missing))} "
               "(a `<!-- transcript: NAME -->` line before its ```console block)", file=sys.stderr)
         return 1
+    if unknown := names - set(RECIPES):
+        print(f"readme_transcripts: no recipe for transcript {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 1
+    texts = {page: page.read_text() for page in found}
     drifted = False
     for name in RECIPES:
         try:
@@ -211,14 +230,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Drift as exc:
             print(f"readme_transcripts: {exc}", file=sys.stderr)
             return 1
-        if args.write:
-            text = replaced(text, name, real)
-            print(f"README.md: transcript {name}: {len(real.splitlines())} lines")
-        elif diff := difference(found[name], real):
-            print(f"README.md: transcript {name} drifted from the real output:\n{diff}")
-            drifted = True
+        for page, named in found.items():
+            if name not in named:
+                continue
+            where = str(page.relative_to(ROOT))
+            if args.write:
+                texts[page] = replaced(texts[page], name, real)
+                print(f"{where}: transcript {name}: {len(real.splitlines())} lines")
+            elif diff := difference(named[name], real, where):
+                print(f"{where}: transcript {name} drifted from the real output:\n{diff}")
+                drifted = True
     if args.write:
-        README.write_text(text)
+        for page, text in texts.items():
+            page.write_text(text)
     return 1 if drifted else 0
 
 
