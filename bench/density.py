@@ -26,7 +26,7 @@ Goals (issue 10): vmlaunch's memory at most 0.5 of the plain arm's; its throughp
 below. The table also gives both arms' TCG translation caches (QEMU's code buffer, a fixed cost per
 guest under TCG that a KVM host does not have) and the ratio without them.
 The table is printed; `bench/results/density.json` keeps the numbers and `bench/results/density.png`
-(matplotlib, `pip install '.[bench]'`) draws them for the README. Needs root (KSM). The host's KSM
+(matplotlib, `pip install '.[bench]'`) draws them for the manual. Needs root (KSM). The host's KSM
 settings are put back as they were whatever happens.
 
     python bench/density.py [--guests N] [--memory MiB] [--settle S] [--loop S]

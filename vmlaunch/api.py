@@ -77,7 +77,7 @@ class Lab:
 
     @property
     def run_dir(self) -> RunDir:
-        """The lab's run dir (sockets, logs, journal); see "Files" in the README."""
+        """The lab's run dir (sockets, logs, journal); see the manual's Files page."""
         return self.plan.run_dir
 
     def up(self, wait_for: str | None = None, timeout: float | None = None,

@@ -1,6 +1,6 @@
 """Typed errors. Raised deep, turned into a message and an exit code only in `cli.main`.
 
-Exit codes (documented in the README):
+Exit codes (the manual's Errors page, docs/reference/errors.md):
   2   the spec is wrong (every problem is listed, `FILE:LINE: key.path: message`)
   3   the host cannot do what the spec asks (no QEMU, KVM unusable, a missing QEMU feature), or
       the engine a lab is exported to has no equivalent for a setting (`export --strict`)

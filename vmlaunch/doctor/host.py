@@ -82,7 +82,7 @@ def check_io_uring(host: Host, proc: Path) -> Iterator[Finding]:
              if disabled not in (None, "0") else "this QEMU or kernel cannot use io_uring")
     yield Finding("host.io_uring", Status.NOTE, f"{found}: disks use aio=native (O_DIRECT) or threads",
                   "measured here: io_uring 0.26 s, native 0.41 s, threads with cache=none 1.92 s for the "
-                  "same 4k random writes (README, Why these defaults)",
+                  "same 4k random writes (the manual: Why these defaults)",
                   "sysctl kernel.io_uring_disabled=0" if disabled not in (None, "0")
                   else "a kernel of 5.1 or later and a QEMU built with liburing")
 

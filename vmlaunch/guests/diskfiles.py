@@ -1,6 +1,6 @@
 """Disk files are the user's files, opened as the user meant: the checks `up` makes on each one.
 
-The rule (README, "Disk files"). vmlaunch resolves a disk's path itself, one component at a time,
+The rule (the manual: Safety, "Disk files"). vmlaunch resolves a disk's path itself, one component at a time,
 and refuses it, naming the disk's key and spec line, when
 
 1. it follows a symlink the kernel's `protected_symlinks` would refuse (one in a sticky
@@ -258,7 +258,7 @@ def refuse(problems: Iterable[str]) -> DiskFileRefused:
     lines = list(problems)
     return DiskFileRefused("\n".join(lines) if len(lines) > 1 else lines[0],
                            "vmlaunch opens only disk files you own, by a path no other user can "
-                           "change (README: Disk files)")
+                           "change (the manual: Safety, Disk files)")
 
 
 def opened_by(pid: int) -> set[tuple[int, int]]:

@@ -1,6 +1,6 @@
 """Where vmlaunch keeps things (the cache, run dirs), and the rule every directory it uses must meet.
 
-The rule (README, "On a shared host"): a directory vmlaunch creates or writes in is owned by the
+The rule (the manual: Safety, "On a shared host"): a directory vmlaunch creates or writes in is owned by the
 invoking user (or root) and writable by nobody else; every directory above it is owned by the user or
 root and, if others may write in it, sticky (like /tmp); no symlink on the way belongs to anyone else.
 Without it another user could create the run root first (the fallback under /tmp is predictable) and
