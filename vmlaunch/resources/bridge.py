@@ -39,7 +39,7 @@ from vmlaunch.host.links import (
     check_name,
     netlink,
 )
-from vmlaunch.resources.base import Context
+from vmlaunch.resources.base import Context, LabWide
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def _remove_leaked_taps(nl: Netlink, bridge: Link, lab: str) -> None:
 
 
 @attrs.frozen
-class Bridge:
+class Bridge(LabWide):
     """Ensure a Linux bridge exists (created only when missing; then removed by `down`)."""
 
     kind: ClassVar[str] = "bridge"
@@ -204,10 +204,6 @@ class Bridge:
         if self.uplink is None:
             return None
         return vlan_link_name(self.uplink, self.vlan) if self.vlan is not None else self.uplink
-
-    @property
-    def owner(self) -> str | None:
-        return None  # shared by the lab's VMs
 
     def describe(self) -> str:
         vlan = f" (VLAN {self.vlan} of {self.uplink})" if self.vlan is not None else ""

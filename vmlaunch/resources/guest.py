@@ -23,7 +23,7 @@ import attrs
 from vmlaunch.errors import Location, RuntimeFailure, SpecError
 from vmlaunch.errors import Problem as SpecProblem
 from vmlaunch.layout.labdir import LabDir, VmDir
-from vmlaunch.resources.base import Context
+from vmlaunch.resources.base import Context, LabWide, VmFile
 from vmlaunch.spec.model import Image, LabSpec, VmSpec
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class LabDirRecord:
 
 
 @attrs.frozen
-class LabDirResource:
+class LabDirResource(LabWide):
     """The lab dir beside the spec: made (0700, marked) when missing, checked against the ownership
     rule when present."""
 
@@ -86,10 +86,6 @@ class LabDirResource:
     @property
     def key(self) -> str:
         return str(self.lab_dir.path)
-
-    @property
-    def owner(self) -> str | None:
-        return None
 
     def describe(self) -> str:
         return f"lab dir {self.lab_dir.path} (keys, overlays, seeds: kept by down)"
@@ -125,7 +121,7 @@ class VmFileRecord:
 
 
 @attrs.frozen
-class Overlay:
+class Overlay(VmFile):
     """A VM's first disk: a qcow2 overlay backed by its image (pulled into the cache when missing),
     with the VM's `disk_size` (at least the image's)."""
 
@@ -137,14 +133,6 @@ class Overlay:
     size: int | None
     spec: Path  # for a message naming the line of disk_size
     line: int = 1
-
-    @property
-    def key(self) -> str:
-        return str(self.path)
-
-    @property
-    def owner(self) -> str | None:
-        return self.vm
 
     def describe(self) -> str:
         from vmlaunch.core.units import format_size
@@ -192,7 +180,7 @@ class Overlay:
 
 
 @attrs.frozen
-class Nvram:
+class Nvram(VmFile):
     """A VM's UEFI variable store: a copy of the firmware's template, made once."""
 
     kind: ClassVar[str] = "vmfile"
@@ -200,14 +188,6 @@ class Nvram:
     vm: str
     path: Path
     template: Path
-
-    @property
-    def key(self) -> str:
-        return str(self.path)
-
-    @property
-    def owner(self) -> str | None:
-        return self.vm
 
     def describe(self) -> str:
         return f"UEFI variables {self.path} for {self.vm} (from {self.template})"
@@ -235,7 +215,7 @@ class Nvram:
 
 
 @attrs.frozen
-class Seed:
+class Seed(VmFile):
     """A VM's NoCloud seed: its hostname, the lab's SSH key, its own host key, static addresses,
     shares to mount and the spec's cloud-init settings. Written anew by every `up` (the instance id
     stays, so cloud-init runs its once-per-instance steps on the first boot of an overlay only)."""
@@ -250,14 +230,6 @@ class Seed:
     @property
     def path(self) -> Path:
         return self.lab_dir.vm(self.vm).seed
-
-    @property
-    def key(self) -> str:
-        return str(self.path)
-
-    @property
-    def owner(self) -> str | None:
-        return self.vm
 
     def describe(self) -> str:
         return f"cloud-init seed {self.path} for {self.vm} (written by every up)"

@@ -30,7 +30,7 @@ import attrs
 from vmlaunch.core.fsutil import fsync_dir
 from vmlaunch.errors import RuntimeFailure
 from vmlaunch.guests.diskfiles import DiskOrigin, Found, Policy, Unsafe, check, opened_by, refusal, refuse
-from vmlaunch.resources.base import Context, Resource
+from vmlaunch.resources.base import Context, OfVm, Resource, VmFile
 from vmlaunch.spec.model import DiskFormat
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def partial_path(path: Path, lab: str) -> Path:
 
 
 @attrs.frozen
-class ImageClaim:
+class ImageClaim(VmFile):
     """The partial file an image is created in, claimed (O_EXCL) and journaled before qemu-img runs."""
 
     kind: ClassVar[str] = "image"
@@ -106,14 +106,6 @@ class ImageClaim:
     path: Path
     image: Path
     vm: str
-
-    @property
-    def key(self) -> str:
-        return str(self.path)
-
-    @property
-    def owner(self) -> str | None:
-        return self.vm
 
     def describe(self) -> str:
         return f"partial image {self.path} for {self.image}"
@@ -136,7 +128,7 @@ class ImageClaim:
 
 
 @attrs.frozen
-class Image:
+class Image(OfVm):
     """A disk file a VM opens: checked, and created sparse when missing and it has a `size`; an
     existing file is never written to by vmlaunch."""
 
@@ -156,10 +148,6 @@ class Image:
     @property
     def key(self) -> str:
         return f"{self.vm}:{self.path}"  # a read-only image may be shared: checked for each VM
-
-    @property
-    def owner(self) -> str | None:
-        return self.vm
 
     @property
     def policy(self) -> Policy:

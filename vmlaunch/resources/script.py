@@ -41,7 +41,7 @@ from vmlaunch.core.naming import interface_name_problem
 from vmlaunch.core.textsafe import printable
 from vmlaunch.errors import HostError, RuntimeFailure
 from vmlaunch.guests.diskfiles import DiskOrigin, Policy, Unsafe, check_owner, resolve
-from vmlaunch.resources.base import Context, Resource, UndoneWithError
+from vmlaunch.resources.base import Context, OfVm, Resource, UndoneWithError
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class ScriptRecord:
 
 
 @attrs.frozen
-class ScriptClaim:
+class ScriptClaim(OfVm):
     """Journaled just before an up_script starts, so that its down_script runs whatever happens next."""
 
     kind: ClassVar[str] = "script"
@@ -123,7 +123,7 @@ class ScriptClaim:
         return f"{self.record.env.tap} (starting)"
 
     @property
-    def owner(self) -> str | None:
+    def vm(self) -> str:
         return self.record.env.vm
 
     def describe(self) -> str:
@@ -137,7 +137,7 @@ class ScriptClaim:
 
 
 @attrs.frozen
-class TapScript:
+class TapScript(OfVm):
     """Run a network's up_script for one NIC's tap (planned right after that tap)."""
 
     kind: ClassVar[str] = "script"
@@ -153,7 +153,7 @@ class TapScript:
         return self.env.tap
 
     @property
-    def owner(self) -> str | None:
+    def vm(self) -> str:
         return self.env.vm
 
     @property

@@ -23,7 +23,7 @@ import attrs
 
 from vmlaunch.core.naming import interface_mark, interface_name_problem
 from vmlaunch.host.links import BRIDGE_KIND, TUN_KIND, LinkError, check_name, netlink, new_tap
-from vmlaunch.resources.base import Context
+from vmlaunch.resources.base import Context, OfVm
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class TapRecord:
 
 
 @attrs.frozen
-class Tap:
+class Tap(OfVm):
     """A tap device for one NIC, enslaved to its bridge before QEMU opens it."""
 
     kind: ClassVar[str] = "tap"
@@ -74,10 +74,6 @@ class Tap:
     @property
     def key(self) -> str:
         return self.ifname
-
-    @property
-    def owner(self) -> str | None:
-        return self.vm
 
     def describe(self) -> str:
         return f"tap {self.ifname} for {self.vm}" + (f" on bridge {self.bridge}" if self.bridge else "")
