@@ -15,42 +15,44 @@ import logging
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
 import attrs
 
+from vmlaunch.core.fsutil import temp_of
 from vmlaunch.errors import Location, RuntimeFailure, SpecError
 from vmlaunch.errors import Problem as SpecProblem
 from vmlaunch.layout.labdir import LabDir, VmDir
 from vmlaunch.resources.base import Context, LabWide, VmFile
+from vmlaunch.resources.image import remove
 from vmlaunch.spec.model import Image, LabSpec, VmSpec
 
 log = logging.getLogger(__name__)
 
 
-def _temp(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
-def _publish(temp: Path, path: Path) -> None:
-    """fsync `temp` and rename it over `path` (a file vmlaunch made; never followed: rename replaces
-    a link itself)."""
-    fd = os.open(temp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+@contextlib.contextmanager
+def _written(path: Path) -> Iterator[Path]:
+    """A VM's file made whole or not at all: the block writes the temp file it is given (one a killed
+    vmlaunch left is removed first), which is then made 0600, fsync'd and renamed to `path` (never
+    followed: rename replaces a link itself); on failure it is removed."""
+    temp = temp_of(path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temp)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temp, path)
-
-
-def _remove(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        raise RuntimeFailure(f"cannot remove {path}: {exc.strerror}") from None
+        yield temp
+        os.chmod(temp, 0o600)
+        fd = os.open(temp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
 
 
 @attrs.frozen
@@ -114,7 +116,7 @@ class VmFileRecord:
 
     def undo(self, ctx: Context, *, rollback: bool) -> None:
         if rollback and self.created:
-            _remove(self.path)
+            remove(self.path)
 
     def describe(self) -> str:
         return f"{self.what} {self.path} ({'created' if self.created else 'existed'}; kept by down)"
@@ -158,24 +160,19 @@ class Overlay(VmFile):
                 Location(self.spec, self.line, ("vm", self.vm, "disk_size")),
                 f"{format_size(self.size)} is smaller than image {self.image.name} "
                 f"({format_size(info.virtual_size)})", "leave disk_size out, or make it larger")])
-        temp = _temp(self.path)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-        argv = [ctx.qemu_img, "create", "-q", "-f", "qcow2", "-b", str(base), "-F", info.format.value,
-                str(temp)]
-        if self.size is not None:
-            argv.append(str(self.size))
-        try:
-            done = subprocess.run(argv, capture_output=True, text=True, check=False,
-                                  stdin=subprocess.DEVNULL)
-        except OSError as exc:
-            raise RuntimeFailure(f"`{' '.join(argv)}` failed: {exc}") from None
-        if done.returncode != 0:
-            _remove(temp)
-            raise RuntimeFailure(f"creating the overlay of {self.vm} failed: "
-                                 f"{done.stderr.strip() or f'qemu-img status {done.returncode}'}")
-        os.chmod(temp, 0o600)
-        _publish(temp, self.path)
+        with _written(self.path) as temp:
+            argv = [ctx.qemu_img, "create", "-q", "-f", "qcow2", "-b", str(base), "-F", info.format.value,
+                    str(temp)]
+            if self.size is not None:
+                argv.append(str(self.size))
+            try:
+                done = subprocess.run(argv, capture_output=True, text=True, check=False,
+                                      stdin=subprocess.DEVNULL)
+            except OSError as exc:
+                raise RuntimeFailure(f"`{' '.join(argv)}` failed: {exc}") from None
+            if done.returncode != 0:
+                raise RuntimeFailure(f"creating the overlay of {self.vm} failed: "
+                                     f"{done.stderr.strip() or f'qemu-img status {done.returncode}'}")
         return VmFileRecord(self.path, created=True, what="overlay")
 
 
@@ -199,16 +196,10 @@ class Nvram(VmFile):
         if os.path.lexists(self.path):
             return VmFileRecord(self.path, created=False, what="UEFI variables")
         _make_vm_dir(self.path.parent)
-        temp = _temp(self.path)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
         try:
-            shutil.copyfile(self.template, temp)
-            os.chmod(temp, 0o600)
-            _publish(temp, self.path)
+            with _written(self.path) as temp:
+                shutil.copyfile(self.template, temp)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
             raise RuntimeFailure(f"cannot copy the UEFI variables of {self.vm} from {self.template}: "
                                  f"{exc.strerror or exc}") from None
         return VmFileRecord(self.path, created=True, what="UEFI variables")
@@ -267,6 +258,6 @@ def reset(lab_dir: LabDir, vm: str) -> list[Path]:
     removed = []
     for path in lab_dir.vm(vm).fresh:
         if os.path.lexists(path):
-            _remove(path)
+            remove(path)
             removed.append(path)
     return removed

@@ -57,7 +57,7 @@ class ImageRecord:
         """Images hold user data: only a failing `up` deletes one, only one it created, and only while
         nothing has written to it. A partial file is never the user's: every undo removes it."""
         if self.partial:
-            _remove(self.path)
+            remove(self.path, "image")
             return
         if not (rollback and self.created):
             return
@@ -65,7 +65,7 @@ class ImageRecord:
             log.warning("kept image %s: this up created it, but its VM has written to it since; "
                         "remove it by hand if it is not wanted", self.path)
             return
-        _remove(self.path)
+        remove(self.path, "image")
 
     def _changed(self) -> bool:
         if self.mtime_ns is None:  # written by a vmlaunch that did not record it
@@ -82,13 +82,15 @@ class ImageRecord:
         return f"image {self.path} ({'created' if self.created else 'existed'}; kept by down)"
 
 
-def _remove(path: Path) -> None:
+def remove(path: Path, what: str | None = None) -> None:
+    """Remove a file vmlaunch made (an image, a VM's overlay, seed or NVRAM store): one gone already is
+    nothing to do; one that cannot be removed is a RuntimeFailure naming it (as `what`, when given)."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
     except OSError as exc:
-        raise RuntimeFailure(f"cannot remove image {path}: {exc.strerror}") from None
+        raise RuntimeFailure(f"cannot remove {f'{what} ' if what else ''}{path}: {exc.strerror}") from None
 
 
 def partial_path(path: Path, lab: str) -> Path:
