@@ -37,11 +37,11 @@ from typing import Any, ClassVar
 
 import attrs
 
-from vmlaunch.core.naming import interface_name_problem
 from vmlaunch.core.textsafe import printable
 from vmlaunch.errors import HostError, RuntimeFailure
 from vmlaunch.guests.diskfiles import DiskOrigin, Policy, Unsafe, check_owner, resolve
 from vmlaunch.resources.base import Context, OfVm, Resource, UndoneWithError
+from vmlaunch.resources.links import interface_name
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +58,6 @@ class ScriptFailed(RuntimeFailure):
     """An up_script failed: its exit status or signal, or it timed out; with its output."""
 
 
-def _interface(instance: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
-    if value is not None and interface_name_problem(value):
-        raise ValueError(f"{attribute.name}: {interface_name_problem(value)}")
-
-
 @attrs.frozen
 class ScriptEnv:
     """The NIC a script wires, as its `VMLAUNCH_*` variables tell it."""
@@ -71,9 +66,9 @@ class ScriptEnv:
     vm: str
     nic: int
     network: str
-    tap: str = attrs.field(validator=_interface)
+    tap: str = attrs.field(validator=interface_name)
     mac: str
-    bridge: str | None = attrs.field(default=None, validator=_interface)  # bridge networks only
+    bridge: str | None = attrs.field(default=None, validator=interface_name)  # bridge networks only
     mtu: int | None = None  # the network's, when it sets one
     ip: str | None = None  # "10.10.0.11/24", when the NIC has a static address
 
