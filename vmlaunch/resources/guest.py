@@ -24,7 +24,7 @@ import attrs
 from vmlaunch.core.fsutil import temp_of
 from vmlaunch.errors import Location, RuntimeFailure, SpecError
 from vmlaunch.errors import Problem as SpecProblem
-from vmlaunch.layout.labdir import LabDir, VmDir
+from vmlaunch.layout.labdir import LabDir
 from vmlaunch.resources.base import Context, LabWide, VmFile
 from vmlaunch.resources.image import remove
 from vmlaunch.spec.model import Image, LabSpec, VmSpec
@@ -122,12 +122,33 @@ class VmFileRecord:
         return f"{self.what} {self.path} ({'created' if self.created else 'existed'}; kept by down)"
 
 
+class _GuestFile(VmFile):
+    """Mixin: a VM's file in the lab dir, made in the VM's folder (made first) when missing and kept
+    after, or (`anew`) written by every `up`; its record says whether this `up` created it."""
+
+    __slots__ = ()
+
+    what: ClassVar[str]  # its name in its record
+    anew: ClassVar[bool] = False
+
+    def apply(self, ctx: Context) -> VmFileRecord:
+        existed = os.path.lexists(self.path)
+        if self.anew or not existed:
+            _make_vm_dir(self.path.parent)
+            self._write(ctx)
+        return VmFileRecord(self.path, created=not existed, what=self.what)
+
+    def _write(self, ctx: Context) -> None:
+        raise NotImplementedError
+
+
 @attrs.frozen
-class Overlay(VmFile):
+class Overlay(_GuestFile):
     """A VM's first disk: a qcow2 overlay backed by its image (pulled into the cache when missing),
     with the VM's `disk_size` (at least the image's)."""
 
     kind: ClassVar[str] = "vmfile"
+    what: ClassVar[str] = "overlay"
 
     vm: str
     image: Image
@@ -145,12 +166,9 @@ class Overlay(VmFile):
     def found(self) -> str | None:
         return "exists: the VM resumes from it" if self.path.exists() else None
 
-    def apply(self, ctx: Context) -> VmFileRecord:
+    def _write(self, ctx: Context) -> None:
         from vmlaunch.guests import images
 
-        if os.path.lexists(self.path):
-            return VmFileRecord(self.path, created=False, what="overlay")
-        _make_vm_dir(self.path.parent)
         base = images.ensure(self.image)
         info = images.image_info(base, self.image.format)
         if self.size is not None and self.size < info.virtual_size:
@@ -173,14 +191,14 @@ class Overlay(VmFile):
             if done.returncode != 0:
                 raise RuntimeFailure(f"creating the overlay of {self.vm} failed: "
                                      f"{done.stderr.strip() or f'qemu-img status {done.returncode}'}")
-        return VmFileRecord(self.path, created=True, what="overlay")
 
 
 @attrs.frozen
-class Nvram(VmFile):
+class Nvram(_GuestFile):
     """A VM's UEFI variable store: a copy of the firmware's template, made once."""
 
     kind: ClassVar[str] = "vmfile"
+    what: ClassVar[str] = "UEFI variables"
 
     vm: str
     path: Path
@@ -192,26 +210,24 @@ class Nvram(VmFile):
     def found(self) -> str | None:
         return "exists" if self.path.exists() else None
 
-    def apply(self, ctx: Context) -> VmFileRecord:
-        if os.path.lexists(self.path):
-            return VmFileRecord(self.path, created=False, what="UEFI variables")
-        _make_vm_dir(self.path.parent)
+    def _write(self, ctx: Context) -> None:
         try:
             with _written(self.path) as temp:
                 shutil.copyfile(self.template, temp)
         except OSError as exc:
             raise RuntimeFailure(f"cannot copy the UEFI variables of {self.vm} from {self.template}: "
                                  f"{exc.strerror or exc}") from None
-        return VmFileRecord(self.path, created=True, what="UEFI variables")
 
 
 @attrs.frozen
-class Seed(VmFile):
+class Seed(_GuestFile):
     """A VM's NoCloud seed: its hostname, the lab's SSH key, its own host key, static addresses,
     shares to mount and the spec's cloud-init settings. Written anew by every `up` (the instance id
     stays, so cloud-init runs its once-per-instance steps on the first boot of an overlay only)."""
 
     kind: ClassVar[str] = "vmfile"
+    what: ClassVar[str] = "cloud-init seed"
+    anew: ClassVar[bool] = True
 
     vm: str
     lab: LabSpec = attrs.field(eq=False, repr=False)
@@ -228,13 +244,10 @@ class Seed(VmFile):
     def found(self) -> str | None:
         return "exists: written anew" if self.path.exists() else None
 
-    def apply(self, ctx: Context) -> VmFileRecord:
+    def _write(self, ctx: Context) -> None:
         from vmlaunch.guests import cloudinit, sshkeys
 
         vm: VmSpec = self.lab.vm(self.vm)
-        vm_dir: VmDir = self.lab_dir.vm(self.vm)
-        existed = os.path.lexists(self.path)
-        _make_vm_dir(vm_dir.path)
         authorized = sshkeys.ensure_lab_key(self.lab_dir)
         host_key = sshkeys.ensure_host_key(self.lab_dir, self.vm)
         sshkeys.pin(self.lab_dir, self.vm, host_key[1])
@@ -244,7 +257,6 @@ class Seed(VmFile):
             cloudinit.meta_data(self.lab, vm, cloudinit.instance_id(self.lab_dir, self.vm)),
             cloudinit.network_config(self.lab, vm, self.management_mac),
         )
-        return VmFileRecord(self.path, created=not existed, what="cloud-init seed")
 
 
 def _make_vm_dir(path: Path) -> None:
