@@ -14,7 +14,7 @@ def write_atomic(path: Path, data: bytes | str, mode: int = 0o600, *, durable: b
     rebuilt pass False.
     """
     raw = data.encode() if isinstance(data, str) else data
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # is_temp_of knows this shape
+    tmp = temp_of(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         with os.fdopen(fd, "wb") as out:
@@ -31,8 +31,14 @@ def write_atomic(path: Path, data: bytes | str, mode: int = 0o600, *, durable: b
         fsync_dir(path.parent)
 
 
+def temp_of(path: Path) -> Path:
+    """The temp file beside `path` that `path` is written in before it is renamed into place: hidden,
+    and named for this process (`is_temp_of` knows the shape)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
 def is_temp_of(name: str, target: str) -> bool:
-    """Whether `name` is a temp file `write_atomic` of `target` leaves when killed half-way."""
+    """Whether `name` is a temp file (`temp_of`) of `target` that a process killed half-way leaves."""
     middle = name[len(target) + 2:-4] if name.startswith(f".{target}.") and name.endswith(".tmp") else ""
     return middle.isdigit()
 

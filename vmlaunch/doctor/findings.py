@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
+
+from vmlaunch.errors import KeyPath, format_key_path
+
+if TYPE_CHECKING:
+    from vmlaunch.spec.model import LabSpec
 
 
 class Status(enum.Enum):
@@ -26,6 +31,11 @@ class Finding:
 
     def to_json(self) -> dict[str, Any]:
         return {**attrs.asdict(self), "status": self.status.value}
+
+
+def where(lab: LabSpec, path: KeyPath) -> str:
+    """A finding's `where`: the spec line of key `path` in `lab`, `FILE:LINE: key.path`."""
+    return f"{lab.file}:{lab.source.line_of(path)}: {format_key_path(path)}"
 
 
 # Where the advice comes from, cited in `why`.

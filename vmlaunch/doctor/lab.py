@@ -12,8 +12,8 @@ from pathlib import Path
 import attrs
 
 from vmlaunch.core.units import format_size, human_size, mib_words
-from vmlaunch.doctor.findings import CACHE_STUDY, GUIDE, PASSTHROUGH, Finding, Status
-from vmlaunch.errors import KeyPath, format_key_path
+from vmlaunch.doctor.findings import CACHE_STUDY, GUIDE, PASSTHROUGH, Finding, Status, where
+from vmlaunch.errors import KeyPath
 from vmlaunch.host.facts import Host
 from vmlaunch.spec.model import (
     BUDGET_SHARE,
@@ -41,10 +41,6 @@ class DiskFile:
     size: int | None  # the virtual size, when known
     exists: bool
     readonly: bool = False
-
-
-def where(lab: LabSpec, path: KeyPath) -> str:
-    return f"{lab.file}:{lab.source.line_of(path)}: {format_key_path(path)}"
 
 
 def disk_files(lab: LabSpec) -> list[DiskFile]:

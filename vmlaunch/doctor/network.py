@@ -7,7 +7,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-from vmlaunch.doctor.findings import GUIDE, Finding, Status
+from vmlaunch.doctor.findings import GUIDE, Finding, Status, where
 from vmlaunch.spec.model import BridgeNetwork, LabSpec
 
 
@@ -16,11 +16,6 @@ def mtu(sysfs: Path, ifname: str) -> int | None:
         return int((sysfs / "class" / "net" / ifname / "mtu").read_text().strip())
     except (OSError, ValueError):
         return None
-
-
-def where(lab: LabSpec, net: BridgeNetwork, key: str) -> str:
-    path = ("network", net.name, key)
-    return f"{lab.file}:{lab.source.line_of(path)}: network.{net.name}.{key}"
 
 
 def lro(uplink: str) -> tuple[bool | None, str]:
@@ -50,7 +45,7 @@ def check_network(lab: LabSpec, sysfs: Path) -> Iterator[Finding]:
 
 
 def _uplink(lab: LabSpec, net: BridgeNetwork, sysfs: Path, uplink: str) -> Iterator[Finding]:
-    at = where(lab, net, "uplink")
+    at = where(lab, ("network", net.name, "uplink"))
     if not (sysfs / "class" / "net" / uplink).exists():
         yield Finding("net.uplink", Status.FAIL, f"the uplink {uplink} of bridge {net.bridge} does not exist",
                       "up enslaves it to the bridge so guests reach the physical network",
@@ -88,7 +83,7 @@ def _mtus(lab: LabSpec, net: BridgeNetwork, sysfs: Path) -> Iterator[Finding]:
         fix = (f"ip link set {net.uplink} mtu {wanted}" if wanted and net.uplink else
                f"set network.{net.name}.mtu to the uplink's MTU")
         yield Finding("net.mtu", Status.WARN, "; ".join(problems), why, fix,
-                      where(lab, net, "mtu" if wanted else "uplink"))
+                      where(lab, ("network", net.name, "mtu" if wanted else "uplink")))
     elif found and any(value is not None for value in found.values()):
         shown = ", ".join(f"{name} {value}" for name, value in found.items() if value is not None)
         yield Finding("net.mtu", Status.OK, f"network {net.name}: MTUs agree ({shown})", why)

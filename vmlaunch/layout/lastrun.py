@@ -18,6 +18,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from vmlaunch.core.fsutil import temp_of
 from vmlaunch.errors import RuntimeFailure
 from vmlaunch.layout.rundir import NOFOLLOW, RunDir, VmFiles, open_in_run_dir
 
@@ -115,7 +116,7 @@ def _tail(path: Path) -> bytes | None:
 
 def _replace(path: Path, data: bytes) -> None:
     """Write `path` anew, atomically, never through a link planted where it or its temp file goes."""
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temp = temp_of(path)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(temp)
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, 0o600)

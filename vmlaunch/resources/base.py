@@ -18,6 +18,10 @@ calls:
 and a record may define `alive() -> bool`: a process that `up` starts again when it finds it gone
 (the lab manager); its record is dropped from the journal and the resource applied anew.
 
+A resource's `key` and `owner` are often the same few words; the mixins below say them once: `PerVm`
+(one of its kind per VM: the VM is its key and its owner), `VmFile` (a VM's file, keyed by its path),
+`OfVm` (a VM's, keyed otherwise) and `LabWide` (the whole lab's, keyed otherwise).
+
 A claim's record covers what the resource did until the resource's own record replaces it: from then
 on only the latter is undone, by a failing `up` as by `down`.
 
@@ -88,6 +92,54 @@ class Resource(Protocol):
 
     def apply(self, ctx: Context) -> Record:
         """Make the change; on failure leave nothing behind and raise a VmlaunchError."""
+
+
+class OfVm:
+    """Mixin: a resource one VM needs, so undone when that VM goes down alone; its owner is its `vm`."""
+
+    __slots__ = ()
+
+    @property
+    def vm(self) -> str:
+        raise NotImplementedError  # a field (or property) of the resource
+
+    @property
+    def owner(self) -> str | None:
+        return self.vm
+
+
+class PerVm(OfVm):
+    """Mixin: one of its kind per VM, keyed by the VM too."""
+
+    __slots__ = ()
+
+    @property
+    def key(self) -> str:
+        return self.vm
+
+
+class VmFile(OfVm):
+    """Mixin: a file of one VM, keyed by its path."""
+
+    __slots__ = ()
+
+    @property
+    def path(self) -> Path:
+        raise NotImplementedError  # a field (or property) of the resource
+
+    @property
+    def key(self) -> str:
+        return str(self.path)
+
+
+class LabWide:
+    """Mixin: a resource of the whole lab (its VMs share it): no VM owns it."""
+
+    __slots__ = ()
+
+    @property
+    def owner(self) -> str | None:
+        return None
 
 
 def preflight(resources: Sequence[Resource]) -> None:

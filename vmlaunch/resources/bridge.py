@@ -27,11 +27,10 @@ from typing import Any, ClassVar
 
 import attrs
 
-from vmlaunch.core.naming import default_bridge_name, interface_mark, interface_name_problem, vlan_link_name
+from vmlaunch.core.naming import default_bridge_name, interface_mark, vlan_link_name
 from vmlaunch.host.bridge_registry import BridgeEntry, BridgeRegistry
 from vmlaunch.host.links import (
     BRIDGE_KIND,
-    TUN_KIND,
     VLAN_KIND,
     Link,
     LinkError,
@@ -39,25 +38,20 @@ from vmlaunch.host.links import (
     check_name,
     netlink,
 )
-from vmlaunch.resources.base import Context
+from vmlaunch.resources.base import Context, LabWide
+from vmlaunch.resources.links import LinkRecord, interface_name, lab_tap
 
 log = logging.getLogger(__name__)
 
 
-def _interface_name(instance: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
-    if value is not None and interface_name_problem(value):
-        raise ValueError(f"{attribute.name}: {interface_name_problem(value)}")
-
-
 @attrs.frozen
-class BridgeRecord:
+class BridgeRecord(LinkRecord):
     """What `Bridge.apply` did for one lab: its claim on the bridge (the registry has the rest)."""
 
     kind: ClassVar[str] = "bridge"
 
-    name: str = attrs.field(validator=_interface_name)
     created: bool  # vmlaunch created it (for this lab or another); False: it existed before
-    uplink: str | None = attrs.field(default=None, validator=_interface_name)  # enslaved by this lab
+    uplink: str | None = attrs.field(default=None, validator=interface_name)  # enslaved by this lab
     uplink_created: bool = False  # the uplink is a VLAN link vmlaunch created (for this lab or another)
 
     def undo(self, ctx: Context, *, rollback: bool) -> None:
@@ -177,13 +171,13 @@ def _is_ours(bridge: Link, entry: BridgeEntry, known: bool) -> bool:
 
 def _remove_leaked_taps(nl: Netlink, bridge: Link, lab: str) -> None:
     for port in nl.ports(bridge):
-        if port.kind == TUN_KIND and port.lab == lab and not port.carrier:
+        if lab_tap(port, lab) and not port.carrier:
             log.info("bridge %s: removing tap %s that lab %s left in it", bridge.name, port.name, lab)
             nl.delete(port)
 
 
 @attrs.frozen
-class Bridge:
+class Bridge(LabWide):
     """Ensure a Linux bridge exists (created only when missing; then removed by `down`)."""
 
     kind: ClassVar[str] = "bridge"
@@ -204,10 +198,6 @@ class Bridge:
         if self.uplink is None:
             return None
         return vlan_link_name(self.uplink, self.vlan) if self.vlan is not None else self.uplink
-
-    @property
-    def owner(self) -> str | None:
-        return None  # shared by the lab's VMs
 
     def describe(self) -> str:
         vlan = f" (VLAN {self.vlan} of {self.uplink})" if self.vlan is not None else ""

@@ -15,42 +15,44 @@ import logging
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
 import attrs
 
+from vmlaunch.core.fsutil import temp_of
 from vmlaunch.errors import Location, RuntimeFailure, SpecError
 from vmlaunch.errors import Problem as SpecProblem
-from vmlaunch.layout.labdir import LabDir, VmDir
-from vmlaunch.resources.base import Context
+from vmlaunch.layout.labdir import LabDir
+from vmlaunch.resources.base import Context, LabWide, VmFile
+from vmlaunch.resources.image import remove
 from vmlaunch.spec.model import Image, LabSpec, VmSpec
 
 log = logging.getLogger(__name__)
 
 
-def _temp(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
-def _publish(temp: Path, path: Path) -> None:
-    """fsync `temp` and rename it over `path` (a file vmlaunch made; never followed: rename replaces
-    a link itself)."""
-    fd = os.open(temp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+@contextlib.contextmanager
+def _written(path: Path) -> Iterator[Path]:
+    """A VM's file made whole or not at all: the block writes the temp file it is given (one a killed
+    vmlaunch left is removed first), which is then made 0600, fsync'd and renamed to `path` (never
+    followed: rename replaces a link itself); on failure it is removed."""
+    temp = temp_of(path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temp)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temp, path)
-
-
-def _remove(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        raise RuntimeFailure(f"cannot remove {path}: {exc.strerror}") from None
+        yield temp
+        os.chmod(temp, 0o600)
+        fd = os.open(temp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
 
 
 @attrs.frozen
@@ -75,7 +77,7 @@ class LabDirRecord:
 
 
 @attrs.frozen
-class LabDirResource:
+class LabDirResource(LabWide):
     """The lab dir beside the spec: made (0700, marked) when missing, checked against the ownership
     rule when present."""
 
@@ -86,10 +88,6 @@ class LabDirResource:
     @property
     def key(self) -> str:
         return str(self.lab_dir.path)
-
-    @property
-    def owner(self) -> str | None:
-        return None
 
     def describe(self) -> str:
         return f"lab dir {self.lab_dir.path} (keys, overlays, seeds: kept by down)"
@@ -118,18 +116,39 @@ class VmFileRecord:
 
     def undo(self, ctx: Context, *, rollback: bool) -> None:
         if rollback and self.created:
-            _remove(self.path)
+            remove(self.path)
 
     def describe(self) -> str:
         return f"{self.what} {self.path} ({'created' if self.created else 'existed'}; kept by down)"
 
 
+class _GuestFile(VmFile):
+    """Mixin: a VM's file in the lab dir, made in the VM's folder (made first) when missing and kept
+    after, or (`anew`) written by every `up`; its record says whether this `up` created it."""
+
+    __slots__ = ()
+
+    what: ClassVar[str]  # its name in its record
+    anew: ClassVar[bool] = False
+
+    def apply(self, ctx: Context) -> VmFileRecord:
+        existed = os.path.lexists(self.path)
+        if self.anew or not existed:
+            _make_vm_dir(self.path.parent)
+            self._write(ctx)
+        return VmFileRecord(self.path, created=not existed, what=self.what)
+
+    def _write(self, ctx: Context) -> None:
+        raise NotImplementedError
+
+
 @attrs.frozen
-class Overlay:
+class Overlay(_GuestFile):
     """A VM's first disk: a qcow2 overlay backed by its image (pulled into the cache when missing),
     with the VM's `disk_size` (at least the image's)."""
 
     kind: ClassVar[str] = "vmfile"
+    what: ClassVar[str] = "overlay"
 
     vm: str
     image: Image
@@ -137,14 +156,6 @@ class Overlay:
     size: int | None
     spec: Path  # for a message naming the line of disk_size
     line: int = 1
-
-    @property
-    def key(self) -> str:
-        return str(self.path)
-
-    @property
-    def owner(self) -> str | None:
-        return self.vm
 
     def describe(self) -> str:
         from vmlaunch.core.units import format_size
@@ -155,12 +166,9 @@ class Overlay:
     def found(self) -> str | None:
         return "exists: the VM resumes from it" if self.path.exists() else None
 
-    def apply(self, ctx: Context) -> VmFileRecord:
+    def _write(self, ctx: Context) -> None:
         from vmlaunch.guests import images
 
-        if os.path.lexists(self.path):
-            return VmFileRecord(self.path, created=False, what="overlay")
-        _make_vm_dir(self.path.parent)
         base = images.ensure(self.image)
         info = images.image_info(base, self.image.format)
         if self.size is not None and self.size < info.virtual_size:
@@ -170,44 +178,31 @@ class Overlay:
                 Location(self.spec, self.line, ("vm", self.vm, "disk_size")),
                 f"{format_size(self.size)} is smaller than image {self.image.name} "
                 f"({format_size(info.virtual_size)})", "leave disk_size out, or make it larger")])
-        temp = _temp(self.path)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-        argv = [ctx.qemu_img, "create", "-q", "-f", "qcow2", "-b", str(base), "-F", info.format.value,
-                str(temp)]
-        if self.size is not None:
-            argv.append(str(self.size))
-        try:
-            done = subprocess.run(argv, capture_output=True, text=True, check=False,
-                                  stdin=subprocess.DEVNULL)
-        except OSError as exc:
-            raise RuntimeFailure(f"`{' '.join(argv)}` failed: {exc}") from None
-        if done.returncode != 0:
-            _remove(temp)
-            raise RuntimeFailure(f"creating the overlay of {self.vm} failed: "
-                                 f"{done.stderr.strip() or f'qemu-img status {done.returncode}'}")
-        os.chmod(temp, 0o600)
-        _publish(temp, self.path)
-        return VmFileRecord(self.path, created=True, what="overlay")
+        with _written(self.path) as temp:
+            argv = [ctx.qemu_img, "create", "-q", "-f", "qcow2", "-b", str(base), "-F", info.format.value,
+                    str(temp)]
+            if self.size is not None:
+                argv.append(str(self.size))
+            try:
+                done = subprocess.run(argv, capture_output=True, text=True, check=False,
+                                      stdin=subprocess.DEVNULL)
+            except OSError as exc:
+                raise RuntimeFailure(f"`{' '.join(argv)}` failed: {exc}") from None
+            if done.returncode != 0:
+                raise RuntimeFailure(f"creating the overlay of {self.vm} failed: "
+                                     f"{done.stderr.strip() or f'qemu-img status {done.returncode}'}")
 
 
 @attrs.frozen
-class Nvram:
+class Nvram(_GuestFile):
     """A VM's UEFI variable store: a copy of the firmware's template, made once."""
 
     kind: ClassVar[str] = "vmfile"
+    what: ClassVar[str] = "UEFI variables"
 
     vm: str
     path: Path
     template: Path
-
-    @property
-    def key(self) -> str:
-        return str(self.path)
-
-    @property
-    def owner(self) -> str | None:
-        return self.vm
 
     def describe(self) -> str:
         return f"UEFI variables {self.path} for {self.vm} (from {self.template})"
@@ -215,32 +210,24 @@ class Nvram:
     def found(self) -> str | None:
         return "exists" if self.path.exists() else None
 
-    def apply(self, ctx: Context) -> VmFileRecord:
-        if os.path.lexists(self.path):
-            return VmFileRecord(self.path, created=False, what="UEFI variables")
-        _make_vm_dir(self.path.parent)
-        temp = _temp(self.path)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
+    def _write(self, ctx: Context) -> None:
         try:
-            shutil.copyfile(self.template, temp)
-            os.chmod(temp, 0o600)
-            _publish(temp, self.path)
+            with _written(self.path) as temp:
+                shutil.copyfile(self.template, temp)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
             raise RuntimeFailure(f"cannot copy the UEFI variables of {self.vm} from {self.template}: "
                                  f"{exc.strerror or exc}") from None
-        return VmFileRecord(self.path, created=True, what="UEFI variables")
 
 
 @attrs.frozen
-class Seed:
+class Seed(_GuestFile):
     """A VM's NoCloud seed: its hostname, the lab's SSH key, its own host key, static addresses,
     shares to mount and the spec's cloud-init settings. Written anew by every `up` (the instance id
     stays, so cloud-init runs its once-per-instance steps on the first boot of an overlay only)."""
 
     kind: ClassVar[str] = "vmfile"
+    what: ClassVar[str] = "cloud-init seed"
+    anew: ClassVar[bool] = True
 
     vm: str
     lab: LabSpec = attrs.field(eq=False, repr=False)
@@ -251,27 +238,16 @@ class Seed:
     def path(self) -> Path:
         return self.lab_dir.vm(self.vm).seed
 
-    @property
-    def key(self) -> str:
-        return str(self.path)
-
-    @property
-    def owner(self) -> str | None:
-        return self.vm
-
     def describe(self) -> str:
         return f"cloud-init seed {self.path} for {self.vm} (written by every up)"
 
     def found(self) -> str | None:
         return "exists: written anew" if self.path.exists() else None
 
-    def apply(self, ctx: Context) -> VmFileRecord:
+    def _write(self, ctx: Context) -> None:
         from vmlaunch.guests import cloudinit, sshkeys
 
         vm: VmSpec = self.lab.vm(self.vm)
-        vm_dir: VmDir = self.lab_dir.vm(self.vm)
-        existed = os.path.lexists(self.path)
-        _make_vm_dir(vm_dir.path)
         authorized = sshkeys.ensure_lab_key(self.lab_dir)
         host_key = sshkeys.ensure_host_key(self.lab_dir, self.vm)
         sshkeys.pin(self.lab_dir, self.vm, host_key[1])
@@ -281,7 +257,6 @@ class Seed:
             cloudinit.meta_data(self.lab, vm, cloudinit.instance_id(self.lab_dir, self.vm)),
             cloudinit.network_config(self.lab, vm, self.management_mac),
         )
-        return VmFileRecord(self.path, created=not existed, what="cloud-init seed")
 
 
 def _make_vm_dir(path: Path) -> None:
@@ -295,6 +270,6 @@ def reset(lab_dir: LabDir, vm: str) -> list[Path]:
     removed = []
     for path in lab_dir.vm(vm).fresh:
         if os.path.lexists(path):
-            _remove(path)
+            remove(path)
             removed.append(path)
     return removed

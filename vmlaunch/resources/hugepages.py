@@ -22,7 +22,7 @@ import attrs
 
 from vmlaunch.core.units import format_size
 from vmlaunch.errors import HostError
-from vmlaunch.resources.base import Context, Resource
+from vmlaunch.resources.base import Context, PerVm, Resource
 
 
 def pool(ctx_sysfs: Path | None, size_kib: int) -> Path:
@@ -95,7 +95,7 @@ class HugepagesRecord:
 
 
 @attrs.frozen
-class Hugepages:
+class Hugepages(PerVm):
     """The hugepages a VM's RAM needs."""
 
     kind: ClassVar[str] = "hugepages"
@@ -104,14 +104,6 @@ class Hugepages:
     size_kib: int
     pages: int
     reserve: bool
-
-    @property
-    def key(self) -> str:
-        return self.vm
-
-    @property
-    def owner(self) -> str | None:
-        return self.vm
 
     def describe(self) -> str:
         size = format_size(self.size_kib << 10)

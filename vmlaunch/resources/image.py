@@ -30,7 +30,7 @@ import attrs
 from vmlaunch.core.fsutil import fsync_dir
 from vmlaunch.errors import RuntimeFailure
 from vmlaunch.guests.diskfiles import DiskOrigin, Found, Policy, Unsafe, check, opened_by, refusal, refuse
-from vmlaunch.resources.base import Context, Resource
+from vmlaunch.resources.base import Context, OfVm, Resource, VmFile
 from vmlaunch.spec.model import DiskFormat
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class ImageRecord:
         """Images hold user data: only a failing `up` deletes one, only one it created, and only while
         nothing has written to it. A partial file is never the user's: every undo removes it."""
         if self.partial:
-            _remove(self.path)
+            remove(self.path, "image")
             return
         if not (rollback and self.created):
             return
@@ -65,7 +65,7 @@ class ImageRecord:
             log.warning("kept image %s: this up created it, but its VM has written to it since; "
                         "remove it by hand if it is not wanted", self.path)
             return
-        _remove(self.path)
+        remove(self.path, "image")
 
     def _changed(self) -> bool:
         if self.mtime_ns is None:  # written by a vmlaunch that did not record it
@@ -82,13 +82,15 @@ class ImageRecord:
         return f"image {self.path} ({'created' if self.created else 'existed'}; kept by down)"
 
 
-def _remove(path: Path) -> None:
+def remove(path: Path, what: str | None = None) -> None:
+    """Remove a file vmlaunch made (an image, a VM's overlay, seed or NVRAM store): one gone already is
+    nothing to do; one that cannot be removed is a RuntimeFailure naming it (as `what`, when given)."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
     except OSError as exc:
-        raise RuntimeFailure(f"cannot remove image {path}: {exc.strerror}") from None
+        raise RuntimeFailure(f"cannot remove {f'{what} ' if what else ''}{path}: {exc.strerror}") from None
 
 
 def partial_path(path: Path, lab: str) -> Path:
@@ -98,7 +100,7 @@ def partial_path(path: Path, lab: str) -> Path:
 
 
 @attrs.frozen
-class ImageClaim:
+class ImageClaim(VmFile):
     """The partial file an image is created in, claimed (O_EXCL) and journaled before qemu-img runs."""
 
     kind: ClassVar[str] = "image"
@@ -106,14 +108,6 @@ class ImageClaim:
     path: Path
     image: Path
     vm: str
-
-    @property
-    def key(self) -> str:
-        return str(self.path)
-
-    @property
-    def owner(self) -> str | None:
-        return self.vm
 
     def describe(self) -> str:
         return f"partial image {self.path} for {self.image}"
@@ -136,7 +130,7 @@ class ImageClaim:
 
 
 @attrs.frozen
-class Image:
+class Image(OfVm):
     """A disk file a VM opens: checked, and created sparse when missing and it has a `size`; an
     existing file is never written to by vmlaunch."""
 
@@ -156,10 +150,6 @@ class Image:
     @property
     def key(self) -> str:
         return f"{self.vm}:{self.path}"  # a read-only image may be shared: checked for each VM
-
-    @property
-    def owner(self) -> str | None:
-        return self.vm
 
     @property
     def policy(self) -> Policy:

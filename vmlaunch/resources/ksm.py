@@ -50,7 +50,7 @@ from vmlaunch.host import hostwide
 from vmlaunch.host.hostwide import LAB_NAME, RegistryError
 from vmlaunch.host.memory import ksm_dir
 from vmlaunch.layout.dirs import run_root
-from vmlaunch.resources.base import Context
+from vmlaunch.resources.base import Context, LabWide
 
 log = logging.getLogger(__name__)
 
@@ -343,7 +343,7 @@ def release_unjournaled_ksm(ctx: Context, journaled: Callable[[str, str], bool])
 
 
 @attrs.frozen
-class Ksm:
+class Ksm(LabWide):
     """Host KSM on for the lab, at these settings."""
 
     kind: ClassVar[str] = "ksm"
@@ -354,10 +354,6 @@ class Ksm:
     @property
     def key(self) -> str:
         return "host"
-
-    @property
-    def owner(self) -> str | None:
-        return None
 
     def describe(self) -> str:
         how = "the spec's rate" if self.explicit else "vmlaunch's rate"

@@ -31,7 +31,7 @@ from vmlaunch.core.fsutil import write_atomic
 from vmlaunch.core.textsafe import printable
 from vmlaunch.errors import RuntimeFailure
 from vmlaunch.layout.rundir import RunDir, open_in_run_dir
-from vmlaunch.resources.base import Context
+from vmlaunch.resources.base import Context, LabWide
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class ManagerRecord:
 
 
 @attrs.frozen
-class LabManager:
+class LabManager(LabWide):
     """The lab's manager process."""
 
     kind: ClassVar[str] = "manager"
@@ -158,10 +158,6 @@ class LabManager:
     @property
     def key(self) -> str:
         return "lab"
-
-    @property
-    def owner(self) -> str | None:
-        return None
 
     def describe(self) -> str:
         auto = [vm.name for vm in self.config.vms if vm.auto]

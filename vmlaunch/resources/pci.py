@@ -14,7 +14,7 @@ import attrs
 
 from vmlaunch.guests.diskfiles import DiskOrigin
 from vmlaunch.host.pci import Binding
-from vmlaunch.resources.base import Context
+from vmlaunch.resources.base import Context, OfVm
 from vmlaunch.spec.model import PciDriver
 
 
@@ -37,7 +37,7 @@ class PciRecord(Binding):
 
 
 @attrs.frozen
-class PciBind:
+class PciBind(OfVm):
     """Bind a host PCI device to a pass-through driver (restored on `down`)."""
 
     kind: ClassVar[str] = "pci"
@@ -47,14 +47,9 @@ class PciBind:
     vm: str
     origin: DiskOrigin | None = attrs.field(default=None, eq=False)  # where the spec asks for it
 
-
     @property
     def key(self) -> str:
         return self.address
-
-    @property
-    def owner(self) -> str | None:
-        return self.vm
 
     def describe(self) -> str:
         return f"PCI {self.address} for {self.vm}: bind to {self.driver.value}"

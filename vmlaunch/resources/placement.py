@@ -23,7 +23,7 @@ from vmlaunch.host import cgroups
 from vmlaunch.host.cgroups import Cpusets
 from vmlaunch.host.numa import format_cpulist
 from vmlaunch.policy.placement import Placed
-from vmlaunch.resources.base import Context
+from vmlaunch.resources.base import Context, PerVm
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class PlacementRecord:
 
 
 @attrs.frozen
-class VmPlacement:
+class VmPlacement(PerVm):
     """Where one VM runs."""
 
     kind: ClassVar[str] = "placement"
@@ -60,11 +60,7 @@ class VmPlacement:
     host_nodes: tuple[int, ...] = (0,)  # every node of the host (where QEMU's early memory may be)
 
     @property
-    def key(self) -> str:
-        return self.placed.name
-
-    @property
-    def owner(self) -> str | None:
+    def vm(self) -> str:
         return self.placed.name
 
     @property

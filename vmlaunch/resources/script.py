@@ -37,11 +37,11 @@ from typing import Any, ClassVar
 
 import attrs
 
-from vmlaunch.core.naming import interface_name_problem
 from vmlaunch.core.textsafe import printable
 from vmlaunch.errors import HostError, RuntimeFailure
 from vmlaunch.guests.diskfiles import DiskOrigin, Policy, Unsafe, check_owner, resolve
-from vmlaunch.resources.base import Context, Resource, UndoneWithError
+from vmlaunch.resources.base import Context, OfVm, Resource, UndoneWithError
+from vmlaunch.resources.links import interface_name
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +58,6 @@ class ScriptFailed(RuntimeFailure):
     """An up_script failed: its exit status or signal, or it timed out; with its output."""
 
 
-def _interface(instance: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
-    if value is not None and interface_name_problem(value):
-        raise ValueError(f"{attribute.name}: {interface_name_problem(value)}")
-
-
 @attrs.frozen
 class ScriptEnv:
     """The NIC a script wires, as its `VMLAUNCH_*` variables tell it."""
@@ -71,9 +66,9 @@ class ScriptEnv:
     vm: str
     nic: int
     network: str
-    tap: str = attrs.field(validator=_interface)
+    tap: str = attrs.field(validator=interface_name)
     mac: str
-    bridge: str | None = attrs.field(default=None, validator=_interface)  # bridge networks only
+    bridge: str | None = attrs.field(default=None, validator=interface_name)  # bridge networks only
     mtu: int | None = None  # the network's, when it sets one
     ip: str | None = None  # "10.10.0.11/24", when the NIC has a static address
 
@@ -111,7 +106,7 @@ class ScriptRecord:
 
 
 @attrs.frozen
-class ScriptClaim:
+class ScriptClaim(OfVm):
     """Journaled just before an up_script starts, so that its down_script runs whatever happens next."""
 
     kind: ClassVar[str] = "script"
@@ -123,7 +118,7 @@ class ScriptClaim:
         return f"{self.record.env.tap} (starting)"
 
     @property
-    def owner(self) -> str | None:
+    def vm(self) -> str:
         return self.record.env.vm
 
     def describe(self) -> str:
@@ -137,7 +132,7 @@ class ScriptClaim:
 
 
 @attrs.frozen
-class TapScript:
+class TapScript(OfVm):
     """Run a network's up_script for one NIC's tap (planned right after that tap)."""
 
     kind: ClassVar[str] = "script"
@@ -153,7 +148,7 @@ class TapScript:
         return self.env.tap
 
     @property
-    def owner(self) -> str | None:
+    def vm(self) -> str:
         return self.env.vm
 
     @property

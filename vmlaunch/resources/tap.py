@@ -17,30 +17,25 @@ tests, both subprocesses), which `make test`'s in-process coverage figure does n
 from __future__ import annotations
 
 import logging
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import attrs
 
-from vmlaunch.core.naming import interface_mark, interface_name_problem
+from vmlaunch.core.naming import interface_mark
 from vmlaunch.host.links import BRIDGE_KIND, TUN_KIND, LinkError, check_name, netlink, new_tap
-from vmlaunch.resources.base import Context
+from vmlaunch.resources.base import Context, OfVm
+from vmlaunch.resources.links import LinkRecord, interface_name, lab_tap
 
 log = logging.getLogger(__name__)
 
 
-def _interface_name(instance: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
-    if value is not None and interface_name_problem(value):
-        raise ValueError(f"{attribute.name}: {interface_name_problem(value)}")
-
-
 @attrs.frozen
-class TapRecord:
+class TapRecord(LinkRecord):
     """A tap `Tap.apply` made (always ours: a stale one of the lab's is replaced)."""
 
     kind: ClassVar[str] = "tap"
 
-    name: str = attrs.field(validator=_interface_name)
-    bridge: str | None = attrs.field(validator=_interface_name)  # None: a tap network's (no bridge)
+    bridge: str | None = attrs.field(validator=interface_name)  # None: a tap network's (no bridge)
 
     def undo(self, ctx: Context, *, rollback: bool) -> None:
         """Delete the tap. One already gone is nothing to do; an interface of that name that is not a
@@ -49,7 +44,7 @@ class TapRecord:
             tap = nl.get(self.name)
             if tap is None:
                 return
-            if tap.kind != TUN_KIND or tap.lab != ctx.lab:
+            if not lab_tap(tap, ctx.lab):
                 log.warning("tap %s of lab %s: not deleted: the interface of that name is %s, %s",
                             self.name, ctx.lab, tap.describe(), tap.owner_text())
                 return
@@ -60,7 +55,7 @@ class TapRecord:
 
 
 @attrs.frozen
-class Tap:
+class Tap(OfVm):
     """A tap device for one NIC, enslaved to its bridge before QEMU opens it."""
 
     kind: ClassVar[str] = "tap"
@@ -74,10 +69,6 @@ class Tap:
     @property
     def key(self) -> str:
         return self.ifname
-
-    @property
-    def owner(self) -> str | None:
-        return self.vm
 
     def describe(self) -> str:
         return f"tap {self.ifname} for {self.vm}" + (f" on bridge {self.bridge}" if self.bridge else "")

@@ -17,7 +17,7 @@ from typing import ClassVar
 import attrs
 
 from vmlaunch.host import confine
-from vmlaunch.resources.base import Context, Resource, UndoneWithError
+from vmlaunch.resources.base import Context, PerVm, Resource, UndoneWithError
 
 log = logging.getLogger(__name__)
 
@@ -62,17 +62,13 @@ class VmUserClaimRecord(VmUserRecord):
 
 
 @attrs.frozen
-class VmUserClaim:
+class VmUserClaim(PerVm):
     kind: ClassVar[str] = "vm-user-claim"
 
     user: VmUser
 
     @property
-    def key(self) -> str:
-        return self.user.vm
-
-    @property
-    def owner(self) -> str | None:
+    def vm(self) -> str:
         return self.user.vm
 
     def describe(self) -> str:
@@ -88,7 +84,7 @@ class VmUserClaim:
 
 
 @attrs.frozen
-class VmUser:
+class VmUser(PerVm):
     """A uid of its own for the VM's QEMU, from VMLAUNCH_UID_RANGE, and its shares given to it."""
 
     kind: ClassVar[str] = "vm-user"
@@ -96,14 +92,6 @@ class VmUser:
     vm: str
     run_root: Path
     shares: tuple[tuple[Path, bool], ...] = ()  # (folder, readonly)
-
-    @property
-    def key(self) -> str:
-        return self.vm
-
-    @property
-    def owner(self) -> str | None:
-        return self.vm
 
     def describe(self) -> str:
         folders = ", ".join(str(folder) for folder, _ in self.shares)

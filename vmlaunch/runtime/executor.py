@@ -390,19 +390,13 @@ def _wait_console(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str, ti
             if wait_for in qemu.read_text(vm.files.serial_log):
                 log.info("%s: ready (%r on the console)", name, wait_for)
                 del waiting[name]
-            elif not qemu.alive(pids[name]):
-                raise RuntimeFailure(f"{name}: QEMU exited before its console printed {wait_for!r}"
-                                     f"{_tail(vm.files.serial_log)}{_tail(vm.files.qemu_log, empty='')}")
             else:
-                check_panic(vm, f"its console printed {wait_for!r}")
+                check_booting(vm, pids[name], f"its console printed {wait_for!r}")
         return not waiting
 
     def progress(waited: float) -> None:
         for name, vm in waiting.items():
-            console = qemu.read_text(vm.files.serial_log)
-            check_cpu_level(vm, console)
-            line = last_line(console) or "(nothing on the console yet)"
-            log.info("%s: waiting for %r, %.0f s: %s", name, wait_for, waited, line)
+            log.info("%s: waiting for %r, %.0f s: %s", name, wait_for, waited, _console_line(vm))
 
     try:
         wait_until(all_ready, timeout, progress=progress)
@@ -412,14 +406,25 @@ def _wait_console(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str, ti
                              f"console of {', '.join(sorted(waiting))}; the last lines:{tails}") from None
 
 
-def check_panic(vm: VmPlan, before: str) -> None:
-    """Raise RuntimeFailure when the guest's console shows a kernel panic: it will never get ready,
-    so the wait ends now (and `up` rolls back), not at its timeout."""
+def check_booting(vm: VmPlan, pid: int, before: str) -> None:
+    """Raise RuntimeFailure when a VM waited for will never get to `before`: its QEMU exited, or its
+    console shows a kernel panic. The wait ends now (and `up` rolls back), not at its timeout."""
+    if not qemu.alive(pid):
+        raise RuntimeFailure(f"{vm.name}: QEMU exited before {before}"
+                             f"{_tail(vm.files.serial_log)}{_tail(vm.files.qemu_log, empty='')}")
     panic = qemu.console_panic(vm.files)
     if panic is not None:
         raise RuntimeFailure(f"{vm.name}: the guest panicked before {before}: {panic}"
                              f"{_tail(vm.files.serial_log)}", f"`vmlaunch logs SPEC {vm.name}` shows its "
                              "whole console (kept after this failed up)")
+
+
+def _console_line(vm: VmPlan) -> str:
+    """The last line of a waiting VM's console, for its progress line; a console that shows its OS
+    refusing the VM's CPU ends the wait (check_cpu_level)."""
+    console = qemu.read_text(vm.files.serial_log)
+    check_cpu_level(vm, console)
+    return last_line(console) or "(nothing on the console yet)"
 
 
 # How long `up` waits by default: for the VMs to run (and a console text), and with --wait ssh for a
@@ -524,11 +529,8 @@ def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports:
                 log.info("%s: ready (SSH answers on 127.0.0.1:%s)", vm.name, ports[vm.name])
                 del waiting[vm.name]
                 tried.pop(vm.name, None)
-            elif not qemu.alive(pids[vm.name]):
-                raise RuntimeFailure(f"{vm.name}: QEMU exited before SSH answered"
-                                     f"{_tail(vm.files.serial_log)}{_tail(vm.files.qemu_log, empty='')}")
             else:
-                check_panic(vm, "SSH answered")
+                check_booting(vm, pids[vm.name], "SSH answered")
                 fix = cannot_heal(tried.get(vm.name, ""))
                 if fix is not None:
                     raise RuntimeFailure(f"{vm.name}: SSH cannot reach 127.0.0.1:{ports[vm.name]}: "
@@ -537,11 +539,8 @@ def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports:
 
     def progress(waited: float) -> None:
         for name, vm in waiting.items():
-            console = qemu.read_text(vm.files.serial_log)
-            check_cpu_level(vm, console)
-            line = last_line(console) or "(nothing on the console yet)"
             ssh = f"; SSH: {printable(tried[name])[:120]}" if name in tried else ""
-            log.info("%s: waiting for SSH, %.0f s: %s%s", name, waited, line, ssh)
+            log.info("%s: waiting for SSH, %.0f s: %s%s", name, waited, _console_line(vm), ssh)
 
     try:
         wait_until(all_ready, timeout, interval=1.0, progress=progress)
