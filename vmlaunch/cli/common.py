@@ -26,6 +26,7 @@ else:
 Run = Callable[[argparse.Namespace], int]
 MAX_TIMEOUT = 7 * 24 * 3600.0  # a week: more is a typo, and would overflow the C timeouts below
 SPEC_HELP = "the lab's TOML file"
+ONLY = "only these VMs"
 
 
 class Parser(argparse.ArgumentParser):
@@ -35,13 +36,20 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message, f"see `{self.prog} --help`")
 
 
-def command(commands: Commands, name: str, run: Run, *, help: str, description: str,
-            raw: bool = False) -> argparse.ArgumentParser:
-    """Add command `name`, which runs `run(args)`; `raw`: its description is laid out by hand."""
+def command(commands: Commands, name: str, run: Run, *, help: str, description: str, raw: bool = False,
+            spec: bool = False, vms: str | None = None, json: str | None = None) -> argparse.ArgumentParser:
+    """Add command `name`, which runs `run(args)`; `raw`: its description is laid out by hand. With
+    `spec`, it takes SPEC first; with `vms` (their help), VM names after it; with `json`, --json."""
     parser: argparse.ArgumentParser = commands.add_parser(
         name, help=help, description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter)
     parser.set_defaults(run=run)
+    if spec:
+        add_spec(parser)
+    if vms is not None:
+        add_vms(parser, vms)
+    if json is not None:
+        add_json(parser, json)
     return parser
 
 
@@ -49,7 +57,7 @@ def add_spec(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("spec", metavar="SPEC", help=SPEC_HELP)
 
 
-def add_vms(parser: argparse.ArgumentParser, help: str = "only these VMs") -> None:
+def add_vms(parser: argparse.ArgumentParser, help: str = ONLY) -> None:
     parser.add_argument("vms", metavar="VM", nargs="*", default=[], help=help)
 
 

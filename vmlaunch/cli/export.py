@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vmlaunch.cli.common import Commands, add_spec, add_vms, command
+from vmlaunch.cli.common import ONLY, Commands, command
 from vmlaunch.errors import RuntimeFailure, UsageError
 
 if TYPE_CHECKING:
@@ -47,9 +47,7 @@ MACs, MTU, balloon, hugepages, CPU pinning and NUMA node, kernel, UEFI, seeds.
 A setting the engine has no equivalent for is a warning with its spec line
 (--strict: an error, exit 3). What to do before defining or applying the files
 (uploads, images to build, a bridge the host needs) is said at the end.""",
-    )
-    add_spec(export)
-    add_vms(export)
+        spec=True, vms=ONLY)
     export.add_argument("--to", metavar="ENGINE", choices=("libvirt", "kubevirt"), required=True,
                         help="libvirt or kubevirt")
     export.add_argument("--out", metavar="DIR",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from vmlaunch.cli.common import Commands, add_json, add_spec, command
+from vmlaunch.cli.common import Commands, command
 from vmlaunch.errors import UsageError
 
 log = logging.getLogger("vmlaunch")
@@ -35,16 +35,14 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
         "past VMLAUNCH_IMAGE_MAX_SIZE (64G) received, before the cache's file system keeps less than 5 % "
         "free (at least 1 GiB, at most 4 GiB), and below VMLAUNCH_PULL_SPEED_LIMIT bytes/s (1K; 0: "
         "no minimum) over VMLAUNCH_PULL_SPEED_TIME (60 s).",
-    )
-    add_spec(pull)
+        spec=True)
     pull.add_argument("images", metavar="IMAGE", nargs="*", default=[], help="only these images")
 
-    list_ = command(
+    command(
         sub, "list", cmd_list, help="list the cached images",
         description="The cached images: ID (the start of the checksum), the image names they were "
         "pulled as, format, size, when fetched, and the URL.",
-    )
-    add_json(list_, 'print JSON keyed by "sha512-HEX"')
+        json='print JSON keyed by "sha512-HEX"')
 
     rm = command(
         sub, "rm", cmd_rm, help="remove cached images",

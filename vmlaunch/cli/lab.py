@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from vmlaunch.cli.common import (
+    ONLY,
     Commands,
     add_spec,
     add_timeout,
@@ -25,28 +26,23 @@ log = logging.getLogger("vmlaunch")
 
 
 def register(commands: Commands, root: argparse.ArgumentParser) -> None:
-    validate = command(
+    command(
         commands, "validate", cmd_validate, help="check a spec and print a one-line summary",
         description="Check a spec: structure (the JSON schema), references, sizes and clashes. "
-        "Prints a one-line summary, or every problem as FILE:LINE: key.path: message.")
-    add_spec(validate)
+        "Prints a one-line summary, or every problem as FILE:LINE: key.path: message.", spec=True)
 
     cmdline = command(
         commands, "cmdline", cmd_cmdline, help="print each VM's QEMU command line",
         description="Print the QEMU command line of each VM (or of the VMs named), one "
         "shell-quoted line per VM that can be pasted into a shell, or JSON with --json. "
-        "Which accelerator was chosen, and why, goes to standard error.")
-    add_spec(cmdline)
-    add_vms(cmdline)
+        "Which accelerator was chosen, and why, goes to standard error.", spec=True, vms=ONLY)
     cmdline.add_argument("--json", action="store_true", help='print {"VM": ["qemu-system-x86_64", ...], ...}')
 
     up = command(
         commands, "up", cmd_up, help="bring the lab (or the VMs named) up",
         description="Create what the lab needs on the host (images, bridges, taps, PCI bindings) and "
         "start every VM, in parallel; return when each runs and answers QMP. VMs already running are "
-        "left alone. Any failure undoes everything this run did.")
-    add_spec(up)
-    add_vms(up)
+        "left alone. Any failure undoes everything this run did.", spec=True, vms=ONLY)
     up.add_argument("--dry-run", action="store_true",
                     help="print the host actions and each QEMU command line; change nothing")
     up.add_argument("--wait-for", metavar="TEXT",
@@ -76,21 +72,17 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
         add_vms(step)
         add_timeout(step, "seconds to wait for another vmlaunch of the lab; default 10", default=10.0)
 
-    reset = command(
+    command(
         commands, "reset", cmd_reset, help="make VMs start afresh from their images at the next up",
         description="Remove the VMs' overlays, cloud-init seeds and UEFI variables (kept beside the "
         "spec in .vmlaunch/LAB/), so the next up boots them as new machines from their images. Their "
-        "SSH keys stay. A VM that is up is refused.")
-    add_spec(reset)
-    add_vms(reset)
+        "SSH keys stay. A VM that is up is refused.", spec=True, vms=ONLY)
 
     down = command(
         commands, "down", cmd_down, help="stop the lab (or the VMs named) and remove every trace of it",
         description="Stop each VM (ACPI power button, then QMP quit, then kill), then remove the taps, "
         "the bridges vmlaunch created, the PCI bindings and the run dir. Works after crashes; a second "
-        "down does nothing. Disk images are kept.")
-    add_spec(down)
-    add_vms(down)
+        "down does nothing. Disk images are kept.", spec=True, vms=ONLY)
     add_timeout(down, "seconds each guest gets to power off before it is stopped (0: stop it at once); "
                 "default 10", default=10.0, zero_ok=True)
     down.add_argument("--force", action="store_true",

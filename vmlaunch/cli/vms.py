@@ -7,30 +7,27 @@ import argparse
 import logging
 import sys
 
-from vmlaunch.cli.common import Commands, add_json, add_spec, add_timeout, add_vm, add_vms, command, lab_vm
+from vmlaunch.cli.common import Commands, add_timeout, add_vm, command, lab_vm
 from vmlaunch.errors import RuntimeFailure, UsageError
 
 log = logging.getLogger("vmlaunch")
 
 
 def register(commands: Commands, root: argparse.ArgumentParser) -> None:
-    ls = command(commands, "ls", cmd_ls, help="list the labs that are up on this host",
+    command(commands, "ls", cmd_ls, help="list the labs that are up on this host",
                  description="The labs that are up on this host (in this user's run dir): "
-                 "name, VMs (running or crashed), since when, and the spec file.")
-    add_json(ls, "print JSON keyed by lab name")
+                 "name, VMs (running or crashed), since when, and the spec file.",
+                 json="print JSON keyed by lab name")
 
-    status = command(commands, "status", cmd_status, help="show each VM: running, stopped or crashed",
+    command(commands, "status", cmd_status, help="show each VM: running, stopped or crashed",
                      description="Per VM: state, pid, accelerator, balloon size, uptime; "
                      "and each NIC: its MAC, network (bridge and tap, user network with "
-                     "its forwarded ports, or socket group).")
-    add_spec(status)
-    add_json(status, "print JSON keyed by VM name")
+                     "its forwarded ports, or socket group).", spec=True, json="print JSON keyed by VM name")
 
     logs = command(commands, "logs", cmd_logs, help="print a VM's serial console output",
                    description="Print what the VM's serial console has printed; after "
                    "`down`, what it printed in its last run (kept in "
-                   "/var/log/vmlaunch/LAB as root, else ~/.local/state/vmlaunch/logs/LAB).")
-    add_spec(logs)
+                   "/var/log/vmlaunch/LAB as root, else ~/.local/state/vmlaunch/logs/LAB).", spec=True)
     add_vm(logs, optional=True, help="the VM whose console output to print (none with --manager)")
     logs.add_argument("-f", "--follow", action="store_true",
                       help="keep printing as it grows, until the VM stops or Ctrl-C")
@@ -40,23 +37,21 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
                       help="the lab manager's log (balloon decisions and their reasons) instead of a VM's")
 
     console = command(commands, "console", cmd_console, help="attach to a VM's serial console",
-                      description="Interactive serial console; Ctrl-] detaches and leaves the VM running.")
-    add_spec(console)
+                      description="Interactive serial console; Ctrl-] detaches and leaves the VM running.",
+                      spec=True)
     add_vm(console, help="the VM whose console to attach to")
 
     ssh = command(commands, "ssh", cmd_ssh, help="log in to a VM over SSH, or run a command there",
                   description="Run OpenSSH with the lab's key, the VM's user and port and its pinned host "
                   "key. With -- CMD..., run CMD in the VM (each word arrives as a word) and exit with its "
-                  "status.")
-    add_spec(ssh)
+                  "status.", spec=True)
     add_vm(ssh, help="the VM to log in to")
     ssh.add_argument("command", metavar="CMD", nargs=argparse.REMAINDER,
                      help="-- and the command to run, e.g. -- sh -c 'exit 7'")
 
     balloon = command(commands, "balloon", cmd_balloon, help="print or set a VM's balloon size",
                       description="Without SIZE, print the memory the guest has now. With "
-                      "SIZE, set the balloon target and wait until the guest follows.")
-    add_spec(balloon)
+                      "SIZE, set the balloon target and wait until the guest follows.", spec=True)
     add_vm(balloon, help="the VM whose balloon to print or set")
     balloon.add_argument("size", metavar="SIZE", nargs="?",
                          help="binary, as every size: 256M, 1G, 512MiB, or a bare number of MiB (512); "
@@ -67,20 +62,17 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
                   description="Send one QMP command to the VM and print its reply as JSON, "
                   "e.g. `vmlaunch qmp lab.toml alpha query-status`. A reply that is text "
                   "is printed as text: `vmlaunch qmp lab.toml alpha human-monitor-command "
-                  "'{\"command-line\": \"info chardev\"}'`.")
-    add_spec(qmp)
+                  "'{\"command-line\": \"info chardev\"}'`.", spec=True)
     add_vm(qmp, help="the VM to send the command to")
     qmp.add_argument("command", metavar="COMMAND", help="the QMP command, e.g. query-status")
     qmp.add_argument("arguments", metavar="JSON-ARGS", nargs="?", help='e.g. \'{"value": 134217728}\'')
 
-    numa = command(commands, "numa", cmd_numa, help="where each VM's memory is and where its vCPUs run",
+    command(commands, "numa", cmd_numa, help="where each VM's memory is and where its vCPUs run",
                    description="Per VM: its memory per NUMA node (pages, MiB, percent, from "
                    "/proc/PID/numa_maps), the share on the node(s) it is placed on, and each "
                    "vCPU's last CPU and node; per node: CPUs, free memory, the lab's runnable "
-                   "vCPUs now and the load the balancer saw last.")
-    add_spec(numa)
-    add_vms(numa, "only these VMs (default: all)")
-    add_json(numa)
+                   "vCPUs now and the load the balancer saw last.",
+                   spec=True, vms="only these VMs (default: all)", json="print JSON")
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
