@@ -85,7 +85,9 @@ def test_best_practice_defaults(tmp_path: Path) -> None:
     file_node, fmt_node = (json.loads(a) for a in option(argv, "-blockdev"))
     assert file_node["aio"] == "io_uring"
     assert file_node["cache"] == {"direct": True, "no-flush": False}  # cache=none
-    blk, nic, balloon = devices(argv)
+    blk, nic, balloon, panic = devices(argv)
+    assert panic == {"driver": "pvpanic", "id": "pvpanic"}  # a panic is seen at once
+    assert option(argv, "-action") == ["panic=pause"]  # and kept, for status and logs
     assert (blk["driver"], blk["write-cache"]) == ("virtio-blk-pci", "on")
     assert nic["driver"] == "virtio-net-pci"
     assert "vhost" not in json.loads(option(argv, "-netdev")[0])
@@ -199,7 +201,7 @@ def test_no_spec_value_adds_an_option(tmp_path: Path, name: str, append: str) ->
     argv = argv_of(spec)
     expected = str(tmp_path / os.path.expanduser(name))
     assert option(argv, "-kernel") == [expected]
-    assert option(argv, "-append") == [append]
+    assert option(argv, "-append") == [f"{append} no_timer_check"]  # under TCG (compiler.kernel_append)
     assert json.loads(option(argv, "-blockdev")[0])["filename"] == expected
     for value in option(argv, "-chardev"):
         assert all("=" in part for part in split_qemu_opts(value)[1:])

@@ -476,7 +476,7 @@ def test_every_unknown_key_once(tmp_path: Path) -> None:
     (HEAD + '[network.u]\ntype = 5\n' + VM,
      ["lab.toml:4: network.u.type: 5 is not one of bridge, user, socket, tap"]),
     (HEAD + "network = {u = 5}\n" + VM, ["lab.toml:3: lab.network: unknown key 'network' (known keys: "
-                                         "mac_prefix, memory, name, placement)"]),
+                                         "boot_parallel, mac_prefix, memory, name, placement)"]),
     ('network = {u = 5}\n' + HEAD + VM, ["lab.toml:1: network.u: expected a table, got an integer"]),
     ("", ["lab.toml:1: missing required key 'lab', 'vm'"]),
 ])

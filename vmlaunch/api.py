@@ -24,7 +24,7 @@ from vmlaunch.compile.compiler import compile_lab
 from vmlaunch.compile.plan import Plan
 from vmlaunch.compile.preflight import load_checked
 from vmlaunch.core.wait import TimedOut, wait_until
-from vmlaunch.errors import Location, Problem, RuntimeFailure, SpecError, VmlaunchError
+from vmlaunch.errors import Location, Problem, RuntimeFailure, SpecError, UsageError, VmlaunchError
 from vmlaunch.host.facts import detect_host
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.runtime import control, executor, running
@@ -81,10 +81,12 @@ class Lab:
         return self.plan.run_dir
 
     def up(self, wait_for: str | None = None, timeout: float | None = None,
-           wait_ssh: bool | None = None) -> None:
+           wait_ssh: bool | None = None, parallel: int | None = None) -> None:
         """Bring the VMs up, as `vmlaunch up`: return when each runs and answers QMP (and, with
         `wait_for`, has printed it on its console; with `wait_ssh`, as `--wait ssh`, when each VM
         with an SSH port answers SSH and its cloud-init is done). VMs already running are left alone.
+        While it waits, at most `parallel` VMs boot at once (as `up --parallel`; default: as many as
+        the host's CPUs can boot, or the lab's `boot_parallel`).
 
         Raises RuntimeFailure or HostError; whatever this call did is undone first.
         """
@@ -99,7 +101,7 @@ class Lab:
         require_xattrs(self.model, [vm.name for vm in self.plan.vms])
         executor.up(self.plan, spec=str(self.model.file), qemu_img=self.host.qemu.img,
                     wait_for=wait_for if wait_for is not None else self.wait_for,
-                    timeout=timeout, wait_ssh=wait_ssh)
+                    timeout=timeout, wait_ssh=wait_ssh, parallel=_parallel(parallel))
 
     def down(self, timeout: float = 10.0) -> bool:
         """Stop the VMs and undo what `up` did, as `vmlaunch down`; returns False (and does nothing)
@@ -314,3 +316,9 @@ def _missing_hint(given: Path, base: Path, base_is: str) -> str:
     if beside_cwd != base / given and beside_cwd.is_file():
         return f"{taken_from}; the working directory has {beside_cwd}: pass that absolute path"
     return taken_from
+
+
+def _parallel(parallel: int | None) -> int | None:
+    if parallel is not None and (isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1):
+        raise UsageError(f"parallel: {parallel!r} is not a number of VMs (1 or more)")
+    return parallel

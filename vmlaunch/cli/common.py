@@ -92,6 +92,13 @@ def seconds(zero_ok: bool) -> Callable[[str], float]:
     return seconds
 
 
+def vm_count(text: str) -> int:
+    """An argparse type for --parallel: a whole number of VMs, 1 or more."""
+    if not text.strip().isdigit() or int(text) < 1 or int(text) > 4096:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of VMs from 1 to 4096")
+    return int(text)
+
+
 def lab_vm(spec: str, *vms: str) -> tuple[RunDir, LabSpec]:
     """The lab's run dir and the lab; each of `vms` must be one of its VMs."""
     from vmlaunch.layout.dirs import run_root

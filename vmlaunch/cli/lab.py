@@ -16,6 +16,7 @@ from vmlaunch.cli.common import (
     command,
     count,
     lab_vm,
+    vm_count,
 )
 
 if TYPE_CHECKING:
@@ -56,6 +57,10 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
     up.add_argument("--fresh", action="store_true",
                     help="start the VMs afresh from their images: their overlays, seeds and UEFI "
                     "variables are made anew (what they wrote is lost; their SSH keys stay)")
+    up.add_argument("--parallel", metavar="N", type=vm_count,
+                    help="boot at most N VMs at once while waiting for them (--wait-for, --wait ssh); "
+                    "the others wait paused for their turn (default: as many as this host's CPUs can "
+                    "boot, or the lab's boot_parallel; `up --dry-run` shows it)")
     up.add_argument("--from-snapshot", metavar="NAME",
                     help="start the VMs, which must be down, from snapshot NAME (`vmlaunch snapshot`), "
                     "RAM included: they run on from that instant, without booting")
@@ -180,7 +185,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                        timeout=args.timeout if args.timeout is not None else
                        executor.default_timeout(args.wait == "ssh"),
                        force=args.force, wait_ssh=args.wait == "ssh",
-                       fresh=args.fresh, from_snapshot=warm)
+                       fresh=args.fresh, from_snapshot=warm, parallel=args.parallel)
     for vm in plan.vms:
         left = ", already: left alone" if before.get(vm.name) == pids[vm.name] else ""
         print(f"{vm.name}: running (pid {pids[vm.name]}, {vm.accel.accel.value}{left})")

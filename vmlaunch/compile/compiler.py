@@ -18,6 +18,7 @@ from vmlaunch.host.facts import Host
 from vmlaunch.host.numa import Topology, format_cpulist
 from vmlaunch.layout.labdir import LabDir
 from vmlaunch.layout.rundir import RunDir
+from vmlaunch.policy.admission import Booting, admission
 from vmlaunch.policy.placement import Binding, Demand, Node, Placed, place
 from vmlaunch.qemu.opts import json_arg, opts
 from vmlaunch.resources.base import Resource
@@ -96,8 +97,11 @@ def compile_lab(lab: LabSpec, host: Host, only: Sequence[str] = (),
     resources = (*host_resources(lab, vms, host), *placement_resources(lab, vms, host, run_dir, placements),
                  *ksm_resources(lab, host), *manager_resources(lab, host, run_dir, placements),
                  *user_resources(vms, host))
+    booting = [Booting(plan.name, vm.cpus, plan.accel.accel is Accel.TCG) for plan, vm in zip(plans, vms)]
     return Plan(lab=lab.name, run_dir=run_dir, resources=resources, vms=plans,
-                notes=(*memory_notes(vms, host, lab), *pinning_notes(lab, host)), lab_dir=compiler.lab_dir)
+                notes=(*memory_notes(vms, host, lab), *pinning_notes(lab, host)), lab_dir=compiler.lab_dir,
+                admission=admission(host.cpus, booting, asked=lab.boot_parallel,
+                                    asked_by="[lab] boot_parallel"))
 
 
 def has_manager(lab: LabSpec, host: Host | None = None) -> bool:
@@ -315,6 +319,29 @@ def reports_free_pages(vm: VmSpec) -> bool:
     return vm.balloon.free_page_reporting and vm.hugepages is None
 
 
+def is_pc_machine(machine: str) -> bool:
+    """The x86 PC machines (`pc`, `q35`, and their versions such as pc-q35-7.2), which have an ISA bus."""
+    return machine in ("pc", "q35") or machine.startswith(("pc-", "pc-i440fx", "pc-q35"))
+
+
+# Linux's check that the IO-APIC timer ticks, at boot, fails when the vCPU is starved of host CPU
+# (a TCG guest beside many others): "Kernel panic - not syncing: IO-APIC + timer doesn't work!". Linux
+# skips it itself on KVM (kvmclock); under TCG vmlaunch asks it to, on a direct-boot kernel's line.
+NO_TIMER_CHECK = "no_timer_check"
+MAX_CMDLINE = 2048  # bytes of an x86 kernel command line (longer: the guest prints nothing at all)
+
+
+def kernel_append(vm: VmSpec, accel: Accel) -> str | None:
+    """The kernel command line of a direct-boot VM: the spec's `append`, and under TCG no_timer_check."""
+    if vm.kernel is None or accel is not Accel.TCG:
+        return vm.append
+    words = (vm.append or "").split()
+    if NO_TIMER_CHECK in words or any(word.startswith(f"{NO_TIMER_CHECK}=") for word in words):
+        return vm.append
+    longer = f"{vm.append} {NO_TIMER_CHECK}" if vm.append else NO_TIMER_CHECK
+    return longer if len(longer.encode()) < MAX_CMDLINE else vm.append
+
+
 def memory_notes(vms: Sequence[VmSpec], host: Host, lab: LabSpec | None = None) -> Iterator[str]:
     """The KVM guide's over-commit target: guests together use at most 80 % of host memory. A lab
     manager keeps the guests within the lab's budget: then the budget is what is weighed. `vms` are the
@@ -473,8 +500,9 @@ class _Compiler:
             argv += ["-kernel", str(vm.kernel)]
         if vm.initrd is not None:
             argv += ["-initrd", str(vm.initrd)]
-        if vm.append is not None:
-            argv += ["-append", vm.append]
+        append = kernel_append(vm, accel.accel)
+        if append is not None:
+            argv += ["-append", append]
         argv += firmware
         argv += self.disks(path, vm)
         argv += self.seed(path, vm)
@@ -490,7 +518,9 @@ class _Compiler:
                 "deflate-on-oom": vm.balloon.deflate_on_oom,
                 "free-page-reporting": reports_free_pages(vm),
             })]
-        return VmPlan(name=vm.name, argv=tuple(argv), accel=accel, files=files, notes=tuple(self.notes(vm)),
+        argv += self.panic_device(vm)
+        return VmPlan(name=vm.name, argv=tuple(argv), accel=accel, files=files, vcpus=vm.cpus,
+                      notes=tuple(self.notes(vm)),
                       placement=self.placements.get(vm.name),
                       ssh_user=(vm.cloud_init.user if vm.cloud_init else DEFAULT_CLOUD_USER) if vm.ssh
                       else None)
@@ -527,6 +557,16 @@ class _Compiler:
             cpus = {"cpus": f"{node.vcpus[0]}-{node.vcpus[-1]}"} if node.vcpus else {}
             argv += ["-numa", opts("node", nodeid=index, memdev=memdev, **cpus)]
         return argv
+
+    def panic_device(self, vm: VmSpec) -> list[str]:
+        """QEMU's pvpanic device on the x86 PC machines (pc, q35) where this QEMU has it: a guest whose
+        kernel loads its driver reports a panic to QEMU, which pauses it in run state guest-panicked
+        (`-action panic=pause`; QEMU's own default would quit and lose the state), so that `up`'s waits
+        end at once, `status` says `panicked` and `logs` keeps the console."""
+        if "pvpanic" not in self.host.qemu.devices or not is_pc_machine(vm.machine):
+            return []
+        action = ["-action", "panic=pause"] if self.host.qemu.version >= (6, 0, 0) else []
+        return ["-device", json_arg({"driver": "pvpanic", "id": "pvpanic"}), *action]
 
     def firmware(self, path: KeyPath, vm: VmSpec) -> tuple[list[str], dict[str, str]]:
         """UEFI: OVMF's code read-only and shared, the VM's own copy of the variables, as the two

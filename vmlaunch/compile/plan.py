@@ -9,6 +9,7 @@ import attrs
 
 from vmlaunch.layout.labdir import LabDir
 from vmlaunch.layout.rundir import RunDir, VmFiles
+from vmlaunch.policy.admission import Admission
 from vmlaunch.policy.placement import Placed
 from vmlaunch.resources.base import Resource
 from vmlaunch.spec.model import Accel
@@ -27,6 +28,7 @@ class VmPlan:
     accel: AccelChoice
     files: VmFiles
     notes: tuple[str, ...] = ()  # warnings worth showing a user (vCPU over-commit, ...)
+    vcpus: int = 1
     ssh_user: str | None = None  # a VM with an SSH port (management NIC): the user `vmlaunch ssh` logs in as
     placement: Placed | None = None  # the NUMA node(s) and CPUs it runs on, when placed
 
@@ -39,6 +41,7 @@ class Plan:
     vms: tuple[VmPlan, ...]
     notes: tuple[str, ...] = ()  # lab-wide warnings (memory over-commit)
     lab_dir: LabDir | None = None  # beside the spec: keys, overlays, seeds (`layout/labdir.py`)
+    admission: Admission = Admission(None, "not limited")  # how many VMs boot at once when `up` waits
 
     def vm(self, name: str) -> VmPlan:
         for vm in self.vms:

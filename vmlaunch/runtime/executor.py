@@ -33,6 +33,7 @@ from vmlaunch.runtime import process as qemu
 from vmlaunch.runtime import snapshot
 from vmlaunch.runtime.journal import Entry, Journal, VmEntry, locked
 from vmlaunch.runtime.running import running_vms
+from vmlaunch.runtime.waves import ALL_AT_ONCE, Waves
 
 if TYPE_CHECKING:
     from vmlaunch.runtime.snapshot import WarmStart
@@ -54,6 +55,7 @@ def describe(plan: Plan) -> Iterator[str]:
         yield f"  {resource.describe()}{state}"
     running_now = running_vms(journal)
     yield from (f"accelerator: {line}" for line in plan.accel_lines())
+    yield f"{plan.admission.describe(len(plan.vms))}; when `up` waits for the VMs (--wait-for, --wait ssh)"
     for vm in plan.vms:
         running = vm.name in running_now
         yield f"{vm.name}: {vm.accel.accel.value}{' [running]' if running else ''}"
@@ -113,11 +115,13 @@ def _reason(exc: Exception) -> str:
 
 def up(plan: Plan, *, spec: str | os.PathLike[str], qemu_img: str | None = None, wait_for: str | None = None,
        timeout: float = 60.0, force: bool = False, wait_ssh: bool = False,
-       fresh: bool = False, from_snapshot: WarmStart | None = None) -> dict[str, int]:
+       fresh: bool = False, from_snapshot: WarmStart | None = None,
+       parallel: int | None = None) -> dict[str, int]:
     """Make the plan real; return name -> pid of every VM of the plan now running.
 
     A lab that is up from another spec file (same lab name) is refused unless `force` takes it over.
     `from_snapshot` (`snapshot.warm_start`): the VMs, all down, start from a snapshot, RAM included.
+    `parallel`: how many VMs boot at once (`up --parallel`), instead of the plan's admission.
     """
     if fresh and from_snapshot is not None:
         raise UsageError("--fresh and --from-snapshot do not go together: --fresh makes the disks that "
@@ -125,14 +129,15 @@ def up(plan: Plan, *, spec: str | os.PathLike[str], qemu_img: str | None = None,
     umask = os.umask(0o077)  # the run dir, journal and logs are for their owner only
     try:
         ctx = Context(lab=plan.lab, qemu_img=qemu_img or "qemu-img")
-        return _up(plan, os.fspath(spec), ctx, wait_for, timeout, force, wait_ssh, fresh, from_snapshot)
+        return _up(plan, os.fspath(spec), ctx, wait_for, timeout, force, wait_ssh, fresh, from_snapshot,
+                   parallel)
     finally:
         os.umask(umask)
 
 
 def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: float,
         force: bool, wait_ssh: bool = False, fresh: bool = False,
-        from_snapshot: WarmStart | None = None) -> dict[str, int]:
+        from_snapshot: WarmStart | None = None, parallel: int | None = None) -> dict[str, int]:
     with locked(plan.run_dir, timeout):
         journal = Journal.load(plan.run_dir)  # first: a journal it cannot read leaves no mark
         journal.check_spec(spec, force=force)
@@ -195,12 +200,20 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
             deadline = time.monotonic() + timeout
             if from_snapshot is not None:  # still paused: the guests resume at the snapshot's instant
                 from_snapshot.load(to_start, timeout)
-            _wait_ready(to_start, pids, wait_for, timeout)
             waited = [vm for vm in to_start if vm.ssh_user] if wait_ssh else []
+            waves = _waves(plan, to_start, timeout, parallel=parallel, waiting=bool(wait_for or waited),
+                           warm=from_snapshot is not None)
+            stack.callback(waves.close)
+            if wait_for is not None:
+                _wait_console(to_start, pids, wait_for, timeout, waves)
             if waited:  # with their clocks set in the same SSH session, after a snapshot
                 ports = {vm.name: journal.vms[vm.name].ssh_port for vm in waited}
                 wait_for_ssh(plan, waited, pids, ports, remaining(deadline, 1.0),
-                             clocks=[vm.name for vm in waited] if from_snapshot is not None else ())
+                             clocks=[vm.name for vm in waited] if from_snapshot is not None else (),
+                             waves=waves)
+            if not waves.all_continued:  # asked for, with nothing to wait for: each had its share
+                waves.wait_until_continued(deadline, lambda: _check_admitted(to_start, pids, waves))
+            waves.finish()
             if from_snapshot is not None:
                 from_snapshot.step_clocks(plan, [vm for vm in to_start if vm not in waited],
                                           {vm.name: journal.vms[vm.name].ssh_port for vm in to_start})
@@ -363,60 +376,106 @@ def _clear_stale(files: VmFiles) -> None:
                 path.unlink()
 
 
-def _wait_ready(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str | None,
-                timeout: float) -> None:
-    """Every VM answers QMP and runs; with `wait_for`, every serial console has printed it."""
+def _waves(plan: Plan, vms: Sequence[VmPlan], timeout: float, *, parallel: int | None, waiting: bool,
+           warm: bool) -> Waves:
+    """Shake hands with every VM (started paused) and continue the first of them: all at once, as
+    ever, unless `up` waits for them (a console text, SSH) or the user asked for a width; never for
+    VMs loaded from a snapshot (they do not boot)."""
+    from vmlaunch.policy.admission import Booting, admission
+    from vmlaunch.spec.model import Accel
+
+    booting = [Booting(vm.name, vm.vcpus, vm.accel.accel is Accel.TCG) for vm in vms]
+    chosen = plan.admission if parallel is None else admission(0, booting, asked=parallel)
+    limited = chosen.width is not None and chosen.width < len(vms)
+    if warm or not limited or not (waiting or chosen.asked):
+        chosen = ALL_AT_ONCE
+    else:
+        log.info("%s", chosen.describe(len(vms)))
     deadline = time.monotonic() + timeout
-    # They were started paused. Shake hands with every one first, then let them all run at once: a
-    # guest that already boots slows down the handshakes still to come.
-    with contextlib.ExitStack() as connections:
-        qmps = {vm.name: connections.enter_context(QuickQmp(vm.files.qmp, remaining(deadline, 1.0)))
-                for vm in vms}
-        for qmp in qmps.values():
-            qmp.cmd("cont")
-        for name, qmp in qmps.items():
-            status = qmp.cmd("query-status")
-            if status.get("status") != "running":
-                raise RuntimeFailure(f"{name}: QEMU is {status.get('status')}, not running")
-    if wait_for is not None:
-        _wait_console(vms, pids, wait_for, timeout)
+    return Waves.open(booting, lambda name: QuickQmp(plan.vm(name).files.qmp, remaining(deadline, 1.0)),
+                      chosen, timeout)
 
 
-def _wait_console(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str, timeout: float) -> None:
+def _check_admitted(vms: Sequence[VmPlan], pids: dict[str, int], waves: Waves) -> None:
+    for vm in vms:
+        if waves.admitted(vm.name):
+            check_booting(vm, pids[vm.name], "it was let boot")
+
+
+def _wait_console(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str, timeout: float,
+                  waves: Waves) -> None:
     waiting = {vm.name: vm for vm in vms}
+    asking = _Asking()
 
     def all_ready() -> bool:
         for name, vm in list(waiting.items()):
+            if not waves.admitted(name):
+                continue  # paused until its turn to boot
             if wait_for in qemu.read_text(vm.files.serial_log):
                 log.info("%s: ready (%r on the console)", name, wait_for)
                 del waiting[name]
+                waves.ready(name)
             else:
-                check_booting(vm, pids[name], f"its console printed {wait_for!r}")
+                check_booting(vm, pids[name], f"its console printed {wait_for!r}", ask_qemu=asking(name))
+        waves.step()
         return not waiting
 
     def progress(waited: float) -> None:
+        if len(waiting) > QUIET_ABOVE:
+            for vm in waiting.values():
+                if waves.admitted(vm.name):
+                    _console_line(vm)  # a console that shows the OS refusing the CPU ends the wait
+            log.info("waiting for %r, %.0f s: %s", wait_for, waited, waves.summary(list(waiting)))
         for name, vm in waiting.items():
-            log.info("%s: waiting for %r, %.0f s: %s", name, wait_for, waited, _console_line(vm))
+            if not waves.admitted(name):
+                log.debug("%s: waiting for its turn to boot", name)
+            else:
+                log.log(logging.DEBUG if len(waiting) > QUIET_ABOVE else logging.INFO,
+                        "%s: waiting for %r, %.0f s: %s", name, wait_for, waited, _console_line(vm))
 
     try:
         wait_until(all_ready, timeout, progress=progress)
     except TimedOut:
         tails = "".join(f"\n{name}:{_tail(vm.files.serial_log)}" for name, vm in sorted(waiting.items()))
-        raise RuntimeFailure(f"timed out after {timeout:g} s waiting for {wait_for!r} on the "
-                             f"console of {', '.join(sorted(waiting))}; the last lines:{tails}") from None
+        paused = [name for name in waiting if not waves.admitted(name)]
+        still = f" ({len(paused)} of them never got their turn to boot)" if paused else ""
+        raise RuntimeFailure(f"timed out after {timeout:g} s waiting for {wait_for!r} on the console "
+                             f"of {', '.join(sorted(waiting))}{still}; the last lines:{tails}") from None
 
 
-def check_booting(vm: VmPlan, pid: int, before: str) -> None:
+# More VMs than this waiting: one progress line for the whole lab per interval (each VM's under -v).
+QUIET_ABOVE = 4
+
+
+def check_booting(vm: VmPlan, pid: int, before: str, *, ask_qemu: bool = True) -> None:
     """Raise RuntimeFailure when a VM waited for will never get to `before`: its QEMU exited, or its
-    console shows a kernel panic. The wait ends now (and `up` rolls back), not at its timeout."""
+    guest panicked (its console says so, or QEMU's run state when `ask_qemu`). The wait ends now (and
+    `up` rolls back), not at its timeout."""
     if not qemu.alive(pid):
         raise RuntimeFailure(f"{vm.name}: QEMU exited before {before}"
                              f"{_tail(vm.files.serial_log)}{_tail(vm.files.qemu_log, empty='')}")
-    panic = qemu.console_panic(vm.files)
+    panic = qemu.guest_panic(vm.files, ask_qemu=ask_qemu)
     if panic is not None:
         raise RuntimeFailure(f"{vm.name}: the guest panicked before {before}: {panic}"
                              f"{_tail(vm.files.serial_log)}", f"`vmlaunch logs SPEC {vm.name}` shows its "
                              "whole console (kept after this failed up)")
+
+
+class _Asking:
+    """Whether to ask QEMU for a VM's run state this round: at most once a second per VM (a panic
+    its console does not show is seen within a second or two, and 40 VMs do not cost 200 QMP
+    connections a second)."""
+
+    def __init__(self, every: float = 1.0) -> None:
+        self.every = every
+        self.last: dict[str, float] = {}
+
+    def __call__(self, name: str) -> bool:
+        now = time.monotonic()
+        if now - self.last.get(name, -self.every) < self.every:
+            return False
+        self.last[name] = now
+        return True
 
 
 def _console_line(vm: VmPlan) -> str:
@@ -455,7 +514,7 @@ SSH_ATTEMPT = 5.0  # seconds one SSH attempt of `--wait ssh` may take before it 
 
 
 def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports: dict[str, int | None],
-                 timeout: float, clocks: Collection[str] = ()) -> None:
+                 timeout: float, clocks: Collection[str] = (), waves: Waves | None = None) -> None:
     """Every VM with an SSH port answers: `ssh ... true` with the lab's key and its pinned host key
     succeeds, and cloud-init (when the guest has it) has finished. The VMs are tried all at once, each
     every second; a progress line per VM every 5 s; a VM whose QEMU exits stops the wait.
@@ -469,6 +528,7 @@ def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports:
     from vmlaunch.runtime.snapshot import clock_session
 
     waiting = {vm.name: vm for vm in vms}
+    asking = _Asking()
     lab_dir = plan.lab_dir
     assert lab_dir is not None  # compile_lab sets it
     unset = set(clocks)  # VMs whose clock is still to be set
@@ -521,26 +581,37 @@ def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports:
         return True
 
     def all_ready() -> bool:
-        trying = list(waiting.values())
-        with ThreadPoolExecutor(len(trying)) as pool:
+        trying = [vm for vm in waiting.values() if waves is None or waves.admitted(vm.name)]
+        with ThreadPoolExecutor(max(1, len(trying))) as pool:
             answered = list(pool.map(answers, trying))
         for vm, ok in zip(trying, answered):
             if ok:
                 log.info("%s: ready (SSH answers on 127.0.0.1:%s)", vm.name, ports[vm.name])
                 del waiting[vm.name]
                 tried.pop(vm.name, None)
+                if waves is not None:
+                    waves.ready(vm.name)
             else:
-                check_booting(vm, pids[vm.name], "SSH answered")
+                check_booting(vm, pids[vm.name], "SSH answered", ask_qemu=asking(vm.name))
                 fix = cannot_heal(tried.get(vm.name, ""))
                 if fix is not None:
                     raise RuntimeFailure(f"{vm.name}: SSH cannot reach 127.0.0.1:{ports[vm.name]}: "
                                          f"{tried[vm.name]}; waiting would not help", fix)
+        if waves is not None:
+            waves.step()
         return not waiting
 
     def progress(waited: float) -> None:
+        quiet = len(waiting) > QUIET_ABOVE
+        if quiet and waves is not None:
+            log.info("waiting for SSH, %.0f s: %s", waited, waves.summary(list(waiting)))
         for name, vm in waiting.items():
+            if waves is not None and not waves.admitted(name):
+                log.debug("%s: waiting for its turn to boot", name)
+                continue
             ssh = f"; SSH: {printable(tried[name])[:120]}" if name in tried else ""
-            log.info("%s: waiting for SSH, %.0f s: %s%s", name, waited, _console_line(vm), ssh)
+            log.log(logging.DEBUG if quiet and waves is not None else logging.INFO,
+                    "%s: waiting for SSH, %.0f s: %s%s", name, waited, _console_line(vm), ssh)
 
     try:
         wait_until(all_ready, timeout, interval=1.0, progress=progress)

@@ -171,6 +171,28 @@ def console_panic(files: VmFiles) -> str | None:
     return " ".join(printable(line).split())[:200]
 
 
+# What `guest_panic` says of a panic QEMU knows of (pvpanic) when the console shows none (a guest
+# whose console is not the serial port).
+PVPANIC_SAID = "QEMU reports the guest panicked (pvpanic: run state guest-panicked)"
+
+
+def guest_panic(files: VmFiles, *, ask_qemu: bool = True) -> str | None:
+    """The panic line when the guest panicked since it last booted: from its console, else (with
+    `ask_qemu`) QEMU's run state, which a pvpanic device sets; None when it did not, or QEMU does not
+    answer within a second (busy, or gone: the caller's other checks say so)."""
+    panic = console_panic(files)
+    if panic is not None or not ask_qemu:
+        return panic
+    from vmlaunch.qemu.qmp import QuickQmp
+
+    try:
+        with QuickQmp(files.qmp, timeout=1.0) as qmp:
+            state = qmp.cmd("query-status").get("status")
+    except (RuntimeFailure, OSError, ValueError):
+        return None
+    return PVPANIC_SAID if state == "guest-panicked" else None
+
+
 # What a Linux guest prints when its balloon driver can take no more pages, or when it starts killing
 # its own processes: the balloon reached the guest's floor, and squeezing on would kill the guest.
 OUT_OF_MEMORY = ("Out of puff", "invoked oom-killer", "Out of memory: Kill")

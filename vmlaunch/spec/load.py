@@ -690,8 +690,10 @@ class _Builder:
         vms = self.with_addresses(tuple(self.vms(known, broken)))
         memory = self.lab_memory(vms)
         placement = self.lab_placement(vms)
+        boot_parallel = self.value(("lab",), lab, "boot_parallel") if lab_ok else None
         return LabSpec(name=name, file=self.file, source=self.source, networks=networks, vms=vms,
-                       mac_prefix=prefix.lower(), images=images, memory=memory, placement=placement)
+                       mac_prefix=prefix.lower(), images=images, memory=memory, placement=placement,
+                       boot_parallel=boot_parallel)
 
     def images(self) -> Iterator[Image]:
         for image_name, raw in self.table(("image",)).items():

@@ -347,6 +347,7 @@ class LabSpec:
     images: tuple[Image, ...] = ()
     memory: LabMemory = LabMemory()
     placement: LabPlacement = LabPlacement()
+    boot_parallel: int | None = None  # how many VMs boot at once (`up` waiting); None: from the host
 
     def image(self, name: str) -> Image:
         for image in self.images:

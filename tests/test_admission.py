@@ -1,0 +1,149 @@
+"""Boot admission without QEMU: how many VMs boot at once (policy/admission.py), and the waves that
+continue them (runtime/waves.py) against fake QMP connections and a fake clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from vmlaunch.errors import RuntimeFailure
+from vmlaunch.policy.admission import MIN_SHARE, Admission, Booting, admission
+from vmlaunch.runtime.waves import Waves
+
+
+def tcg(name: str, vcpus: int = 1) -> Booting:
+    return Booting(name, vcpus, tcg=True)
+
+
+def kvm(name: str, vcpus: int = 1) -> Booting:
+    return Booting(name, vcpus, tcg=False)
+
+
+@pytest.mark.parametrize(("cpus", "vms", "width"), [
+    (2, [tcg(f"v{i}") for i in range(40)], 2),  # a booting TCG vCPU takes a host CPU
+    (2, [kvm(f"v{i}") for i in range(40)], 4),  # a KVM one half of one
+    (8, [tcg(f"v{i}", 2) for i in range(10)], 4),
+    (2, [tcg("big", 4), tcg("small")], 1),  # the cheapest fits alone; the big one boots alone too
+    (1, [tcg("a"), tcg("b")], 1),
+    (64, [tcg("a"), tcg("b")], 2),  # never wider than the lab
+    (0, [tcg("a")], 1),  # a host that does not say its CPUs: one at a time
+])
+def test_the_width_comes_from_the_host_cpus_and_the_vms(cpus: int, vms: list[Booting], width: int) -> None:
+    chosen = admission(cpus, vms)
+    assert chosen.width == width
+    assert not chosen.asked
+    assert f"{cpus} host CPU" in chosen.reason
+
+
+def test_a_width_asked_for_counts_vms_only() -> None:
+    chosen = admission(2, [tcg("a", 8), tcg("b", 8), tcg("c", 8)], asked=2, asked_by="[lab] boot_parallel")
+    assert (chosen.width, chosen.asked, chosen.reason) == (2, True, "[lab] boot_parallel 2")
+    assert chosen.fits([tcg("a", 8)], tcg("b", 8))
+    assert not chosen.fits([tcg("a", 8), tcg("b", 8)], tcg("c", 8))
+
+
+def test_the_budget_keeps_a_big_vm_waiting_until_it_fits() -> None:
+    chosen = admission(2, [tcg("a"), tcg("b"), tcg("big", 2)])
+    assert chosen.width == 2
+    assert chosen.fits([], tcg("big", 2))  # one VM always boots, however big
+    assert not chosen.fits([tcg("a")], tcg("big", 2))
+    assert chosen.fits([tcg("a")], tcg("b"))
+
+
+@pytest.mark.parametrize(("timeout", "count", "share"), [
+    (900.0, 40, 45.0), (60.0, 40, MIN_SHARE), (60.0, 2, 60.0)])
+def test_a_vm_keeps_its_place_for_its_part_of_the_timeout(timeout: float, count: int, share: float) -> None:
+    assert Admission(2, "", 4).share(timeout, count) == share
+
+
+def test_describe_says_how_many_and_why() -> None:
+    chosen = admission(2, [tcg(f"v{i}") for i in range(5)])
+    assert chosen.describe(5).startswith("boot: at most 2 of the 5 VMs at once (2 host CPUs; TCG")
+    assert admission(2, [tcg("a")]).describe(1).startswith("boot: all 1 VMs at once")
+
+
+class FakeQmp:
+    def __init__(self, name: str, log: list[str], state: str = "running") -> None:
+        self.name, self.log, self.state = name, log, state
+        self.closed = False
+
+    def cmd(self, command: str, **args: Any) -> Any:
+        if command == "cont":
+            self.log.append(self.name)
+        return {"status": self.state}
+
+    def close(self) -> None:
+        self.closed = True
+
+    def __enter__(self) -> FakeQmp:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def waves_of(vms: list[Booting], chosen: Admission, timeout: float = 100.0,
+             state: str = "running") -> tuple[Waves, list[str], Clock, dict[str, FakeQmp]]:
+    order: list[str] = []
+    made: dict[str, FakeQmp] = {}
+
+    def connect(name: str) -> Any:
+        made[name] = FakeQmp(name, order, state)
+        return made[name]
+
+    clock = Clock()
+    waves = Waves.open(vms, connect, chosen, timeout, clock)
+    return waves, order, clock, made
+
+
+def test_the_next_vm_boots_when_one_is_ready() -> None:
+    vms = [tcg(f"v{i}") for i in range(5)]
+    waves, order, _, made = waves_of(vms, admission(2, vms))
+    assert order == ["v0", "v1"] and waves.paused == ["v2", "v3", "v4"]
+    assert made["v0"].closed and not made["v2"].closed  # a continued VM's monitor is free for others
+    waves.ready("v1")
+    assert order == ["v0", "v1", "v2"]
+    assert waves.summary(["v0", "v2", "v3", "v4"]) == "1/5 ready; booting v0, v2; 2 waiting to boot"
+    waves.finish()
+    assert order == ["v0", "v1", "v2", "v3", "v4"] and waves.all_continued
+    assert all(qmp.closed for qmp in made.values())
+
+
+def test_a_vm_that_is_never_ready_gives_its_place_up_after_its_share() -> None:
+    vms = [tcg(f"v{i}") for i in range(40)]
+    waves, order, clock, _ = waves_of(vms, admission(2, vms), timeout=400.0)
+    assert waves.share == 20.0
+    clock.now = 19.0
+    waves.step()
+    assert order == ["v0", "v1"]
+    clock.now = 20.0
+    waves.step()
+    assert order == ["v0", "v1", "v2", "v3"]
+
+
+def test_all_at_once_continues_every_vm_at_the_start() -> None:
+    vms = [tcg(f"v{i}") for i in range(5)]
+    waves, order, _, _ = waves_of(vms, Admission(None, "not limited"))
+    assert order == [vm.name for vm in vms] and not waves.limited
+
+
+def test_a_vm_that_does_not_run_after_cont_fails_the_up() -> None:
+    with pytest.raises(RuntimeFailure, match="v0: QEMU is inmigrate, not running"):
+        waves_of([tcg("v0")], Admission(None, "not limited"), state="inmigrate")
+
+
+def test_long_lists_of_names_are_cut_short() -> None:
+    vms = [tcg(f"v{i:02}") for i in range(12)]
+    waves, _, _, _ = waves_of(vms, Admission(8, "", asked=True))
+    waiting = [vm.name for vm in vms]
+    assert waves.summary(waiting, panicked=["v03"]) == (
+        "0/12 ready; booting v00..v07 (8); 4 waiting to boot; v03 panicked")

@@ -1,0 +1,74 @@
+"""Labs bigger than the host, with the real QEMU and the test guest under TCG: the VMs boot in waves
+(`up --parallel`, [lab] boot_parallel), a guest that panics in a wave ends `up` at once, and a
+kernel's timer check cannot panic a starved guest (no_timer_check under TCG)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from vmlaunch.cli import main
+
+pytestmark = [pytest.mark.qemu, pytest.mark.guest]
+READY = "VMLAUNCH-GUEST-READY"
+
+
+def lab(tmp_path: Path, guest: Path, name: str, count: int, *, lab_keys: str = "",
+        appends: dict[int, str] | None = None) -> Path:
+    text = f'[lab]\nname = "{name}"\n{lab_keys}'
+    for index in range(count):
+        append = (appends or {}).get(index, "console=ttyS0")
+        text += (f'[vm.v{index}]\nmemory = "128M"\naccel = "tcg"\nkernel = "{guest}/vmlinuz"\n'
+                 f'initrd = "{guest}/initrd.gz"\nappend = "{append}"\n')
+    spec = tmp_path / f"{name}.toml"
+    spec.write_text(text)
+    return spec
+
+
+def test_the_vms_boot_one_by_one_when_asked(tmp_path: Path, run_dir: Path, test_guest: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    spec = lab(tmp_path, test_guest, "waves", 3)
+    assert main(["up", str(spec), "--dry-run"]) == 0
+    assert "\nboot: " in capsys.readouterr().out  # how many boot at once on this host, and why
+    assert main(["-v", "up", str(spec), "--wait-for", READY, "--parallel", "1", "--timeout", "300"]) == 0
+    err = capsys.readouterr().err
+    try:
+        assert "boot: at most 1 of the 3 VMs at once (--parallel 1)" in err
+        events = [match.group(0) for match in re.finditer(r"v\d: (ready|continued)", err)]
+        # each VM is let boot only once the one before it is ready
+        assert events == ["v0: continued", "v0: ready", "v1: continued", "v1: ready", "v2: continued",
+                          "v2: ready"], err
+        # the guests' kernels were told to skip the timer check a starved vCPU fails
+        assert main(["cmdline", str(spec), "v0"]) == 0
+        assert "no_timer_check" in capsys.readouterr().out
+    finally:
+        assert main(["down", str(spec), "--timeout", "0"]) == 0
+
+
+def test_the_lab_key_sets_the_width_and_a_panic_in_a_wave_ends_up(tmp_path: Path, run_dir: Path,
+                                                                  test_guest: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """v1 panics while it boots: `up` ends then (not at its timeout), names it and its panic line, and
+    rolls back; v2, still waiting for its turn, never ran."""
+    spec = lab(tmp_path, test_guest, "panicwave", 3, lab_keys="boot_parallel = 1\n",
+               appends={1: "console=ttyS0 rdinit=/no-such-init root=/dev/nowhere"})
+    assert main(["-v", "up", str(spec), "--wait-for", READY, "--timeout", "600"]) == 4
+    err = capsys.readouterr().err
+    assert "boot: at most 1 of the 3 VMs at once ([lab] boot_parallel 1)" in err
+    assert "v1: the guest panicked before its console printed 'VMLAUNCH-GUEST-READY': Kernel panic" in err
+    assert "v2: continued" not in err
+    assert "Traceback" not in err
+    assert not (run_dir / "panicwave").exists()
+    assert main(["logs", str(spec), "v1"]) == 0
+    assert "Kernel panic - not syncing" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", ["0", "two", "-1", "1.5"])
+def test_a_parallel_that_is_not_a_count_is_refused(tmp_path: Path, test_guest: Path, bad: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    spec = lab(tmp_path, test_guest, "bad", 1)
+    assert main(["up", str(spec), "--parallel", bad]) == 64
+    err = capsys.readouterr().err
+    assert "--parallel" in err and "is not a number of VMs" in err and "Traceback" not in err

@@ -1,0 +1,161 @@
+"""The VMs of an `up`, continued in waves (`policy/admission.py` says how many boot at once).
+
+Every QEMU starts paused. `Waves` shakes hands with each over QMP first (a guest that already boots
+slows down the handshakes still to come), then continues as many as the admission lets boot at once,
+and the next one each time a booting VM is ready (its console printed the text `up` waits for, SSH
+answers) or has had its share of the time. The waits of `executor.py` tell it which VMs got ready;
+it keeps the QMP connections open until every VM runs, and notes when each was continued and when it
+was ready, for the boot timeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from vmlaunch.core.wait import remaining
+from vmlaunch.errors import RuntimeFailure
+from vmlaunch.policy.admission import Admission, Booting
+from vmlaunch.qemu.qmp import QuickQmp
+
+log = logging.getLogger("vmlaunch")
+
+ALL_AT_ONCE = Admission(None, "not limited")
+
+
+class Waves:
+    """The paused VMs of an `up`: which boot now, which wait for their turn, which are ready."""
+
+    def __init__(self, vms: Sequence[Booting], admission: Admission, share: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.vms = {vm.name: vm for vm in vms}
+        self.queue = [vm.name for vm in vms]  # still paused, in the plan's order
+        self.booting: dict[str, float] = {}  # name -> when it was continued, while it holds a place
+        self.continued: dict[str, float] = {}  # name -> when it was continued (every one, for good)
+        self.ready_at: dict[str, float] = {}  # name -> when it was found ready
+        self.handshake: dict[str, float] = {}  # name -> when its QMP answered
+        self.admission, self.share, self.clock = admission, share, clock
+        self.qmps: dict[str, QuickQmp] = {}  # the paused VMs' connections (QMP serves one client)
+
+    @classmethod
+    def open(cls, vms: Sequence[Booting], connect: Callable[[str], QuickQmp], admission: Admission,
+             timeout: float, clock: Callable[[], float] = time.monotonic) -> Waves:
+        """Shake hands with every VM, then continue the first wave."""
+        share = admission.share(timeout, len(vms))
+        waves = cls(vms, admission, share, clock)
+        try:
+            for vm in vms:
+                waves.qmps[vm.name] = connect(vm.name)
+                waves.handshake[vm.name] = waves.clock()
+            waves.admit()
+        except BaseException:
+            waves.close()
+            raise
+        return waves
+
+    @property
+    def limited(self) -> bool:
+        return self.admission.width is not None and self.admission.width < len(self.vms)
+
+    def admitted(self, name: str) -> bool:
+        return name in self.continued
+
+    @property
+    def paused(self) -> list[str]:
+        """The VMs still waiting for their turn to boot."""
+        return list(self.queue)
+
+    @property
+    def all_continued(self) -> bool:
+        return not self.queue
+
+    def ready(self, name: str) -> None:
+        """`name` reached its ready signal: its place goes to the next VM."""
+        self.ready_at.setdefault(name, self.clock())
+        self.booting.pop(name, None)
+        self.admit()
+
+    def step(self) -> None:
+        """A booting VM that had its share of the time gives its place up (it boots on); then the
+        next ones are continued."""
+        now = self.clock()
+        for name, since in list(self.booting.items()):
+            if now - since >= self.share:
+                log.debug("%s: not ready after its boot share of %.0f s: the next VM boots beside it",
+                          name, self.share)
+                del self.booting[name]
+        self.admit()
+
+    def admit(self) -> None:
+        """Continue VMs from the queue while the admission lets them boot beside those booting."""
+        while self.queue:
+            name = self.queue[0]
+            booting = [self.vms[other] for other in self.booting]
+            if not self.admission.fits(booting, self.vms[name]):
+                return
+            self.queue.pop(0)
+            self._cont(name)
+
+    def finish(self) -> None:
+        """Continue every VM still paused (nothing more to wait for), then let the connections go."""
+        while self.queue:
+            self._cont(self.queue.pop(0))
+        self.close()
+
+    def _cont(self, name: str) -> None:
+        """QMP cont, and the VM must then run (not stay paused on an error, say); its connection then
+        goes, for `status` and the rest to use."""
+        qmp = self.qmps.pop(name)
+        with qmp:
+            qmp.cmd("cont")
+            status = qmp.cmd("query-status")
+        if status.get("status") != "running":
+            raise RuntimeFailure(f"{name}: QEMU is {status.get('status')}, not running")
+        now = self.clock()
+        self.continued[name] = now
+        self.booting[name] = now
+        if self.limited:
+            log.debug("%s: continued (%d booting, %d waiting to boot)", name, len(self.booting),
+                      len(self.queue))
+
+    def close(self) -> None:
+        for qmp in self.qmps.values():
+            with contextlib.suppress(OSError):
+                qmp.close()
+        self.qmps.clear()
+
+    def wait_until_continued(self, deadline: float, check: Callable[[], None],
+                             interval: float = 0.2) -> None:
+        """With nothing to wait for but the admission asked for: each VM keeps its place for its
+        share of the time, then the next is continued. `check` raises for a VM that cannot boot."""
+        while self.queue:
+            check()
+            self.step()
+            if self.queue:
+                time.sleep(min(interval, remaining(deadline, interval)))
+                if time.monotonic() >= deadline:
+                    raise RuntimeFailure(f"timed out with {len(self.queue)} VMs still waiting to boot: "
+                                         f"{', '.join(self.queue)}", "a longer --timeout, or a larger "
+                                         "--parallel")
+
+    def summary(self, waiting_for: Sequence[str], *, panicked: Sequence[str] = ()) -> str:
+        """One line for the whole lab: "28/40 ready; booting v31..v36; 4 waiting to boot"."""
+        count = len(self.vms)
+        ready = count - len(waiting_for)
+        booting = [name for name in waiting_for if name in self.continued]
+        parts = [f"{ready}/{count} ready"]
+        if booting:
+            parts.append(f"booting {_names(booting)}")
+        if self.queue:
+            parts.append(f"{len(self.queue)} waiting to boot")
+        parts += [f"{name} panicked" for name in panicked]
+        return "; ".join(parts)
+
+
+def _names(names: Sequence[str], most: int = 4) -> str:
+    """a, b, c or a..f when long (in the plan's order)."""
+    if len(names) <= most:
+        return ", ".join(names)
+    return f"{names[0]}..{names[-1]} ({len(names)})"
