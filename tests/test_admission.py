@@ -3,6 +3,7 @@ continue them (runtime/waves.py) against fake QMP connections and a fake clock."
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -147,3 +148,41 @@ def test_long_lists_of_names_are_cut_short() -> None:
     waiting = [vm.name for vm in vms]
     assert waves.summary(waiting, panicked=["v03"]) == (
         "0/12 ready; booting v00..v07 (8); 4 waiting to boot; v03 panicked")
+
+
+# --- the boot timeline (runtime/timeline.py) ---------------------------------------------------------
+
+
+def test_the_phases_come_from_the_marks_and_the_kernels_time_stamps(tmp_path: Path) -> None:
+    from vmlaunch.layout.rundir import VmFiles
+    from vmlaunch.runtime.timeline import VmBoot, render
+
+    files = VmFiles(tmp_path, "a")
+    boot = VmBoot(files, started=100.0)
+    boot.mark("qmp", 100.1)
+    boot.mark("continued", 101.0)
+    files.firmware_log.write_text("SeaBIOS (version 1.16)\nBooting from ROM...\n")
+    boot.observe("", now=101.2)  # a poll finds the firmware done
+    console = "[    0.000000] Linux version 6.1\n[    1.500000] Run /init as init process\n"
+    boot.observe(console, now=104.0)  # the kernel started at 102.5 at the latest
+    boot.observe(console + "[    1.800000] later\n", now=104.2)  # 102.4: a closer bound
+    boot.mark("ready", 105.0)
+    boot.observe("Cloud-init v. 22.4.2 finished at Thu, 26 Nov 2026. Datasource DataSourceNoCloud. "
+                 "Up 41.27 seconds\n", now=105.0)
+    phases = boot.phases()
+    assert phases == {"qemu": 0.1, "wave": 0.9, "firmware": 0.2, "loader": 1.2, "kernel": 1.5,
+                      "userspace": 1.1, "cloud-init": 41.27}
+    table = render({"a": phases})
+    assert table[0].split() == ["VM", "qemu", "wave", "firmware", "loader", "kernel", "userspace",
+                                "cloud-init", "total"]
+    assert table[1].startswith("a ")
+
+
+def test_phases_not_seen_count_in_the_next_one(tmp_path: Path) -> None:
+    from vmlaunch.layout.rundir import VmFiles
+    from vmlaunch.runtime.timeline import VmBoot
+
+    boot = VmBoot(VmFiles(tmp_path, "b"), started=10.0)
+    boot.mark("qmp", 10.5)
+    boot.mark("ready", 14.0)  # no console time stamps, no firmware log (UEFI, or another OS)
+    assert boot.phases() == {"qemu": 0.5, "userspace": 3.5}

@@ -4,6 +4,7 @@ kernel's timer check cannot panic a starved guest (no_timer_check under TCG)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -32,9 +33,18 @@ def test_the_vms_boot_one_by_one_when_asked(tmp_path: Path, run_dir: Path, test_
     spec = lab(tmp_path, test_guest, "waves", 3)
     assert main(["up", str(spec), "--dry-run"]) == 0
     assert "\nboot: " in capsys.readouterr().out  # how many boot at once on this host, and why
-    assert main(["-v", "up", str(spec), "--wait-for", READY, "--parallel", "1", "--timeout", "300"]) == 0
-    err = capsys.readouterr().err
+    assert main(["-v", "up", str(spec), "--wait-for", READY, "--parallel", "1", "--timeout", "300",
+                 "--timeline"]) == 0
+    out, err = capsys.readouterr()
     try:
+        table = out.splitlines()[-4:]  # the timeline: a header and a row per VM
+        assert table[0].split() == ["VM", "qemu", "wave", "firmware", "loader", "kernel", "userspace",
+                                    "total"], out
+        assert [row.split()[0] for row in table[1:]] == ["v0", "v1", "v2"]
+        assert main(["status", str(spec), "--json"]) == 0
+        boot = json.loads(capsys.readouterr().out)["v2"]["boot"]
+        assert set(boot) == {"qemu", "wave", "firmware", "loader", "kernel", "userspace"}, boot
+        assert boot["wave"] > boot["qemu"]  # v2 waited paused while v0 and v1 booted
         assert "boot: at most 1 of the 3 VMs at once (--parallel 1)" in err
         events = [match.group(0) for match in re.finditer(r"v\d: (ready|continued)", err)]
         # each VM is let boot only once the one before it is ready

@@ -61,6 +61,10 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
                     help="boot at most N VMs at once while waiting for them (--wait-for, --wait ssh); "
                     "the others wait paused for their turn (default: as many as this host's CPUs can "
                     "boot, or the lab's boot_parallel; `up --dry-run` shows it)")
+    up.add_argument("--timeline", action="store_true",
+                    help="then print where each VM's boot time went: QEMU's start, its wait for its turn, "
+                    "firmware, kernel loader, kernel, userspace to the ready signal (and cloud-init's own "
+                    "figure); `status --json` keeps them as `boot`")
     up.add_argument("--from-snapshot", metavar="NAME",
                     help="start the VMs, which must be down, from snapshot NAME (`vmlaunch snapshot`), "
                     "RAM included: they run on from that instant, without booting")
@@ -189,6 +193,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     for vm in plan.vms:
         left = ", already: left alone" if before.get(vm.name) == pids[vm.name] else ""
         print(f"{vm.name}: running (pid {pids[vm.name]}, {vm.accel.accel.value}{left})")
+    if args.timeline:
+        from vmlaunch.runtime.timeline import render
+
+        entries = Journal.load(plan.run_dir).vms
+        started = [vm.name for vm in plan.vms if before.get(vm.name) != pids[vm.name]]
+        print("\n".join(render({name: entries[name].boot or {} for name in started if name in entries},
+                                started)))
     return 0
 
 

@@ -17,7 +17,7 @@ from vmlaunch.host.confine import SANDBOX
 from vmlaunch.host.facts import Host
 from vmlaunch.host.numa import Topology, format_cpulist
 from vmlaunch.layout.labdir import LabDir
-from vmlaunch.layout.rundir import RunDir
+from vmlaunch.layout.rundir import RunDir, VmFiles
 from vmlaunch.policy.admission import Booting, admission
 from vmlaunch.policy.placement import Binding, Demand, Node, Placed, place
 from vmlaunch.qemu.opts import json_arg, opts
@@ -519,6 +519,7 @@ class _Compiler:
                 "free-page-reporting": reports_free_pages(vm),
             })]
         argv += self.panic_device(vm)
+        argv += self.firmware_log(vm, files)
         return VmPlan(name=vm.name, argv=tuple(argv), accel=accel, files=files, vcpus=vm.cpus,
                       notes=tuple(self.notes(vm)),
                       placement=self.placements.get(vm.name),
@@ -557,6 +558,15 @@ class _Compiler:
             cpus = {"cpus": f"{node.vcpus[0]}-{node.vcpus[-1]}"} if node.vcpus else {}
             argv += ["-numa", opts("node", nodeid=index, memdev=memdev, **cpus)]
         return argv
+
+    def firmware_log(self, vm: VmSpec, files: VmFiles) -> list[str]:
+        """SeaBIOS's log, for the boot timeline: it writes to the isa-debugcon port 0x402 whatever it
+        boots (OVMF does not: nothing under UEFI)."""
+        if vm.firmware is Firmware.UEFI or "isa-debugcon" not in self.host.qemu.devices \
+                or not is_pc_machine(vm.machine):
+            return []
+        return ["-chardev", opts("file", id="firmware", path=str(files.firmware_log)),
+                "-device", json_arg({"driver": "isa-debugcon", "iobase": 0x402, "chardev": "firmware"})]
 
     def panic_device(self, vm: VmSpec) -> list[str]:
         """QEMU's pvpanic device on the x86 PC machines (pc, q35) where this QEMU has it: a guest whose

@@ -32,7 +32,7 @@ from vmlaunch.errors import RuntimeFailure
 MARK = ".vmlaunch-run-dir"
 STATE = "state.json"
 VM_SUFFIXES = (".qmp", ".manager.qmp", ".console", ".console.lock", ".serial.log", ".pid", ".stderr.log",
-               ".qemu.log")
+               ".qemu.log", ".firmware.log")
 MANAGER_LOG = "manager.log"
 MANAGER_CONFIG = "manager.json"
 MANAGER_STATE = "manager.state.json"
@@ -107,6 +107,11 @@ class VmFiles:
         return self._file(".qemu.log")
 
     @property
+    def firmware_log(self) -> Path:
+        """What SeaBIOS writes to its debug port (isa-debugcon 0x402), for the boot timeline."""
+        return self._file(".firmware.log")
+
+    @property
     def sockets(self) -> tuple[Path, ...]:
         return (self.qmp, self.manager_qmp, self.console)
 
@@ -122,7 +127,7 @@ class VmFiles:
     @property
     def private(self) -> tuple[Path, ...]:
         """What QEMU creates under its own umask (027) and vmlaunch narrows to the owner."""
-        return (self.qmp, self.manager_qmp, self.console, self.serial_log, self.qemu_log)
+        return (self.qmp, self.manager_qmp, self.console, self.serial_log, self.qemu_log, self.firmware_log)
 
 
 @attrs.frozen

@@ -102,6 +102,7 @@ class VmStatus:
     why: str | None = None  # what makes `state` other than running: the panic line, QEMU's run state
     uid: int | None = None  # the uid its QEMU runs as (host/confine.py: a uid of its own, as root)
     sandbox: bool | None = None  # its QEMU runs in a seccomp sandbox
+    boot: dict[str, float] | None = None  # where its last boot's time went, by phase (runtime/timeline.py)
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -175,7 +176,7 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
         confined = Confinement.of(pid)
         result.append(VmStatus(name, state, pid, vm.accel, balloon, time.time() - vm.started, nics,
                                vm.ssh_port, memory, run_state=run_state, why=why, uid=confined.uid,
-                               sandbox=confined.seccomp))
+                               sandbox=confined.seccomp, boot=vm.boot))
     if lab is not None:
         lab_memory = lab_memory_status(run_dir, lab, result)
         result = [attrs.evolve(row, lab_memory=lab_memory) for row in result]

@@ -19,6 +19,8 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import attrs
+
 from vmlaunch.compile.plan import Plan, VmPlan
 from vmlaunch.core import signals
 from vmlaunch.core.textsafe import last_line, printable
@@ -33,6 +35,7 @@ from vmlaunch.runtime import process as qemu
 from vmlaunch.runtime import snapshot
 from vmlaunch.runtime.journal import Entry, Journal, VmEntry, locked
 from vmlaunch.runtime.running import running_vms
+from vmlaunch.runtime.timeline import Timeline
 from vmlaunch.runtime.waves import ALL_AT_ONCE, Waves
 
 if TYPE_CHECKING:
@@ -185,6 +188,9 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
             # Before start: a signal the moment start returns must not leave its QEMUs running.
             stack.callback(qemu.kill_serving, [vm.files for vm in to_start])
             pids = qemu.start(to_start, _identities(journal, to_start))
+            timeline = Timeline({vm.name: (vm.files, journal.vms[vm.name].started) for vm in to_start})
+            for vm in to_start:
+                timeline.mark(vm.name, "qmp")  # `start` returns once each QEMU answered QMP
             for resource in plan.resources:  # QEMUs wait paused: a resource may check what QEMU opened,
                 for hook in ("check_opened", "attach"):  # and put QEMU's threads where they belong
                     call = getattr(resource, hook, None)
@@ -202,18 +208,21 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
                 from_snapshot.load(to_start, timeout)
             waited = [vm for vm in to_start if vm.ssh_user] if wait_ssh else []
             waves = _waves(plan, to_start, timeout, parallel=parallel, waiting=bool(wait_for or waited),
-                           warm=from_snapshot is not None)
+                           warm=from_snapshot is not None, timeline=timeline)
             stack.callback(waves.close)
             if wait_for is not None:
-                _wait_console(to_start, pids, wait_for, timeout, waves)
+                _wait_console(to_start, pids, wait_for, timeout, waves, timeline)
             if waited:  # with their clocks set in the same SSH session, after a snapshot
                 ports = {vm.name: journal.vms[vm.name].ssh_port for vm in waited}
                 wait_for_ssh(plan, waited, pids, ports, remaining(deadline, 1.0),
                              clocks=[vm.name for vm in waited] if from_snapshot is not None else (),
-                             waves=waves)
+                             waves=waves, timeline=timeline)
             if not waves.all_continued:  # asked for, with nothing to wait for: each had its share
                 waves.wait_until_continued(deadline, lambda: _check_admitted(to_start, pids, waves))
             waves.finish()
+            for name, phases in timeline.phases().items():  # for `status --json` and `up --timeline`
+                journal.vms[name] = attrs.evolve(journal.vms[name], boot=phases)
+            journal.save()
             if from_snapshot is not None:
                 from_snapshot.step_clocks(plan, [vm for vm in to_start if vm not in waited],
                                           {vm.name: journal.vms[vm.name].ssh_port for vm in to_start})
@@ -377,7 +386,7 @@ def _clear_stale(files: VmFiles) -> None:
 
 
 def _waves(plan: Plan, vms: Sequence[VmPlan], timeout: float, *, parallel: int | None, waiting: bool,
-           warm: bool) -> Waves:
+           warm: bool, timeline: Timeline | None = None) -> Waves:
     """Shake hands with every VM (started paused) and continue the first of them: all at once, as
     ever, unless `up` waits for them (a console text, SSH) or the user asked for a width; never for
     VMs loaded from a snapshot (they do not boot)."""
@@ -393,7 +402,7 @@ def _waves(plan: Plan, vms: Sequence[VmPlan], timeout: float, *, parallel: int |
         log.info("%s", chosen.describe(len(vms)))
     deadline = time.monotonic() + timeout
     return Waves.open(booting, lambda name: QuickQmp(plan.vm(name).files.qmp, remaining(deadline, 1.0)),
-                      chosen, timeout)
+                      chosen, timeout, timeline=timeline)
 
 
 def _check_admitted(vms: Sequence[VmPlan], pids: dict[str, int], waves: Waves) -> None:
@@ -403,7 +412,7 @@ def _check_admitted(vms: Sequence[VmPlan], pids: dict[str, int], waves: Waves) -
 
 
 def _wait_console(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str, timeout: float,
-                  waves: Waves) -> None:
+                  waves: Waves, timeline: Timeline | None = None) -> None:
     waiting = {vm.name: vm for vm in vms}
     asking = _Asking()
 
@@ -411,9 +420,14 @@ def _wait_console(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str, ti
         for name, vm in list(waiting.items()):
             if not waves.admitted(name):
                 continue  # paused until its turn to boot
-            if wait_for in qemu.read_text(vm.files.serial_log):
+            console = qemu.read_text(vm.files.serial_log)
+            if timeline is not None:
+                timeline.observe(name, console)
+            if wait_for in console:
                 log.info("%s: ready (%r on the console)", name, wait_for)
                 del waiting[name]
+                if timeline is not None:
+                    timeline.mark(name, "ready")
                 waves.ready(name)
             else:
                 check_booting(vm, pids[name], f"its console printed {wait_for!r}", ask_qemu=asking(name))
@@ -514,7 +528,8 @@ SSH_ATTEMPT = 5.0  # seconds one SSH attempt of `--wait ssh` may take before it 
 
 
 def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports: dict[str, int | None],
-                 timeout: float, clocks: Collection[str] = (), waves: Waves | None = None) -> None:
+                 timeout: float, clocks: Collection[str] = (), waves: Waves | None = None,
+                 timeline: Timeline | None = None) -> None:
     """Every VM with an SSH port answers: `ssh ... true` with the lab's key and its pinned host key
     succeeds, and cloud-init (when the guest has it) has finished. The VMs are tried all at once, each
     every second; a progress line per VM every 5 s; a VM whose QEMU exits stops the wait.
@@ -585,10 +600,14 @@ def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports:
         with ThreadPoolExecutor(max(1, len(trying))) as pool:
             answered = list(pool.map(answers, trying))
         for vm, ok in zip(trying, answered):
+            if timeline is not None:
+                timeline.observe(vm.name, qemu.read_text(vm.files.serial_log, tail=1 << 20))
             if ok:
                 log.info("%s: ready (SSH answers on 127.0.0.1:%s)", vm.name, ports[vm.name])
                 del waiting[vm.name]
                 tried.pop(vm.name, None)
+                if timeline is not None:
+                    timeline.mark(vm.name, "ready")
                 if waves is not None:
                     waves.ready(vm.name)
             else:

@@ -19,6 +19,7 @@ from vmlaunch.core.wait import remaining
 from vmlaunch.errors import RuntimeFailure
 from vmlaunch.policy.admission import Admission, Booting
 from vmlaunch.qemu.qmp import QuickQmp
+from vmlaunch.runtime.timeline import Timeline
 
 log = logging.getLogger("vmlaunch")
 
@@ -38,13 +39,16 @@ class Waves:
         self.handshake: dict[str, float] = {}  # name -> when its QMP answered
         self.admission, self.share, self.clock = admission, share, clock
         self.qmps: dict[str, QuickQmp] = {}  # the paused VMs' connections (QMP serves one client)
+        self.timeline: Timeline | None = None
 
     @classmethod
     def open(cls, vms: Sequence[Booting], connect: Callable[[str], QuickQmp], admission: Admission,
-             timeout: float, clock: Callable[[], float] = time.monotonic) -> Waves:
+             timeout: float, clock: Callable[[], float] = time.monotonic,
+             timeline: Timeline | None = None) -> Waves:
         """Shake hands with every VM, then continue the first wave."""
         share = admission.share(timeout, len(vms))
         waves = cls(vms, admission, share, clock)
+        waves.timeline = timeline
         try:
             for vm in vms:
                 waves.qmps[vm.name] = connect(vm.name)
@@ -116,6 +120,8 @@ class Waves:
         now = self.clock()
         self.continued[name] = now
         self.booting[name] = now
+        if self.timeline is not None:
+            self.timeline.mark(name, "continued")
         if self.limited:
             log.debug("%s: continued (%d booting, %d waiting to boot)", name, len(self.booting),
                       len(self.queue))
