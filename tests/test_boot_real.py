@@ -82,3 +82,15 @@ def test_a_parallel_that_is_not_a_count_is_refused(tmp_path: Path, test_guest: P
     assert main(["up", str(spec), "--parallel", bad]) == 64
     err = capsys.readouterr().err
     assert "--parallel" in err and "is not a number of VMs" in err and "Traceback" not in err
+
+
+def test_the_apis_wait_ends_at_a_panic(tmp_path: Path, run_dir: Path, test_guest: Path) -> None:
+    from vmlaunch import Lab, RuntimeFailure
+
+    spec = lab(tmp_path, test_guest, "apipanic", 1,
+               appends={0: "console=ttyS0 rdinit=/no-such-init root=/dev/nowhere"})
+    with Lab(spec) as running:
+        running.up()
+        with pytest.raises(RuntimeFailure, match=r"v0: the guest panicked before its console printed "
+                                                 r"'VMLAUNCH-GUEST-READY': Kernel panic - not syncing"):
+            running.vm("v0").wait_for_console(READY, timeout=600)  # not its timeout: the panic ends it

@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -187,13 +188,28 @@ class Vm:
     def wait_for_console(self, text: str, timeout: float = 30.0) -> str:
         """Wait until the serial console has printed `text`; return the output so far.
 
-        RuntimeFailure when `timeout` seconds pass first, or when the VM stops.
+        RuntimeFailure when `timeout` seconds pass first, when the VM stops, or at once when its guest
+        panics (its console shows a kernel panic, or QEMU's pvpanic device reports one), naming the
+        panic line.
         """
+        from vmlaunch.runtime import process
+
+        files = self.lab.run_dir.vm(self.name)
+        asked = [0.0]  # when QEMU was last asked for its run state (a pvpanic panic): once a second
+
         def printed() -> str | None:
             output = self.console_output()
             if text in output:
                 return output
             self.pid  # noqa: B018 - raises when the VM stopped: no point waiting on
+            now = time.monotonic()
+            ask = now - asked[0] >= 1.0
+            if ask:
+                asked[0] = now
+            panic = process.guest_panic(files, ask_qemu=ask)
+            if panic is not None:
+                raise RuntimeFailure(f"{self.name}: the guest panicked before its console printed "
+                                     f"{text!r}: {panic}", f"see {files.serial_log}")
             return None
 
         try:
