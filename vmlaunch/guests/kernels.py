@@ -55,7 +55,6 @@ from typing import IO, Protocol
 import attrs
 
 from vmlaunch.core.fsutil import fsync_dir, is_temp_of, lock_if_current, temp_of, write_atomic
-from vmlaunch.core.units import human_size
 from vmlaunch.host.facts import Host, accel_of
 from vmlaunch.spec.model import Accel, Firmware, LabSpec, VmSpec
 
@@ -194,7 +193,7 @@ def _boot_of(kernel: Path, build: bool) -> KernelBoot:
             return found.boot(kernel)
         if not build:
             raise _Fallback(f"boots as a bzImage for now: `up` decompresses its {payload.compression.value} "
-                            f"payload once ({human_size(payload.size)}) into {cache} and then boots it "
+                            f"payload once ({_mib(payload.size)}) into {cache} and then boots it "
                             "through its PVH entry, if the ELF has one")
         with _locked(cache):
             found = entry.check(payload.compression, repair=True)  # made by whoever held the lock before
@@ -238,8 +237,8 @@ def _payload(file: IO[bytes], size: int) -> _Payload:
     file.seek(start + setup.payload_length - 4)
     (decompressed,) = struct.unpack("<I", file.read(4))
     if decompressed > MAX_ELF:
-        raise _Fallback(f"says its payload decompresses to {human_size(decompressed)}, more than the "
-                        f"{human_size(MAX_ELF)} a kernel may be: booted as a bzImage")
+        raise _Fallback(f"says its payload decompresses to {_mib(decompressed)}, more than the "
+                        f"{_mib(MAX_ELF)} a kernel may be: booted as a bzImage")
     # gzip's stream ends with the size itself; every other compressor's is followed by it
     length = setup.payload_length - (0 if compression is Compression.GZIP else 4)
     return _Payload(compression, start, length, decompressed)
@@ -339,9 +338,9 @@ class _Entry:
         room = _room_for(self.cache)
         if room is not None and room < payload.size:
             raise _Fallback(f"boots as a bzImage: {self.cache} has too little room for its "
-                            f"{human_size(payload.size)} decompressed (a file system's reserve is kept free)")
+                            f"{_mib(payload.size)} decompressed (a file system's reserve is kept free)")
         log.info("kernel %s: decompressing its %s payload (%s) once into the cache, for TCG",
-                 _p(kernel), kind, human_size(payload.length))
+                 _p(kernel), kind, _mib(payload.length))
         tmp = temp_of(self.elf)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)  # a process killed half-way (the lock is ours now)
@@ -648,7 +647,7 @@ def _bound(cache: Path, keep: _Entry) -> None:
         if (count <= CACHE_ENTRIES and total <= CACHE_BYTES) or mine or now - kernel.used < GRACE:
             continue
         log.info("kernel cache: removing %s (least recently used; the cache keeps %d kernels, %s)",
-                 kernel.digest[:12], CACHE_ENTRIES, human_size(CACHE_BYTES))
+                 kernel.digest[:12], CACHE_ENTRIES, _mib(CACHE_BYTES))
         _Entry(cache, kernel.digest).remove()
         count -= 1
         total -= kernel.size
@@ -657,6 +656,10 @@ def _bound(cache: Path, keep: _Entry) -> None:
         if len(parts) == 3 and is_temp_of(name, f"{parts[0]}.{parts[1]}") and parts[0].startswith("sha256-"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(cache / name)
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):.1f} MiB" if size >= 1 << 20 else f"{size / 1024:.0f} KiB"
 
 
 def _read_json(path: Path) -> dict[str, object]:
