@@ -5,7 +5,8 @@ decompressed by the guest at every boot), side by side (interleaved, the order s
 one run. Target: the fast one in at most 0.5x the time.
 
 The first `up` of the fast lab decompresses the kernel into the bench's own cache (printed, not counted
-in the medians; an `up` of the other lab before it makes the host probe); every VM runs under TCG with 256 MiB and is taken down after each sample (not timed).
+in the medians; an `up` of the other lab before it makes the host probe); every VM runs under TCG with
+256 MiB and is taken down after each sample (not timed).
     python bench/fastboot.py [--rounds N]
 """
 
