@@ -201,6 +201,21 @@ def test_a_corrupt_payload_is_a_note_and_the_bzimage_boots(kind: str, tmp_path: 
     assert not [p for p in cache.iterdir() if p.suffix == ".elf" or p.name.endswith(".tmp")]
 
 
+def test_a_decompressing_program_killed_is_not_remembered(tmp_path: Path, cache: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A program killed (a timeout, the OOM killer) says nothing of the kernel: the next up tries again."""
+    kernel = kernel_file(tmp_path, bzimage(compressed(elf(), "zstd")))
+    real = kernels.PROGRAMS
+    killed = ("sh", "-c", "kill -KILL $$")  # a real program, killed as a timeout would
+    monkeypatch.setattr(kernels, "PROGRAMS", {**real, kernels.Compression.ZSTD: killed})
+    boot = boot_of(kernel, build=True)
+    assert boot.elf is None
+    assert "its zstd payload does not decompress (sh was killed by SIGKILL)" in boot.why
+    assert not list(cache.glob("sha256-*"))
+    monkeypatch.setattr(kernels, "PROGRAMS", real)
+    assert boot_of(kernel, build=True).elf is not None
+
+
 def test_a_truncated_payload_is_corrupt(tmp_path: Path, cache: Path) -> None:
     payload = compressed(elf(), "xz")
     cut = payload[:len(payload) // 2] + payload[-4:]  # the size the build appends is still last

@@ -164,7 +164,12 @@ class _Fallback(Exception):
 
 
 class _Corrupt(Exception):
-    """The payload does not decompress, or not to what its size says."""
+    """The payload does not decompress, or not to what its size says. `lasting`: the same bytes would
+    give the same answer (not so for a program killed by a signal: a timeout, a lack of memory)."""
+
+    def __init__(self, message: str, *, lasting: bool = True) -> None:
+        super().__init__(message)
+        self.lasting = lasting
 
 
 @attrs.frozen
@@ -354,8 +359,11 @@ class _Entry:
                 try:
                     written, digest = _decompress(file, payload, out)
                 except _Corrupt as exc:
-                    return self.record(kind, f"boots as a bzImage: its {kind} payload does not decompress "
-                                       f"({exc}); its own decompressor may fare no better")
+                    problem = (f"boots as a bzImage: its {kind} payload does not decompress ({exc}); its own "
+                               "decompressor may fare no better")
+                    if not exc.lasting:
+                        raise _Fallback(problem) from None  # not remembered: the next up tries again
+                    return self.record(kind, problem)
                 out.seek(0)
                 entry = _pvh_entry(out)
                 if written != payload.size:
@@ -502,9 +510,13 @@ def _through_program(source: Iterable[bytes], argv: Sequence[str]) -> Iterator[b
         with contextlib.suppress(OSError):
             stdin.close()
 
-    errors: list[bytes] = []
-    threads = [threading.Thread(target=feed, daemon=True),
-               threading.Thread(target=lambda: errors.append(stderr.read(4096)), daemon=True)]
+    said: list[bytes] = [b""]
+
+    def drain() -> None:  # all of it read (a full pipe would stop the program), its end kept
+        while chunk := stderr.read(4096):
+            said[0] = (said[0] + chunk)[-4096:]
+
+    threads = [threading.Thread(target=feed, daemon=True), threading.Thread(target=drain, daemon=True)]
     for thread in threads:
         thread.start()
     timer = threading.Timer(PROGRAM_TIMEOUT, proc.kill)
@@ -522,9 +534,13 @@ def _through_program(source: Iterable[bytes], argv: Sequence[str]) -> Iterator[b
             thread.join(5)
         stdout.close()
         stderr.close()
+    if code < 0:
+        import signal
+
+        raise _Corrupt(f"{argv[0]} was killed by {signal.Signals(-code).name}", lasting=False)
     if code != 0:
-        said = b"".join(errors).decode(errors="replace").strip().splitlines()
-        raise _Corrupt(f"{argv[0]} exited with {code}" + (f": {said[-1][:200]}" if said else ""))
+        lines = said[0].decode(errors="replace").strip().splitlines()
+        raise _Corrupt(f"{argv[0]} exited with {code}" + (f": {lines[-1][:200]}" if lines else ""))
 
 
 # --- the ELF -------------------------------------------------------------------------------------------
