@@ -380,3 +380,21 @@ def test_prepare_looks_only_at_the_kernels_that_may_boot_fast(tmp_path: Path, ca
     assert list(found) == [tmp_path / "vmlinuz"]
     assert found[tmp_path / "vmlinuz"].elf is not None
     assert kernels.prepare(load_lab(spec), fake_host(), ["b"], build=True) == {}
+
+
+def test_image_list_counts_the_kernels_and_image_rm_kernels_removes_them(
+        tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from vmlaunch.cli import main
+
+    kernel = kernel_file(tmp_path, bzimage(compressed(elf(), "gzip")))
+    made = boot_of(kernel, build=True).elf
+    assert made is not None
+    assert main(["image", "list"]) == 0
+    err = capsys.readouterr().err
+    assert "vmlaunch: 1 kernel decompressed for a fast boot under TCG, 19" in err
+    assert f" KiB, in {cache}; `vmlaunch image rm --kernels` removes them" in err
+    assert main(["image", "rm", "--kernels"]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"removed {made.with_suffix('.json')}", f"removed {made}"]
+    assert not list(cache.glob("sha256-*"))
+    assert main(["image", "list"]) == 0
+    assert "kernel" not in capsys.readouterr().err

@@ -157,6 +157,9 @@ def boot_of(kernel: Path, *, build: bool) -> KernelBoot:
         return _boot_of(kernel, build)
     except _Fallback as fallback:
         return KernelBoot(kernel, None, f"kernel {_p(kernel)} {fallback}")
+    except OSError as exc:  # a read that failed half-way (EIO), the cache's folder gone: never a failed up
+        return KernelBoot(kernel, None, f"kernel {_p(kernel)} boots as given: {exc.strerror or exc}"
+                          + (f" ({exc.filename})" if exc.filename else ""))
 
 
 class _Fallback(Exception):
@@ -649,6 +652,35 @@ def list_cached(cache: Path) -> list[CachedKernel]:
         kernels.append(CachedKernel(digest, elf, sum(st.st_size for _, st in stats),
                                     max(st.st_mtime for _, st in stats)))
     return sorted(kernels, key=lambda k: k.used, reverse=True)
+
+
+def cached() -> tuple[Path | None, list[CachedKernel]]:
+    """The kernel cache's folder (None: it cannot be used) and its entries, most recently used first."""
+    from vmlaunch.layout.dirs import usable_cache_dir
+
+    cache = usable_cache_dir(SUBDIR)
+    return cache, list_cached(cache) if cache is not None else []
+
+
+def remove_all() -> list[Path]:
+    """Remove every entry of the kernel cache (`image rm --kernels`), under its lock (waiting for an
+    `up` decompressing one): the files removed. The next `up` under TCG makes what it needs again."""
+    from vmlaunch.errors import HostError
+
+    cache, _ = cached()
+    if cache is None:
+        return []
+    removed = []
+    try:
+        with _locked(cache):
+            for kernel in list_cached(cache):
+                entry = _Entry(cache, kernel.digest)
+                removed += [path for path in (entry.meta, entry.elf) if path.exists()]
+                entry.remove()
+            _bound(cache, keep=_Entry(cache, ""))  # and the temp files of killed processes
+    except _Fallback as exc:
+        raise HostError(f"cannot remove the kernel cache: {str(exc).split(': ', 1)[-1]}") from None
+    return removed
 
 
 def _bound(cache: Path, keep: _Entry) -> None:
