@@ -398,3 +398,25 @@ def test_image_list_counts_the_kernels_and_image_rm_kernels_removes_them(
     assert not list(cache.glob("sha256-*"))
     assert main(["image", "list"]) == 0
     assert "kernel" not in capsys.readouterr().err
+
+
+def test_fast_boot_is_a_switch_of_a_direct_boot_kernel(tmp_path: Path) -> None:
+    from vmlaunch.errors import SpecError
+    from vmlaunch.spec.load import load_lab
+
+    kernel_file(tmp_path, b"any")
+    spec = write_spec(tmp_path, '[lab]\nname = "k"\n[vm.a]\nmemory = 128\nkernel = "vmlinuz"\n')
+    assert load_lab(spec).vm("a").fast_boot is True
+    spec.write_text(spec.read_text() + "fast_boot = false\n")
+    assert load_lab(spec).vm("a").fast_boot is False
+    spec.write_text(spec.read_text().replace("false", '"yes"'))
+    with pytest.raises(SpecError) as caught:
+        load_lab(spec)
+    assert [str(problem).replace(str(spec), "lab.toml") for problem in caught.value.problems] == [
+        "lab.toml:6: vm.a.fast_boot: expected true or false, got a string"]
+    spec.write_text('[lab]\nname = "k"\n[vm.a]\nmemory = 128\nfast_boot = true\n[[vm.a.disk]]\nfile = "d"\n'
+                    'size = "1M"\n')
+    with pytest.raises(SpecError) as caught:
+        load_lab(spec)
+    assert [str(problem).replace(str(spec), "lab.toml") for problem in caught.value.problems] == [
+        'lab.toml:5: vm.a.fast_boot: fast_boot needs kernel (add kernel = "...")']
