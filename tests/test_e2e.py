@@ -520,6 +520,39 @@ def test_restart_waits_for_the_new_boot(tmp_path: Path, netns: Netns, test_guest
     assert_clean(netns, "solo")
 
 
+def qemu_argv(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+
+def test_a_tcg_guest_boots_through_pvh_from_its_kernel_decompressed_once(tmp_path: Path, netns: Netns,
+                                                                         test_guest: Path) -> None:
+    """The test guest's XZ bzImage, decompressed by the first up into a cache of this test's own, boots
+    through its PVH entry to READY (QEMU running confined, as root's ups do); cmdline and --dry-run
+    say which kernel boots and why, and write nothing."""
+    cache = tmp_path / "cache"
+    netns.env["VMLAUNCH_CACHE_DIR"] = str(cache)
+    spec = lab(tmp_path, test_guest, one_vm())
+    dry = netns.vmlaunch("up", str(spec), "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "note: solo: kernel " in dry.stderr
+    assert "vmlinuz boots as a bzImage for now: `up` decompresses its xz payload once" in dry.stderr
+    assert f"-kernel {test_guest}/vmlinuz " in dry.stdout
+    assert not list((cache / "kernels").glob("sha256-*"))
+    done = netns.vmlaunch("up", str(spec), "--wait-for", READY)
+    assert done.returncode == 0, done.stderr
+    assert "vmlinuz boots through its PVH entry from the ELF its xz payload decompresses to" in done.stderr
+    (pid,) = qemu_pids(netns.run_root)
+    argv = qemu_argv(pid)
+    elf = Path(argv[argv.index("-kernel") + 1])
+    assert elf.parent == cache / "kernels" and elf.suffix == ".elf"
+    assert elf.read_bytes()[:4] == b"\x7fELF"
+    assert READY in (netns.run_root / "solo" / "solo.serial.log").read_text()
+    shown = netns.vmlaunch("cmdline", str(spec))
+    assert f"-kernel {elf} " in shown.stdout and "boots through its PVH entry" in shown.stderr
+    assert netns.vmlaunch("down", str(spec), "--timeout", "0").returncode == 0
+    assert_clean(netns, "solo")
+
+
 def test_bad_inputs_and_host_problems_are_messages(tmp_path: Path, netns: Netns,
                                                    test_guest: Path) -> None:
     spec = lab(tmp_path, test_guest, one_vm())

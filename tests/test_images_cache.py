@@ -429,7 +429,7 @@ def test_a_download_stops_before_the_file_system_fills_and_is_deleted(
         looked.append(folder)
         return (7 << 19) - (part.stat().st_size if part.exists() else 0), 1 << 20
 
-    monkeypatch.setattr(images, "_disk_room", room)
+    monkeypatch.setattr(images, "disk_room", room)
     with pytest.raises(RuntimeFailure) as caught:
         images.pull(image, progress=False)
     assert re.fullmatch(
@@ -459,7 +459,7 @@ def test_a_full_file_system_all_the_same_deletes_the_partial_and_says_where(tmp_
 
 
 def test_the_reserve_is_5_percent_of_the_file_system_between_1_and_4_gib(tmp_path: Path) -> None:
-    room = images._disk_room(tmp_path)
+    room = images.disk_room(tmp_path)
     assert room is not None
     free, reserve = room
     vfs = os.statvfs(tmp_path)

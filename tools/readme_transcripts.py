@@ -15,7 +15,8 @@ first time each day).
 
 What changes from run to run is compared as a placeholder (`normalise`): pids, uptimes, a guest's
 free memory, this host's memory budget and KSM counters, the accelerator and its reason, the lines
-that report progress while waiting, and the order in which VMs report being ready or off. Everything
+that report progress while waiting, which kernel boots (said under TCG only: guests/kernels.py), and
+the order in which VMs report being ready or off. Everything
 else must be the same: a column, a line or a word that the commands print and a page does not show
 (or the other way round) is drift. tests/test_readme.py runs the comparison.
 
@@ -95,13 +96,15 @@ _ACCEL_LINE = re.compile(r"^vmlaunch: ([a-z0-9-]+(?:, [a-z0-9-]+)*): (tcg|kvm)( 
 _MEMORY_LINE = re.compile(r"^memory: the guests hold (\S+)(?:, \S+ of it merged,)? of a budget of \S+;(.*)$")
 _EACH_VM = re.compile(r"^vmlaunch: [a-z0-9-]+: (ready \(|powered off$)")
 _PROGRESS = re.compile(r"^vmlaunch: [a-z0-9-]+: (waiting for .*, \d+ s: |still shutting down, )")
+# Which kernel boots under TCG, and its decompression the first time: not said under KVM
+_KERNEL = re.compile(r"^vmlaunch: (kernel .*: decompressing .*|note: [a-z0-9, -]+: kernel .* boots .*)$")
 
 
 def normalise(transcript: str) -> list[str]:
     """The transcript's lines with what varies between runs replaced by placeholders."""
     lines: list[str] = []
     for line in transcript.splitlines():
-        if _PROGRESS.match(line):
+        if _PROGRESS.match(line) or _KERNEL.match(line):
             continue
         if match := _ACCEL_LINE.match(line):
             line = f"vmlaunch: {match.group(1)}: ACCEL" + (" (WHY)" if match.group(3) else "")

@@ -18,9 +18,10 @@ PYTHON=${PYTHON:-python3}
 # (mkfs.ext3): the doctor's tests partition images and make an ext3 file system in one;
 # libvirt's daemon, QEMU driver and clients (virsh, virt-xml-validate), xmllint and iptables (which
 # libvirt's networks run): the tests check `vmlaunch export --to libvirt` with them, in a private
-# libvirtd (tools/private_libvirt.py). Installing them starts no daemon.
+# libvirtd (tools/private_libvirt.py). Installing them starts no daemon. zstd and lz4: the programs
+# that decompress a kernel of those compressions for a fast boot under TCG (guests/kernels.py).
 DEB_PACKAGES=(qemu-system-x86 qemu-utils iproute2 util-linux ovmf openssh-client zsh ethtool fdisk e2fsprogs
-              libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients libxml2-utils iptables)
+              libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients libxml2-utils iptables zstd lz4)
 # Debian's own Python makes a venv only with python3-venv (ensurepip).
 if [ ! -x .venv/bin/python ]; then
     case $(readlink -f "$(command -v "$PYTHON" || echo "$PYTHON")") in

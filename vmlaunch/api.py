@@ -26,6 +26,7 @@ from vmlaunch.compile.plan import Plan
 from vmlaunch.compile.preflight import load_checked
 from vmlaunch.core.wait import TimedOut, wait_until
 from vmlaunch.errors import Location, Problem, RuntimeFailure, SpecError, UsageError, VmlaunchError
+from vmlaunch.guests.kernels import prepare as prepare_kernels
 from vmlaunch.host.facts import detect_host
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.runtime import control, executor, running
@@ -41,7 +42,8 @@ class Lab:
 
     def __init__(self, spec: str | os.PathLike[str], vms: Sequence[str] = (), *,
                  wait_for: str | None = None, timeout: float | None = None, wait_ssh: bool = False) -> None:
-        """Read and check the spec, probe the host and compile the lab; nothing starts yet.
+        """Read and check the spec, probe the host and compile the lab; nothing starts yet (a kernel
+        that boots faster under TCG from its decompressed ELF is decompressed into the cache, once).
 
         A relative `spec` is taken from the directory of the calling file (the working directory
         from the REPL or `python -c`). `vms` limits the lab to those VMs (all when empty);
@@ -56,8 +58,10 @@ class Lab:
         self.model = load_checked(self.spec, vms=vms)
         self.model.select(vms)  # a UsageError for a VM the lab does not have
         self.host = detect_host()
-        self.plan: Plan = compile_lab(self.model, self.host, vms, running=running.where_running(
-            RunDir.of(self.host.run_root, self.model.name), self.host.numa))
+        kernels = prepare_kernels(self.model, self.host, vms, build=True)  # once, into the cache
+        self.plan: Plan = compile_lab(self.model, self.host, vms, kernels=kernels,
+                                      running=running.where_running(
+                                          RunDir.of(self.host.run_root, self.model.name), self.host.numa))
         self.only = tuple(vms)  # empty: the whole lab
         self.wait_for = wait_for
         self.timeout = timeout

@@ -41,7 +41,8 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
     command(
         sub, "list", cmd_list, help="list the cached images",
         description="The cached images: ID (the start of the checksum), the image names they were "
-        "pulled as, format, size, when fetched, and the URL.",
+        "pulled as, format, size, when fetched, and the URL; then how many kernels are kept decompressed "
+        "for a fast boot under TCG.",
         json='print JSON keyed by "sha512-HEX"')
 
     rm = command(
@@ -54,6 +55,9 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
     rm.add_argument("--all", action="store_true", help="remove every cached image, and partial downloads")
     rm.add_argument("--partial", action="store_true",
                     help="remove the partial downloads of interrupted pulls (not of pulls under way)")
+    rm.add_argument("--kernels", action="store_true",
+                    help="remove the kernels decompressed for a fast boot under TCG (the next up makes "
+                    "what it needs again)")
 
 
 def _print_help(parser: argparse.ArgumentParser) -> int:
@@ -98,6 +102,7 @@ def cmd_list(args: argparse.Namespace) -> int:
               f"{images.human_size(item.size):>10} {fetched:<16} {item.url or '-'}")
     if not cached:
         log.info("no image in the cache (%s)", images.cache_dir())
+    _kernel_cache_line()
     left = images.partials()
     if left:
         log.info("%d partial download%s in %s: the next pull resumes %s; `vmlaunch image rm --partial` "
@@ -106,11 +111,23 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kernel_cache_line() -> None:
+    from vmlaunch.guests import images, kernels
+
+    folder, entries = kernels.cached()
+    booted = [entry for entry in entries if entry.elf is not None]
+    if booted:
+        log.info("%d kernel%s decompressed for a fast boot under TCG, %s, in %s; `vmlaunch image rm "
+                 "--kernels` removes them", len(booted), "s" if len(booted) != 1 else "",
+                 images.human_size(sum(entry.size for entry in booted)), folder)
+
+
 def cmd_rm(args: argparse.Namespace) -> int:
     from vmlaunch.guests import images
 
-    if not (args.ids or args.all or args.partial):
-        raise UsageError("nothing to remove: give IDs (see `vmlaunch image list`), --all or --partial")
+    if not (args.ids or args.all or args.partial or args.kernels):
+        raise UsageError("nothing to remove: give IDs (see `vmlaunch image list`), --all, --partial or "
+                         "--kernels")
     if args.ids and args.all:
         raise UsageError("give IDs or --all, not both")
     removed = images.remove(args.ids, every=args.all) if args.ids or args.all else []
@@ -122,4 +139,9 @@ def cmd_rm(args: argparse.Namespace) -> int:
             print(f"removed {path}")
         for path in busy:
             log.info("kept %s: a pull is under way", path)
+    if args.kernels:
+        from vmlaunch.guests import kernels
+
+        for path in kernels.remove_all():
+            print(f"removed {path}")
     return 0

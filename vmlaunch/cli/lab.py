@@ -36,7 +36,9 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
         commands, "cmdline", cmd_cmdline, help="print each VM's QEMU command line",
         description="Print the QEMU command line of each VM (or of the VMs named), one "
         "shell-quoted line per VM that can be pasted into a shell, or JSON with --json. "
-        "Which accelerator was chosen, and why, goes to standard error.", spec=True, vms=ONLY)
+        "Which accelerator was chosen, and why, goes to standard error, with notes: under TCG, which "
+        "kernel boots (the bzImage, or the ELF `up` decompressed it to once) and why.", spec=True,
+        vms=ONLY)
     cmdline.add_argument("--json", action="store_true", help='print {"VM": ["qemu-system-x86_64", ...], ...}')
 
     up = command(
@@ -123,10 +125,13 @@ def cmd_cmdline(args: argparse.Namespace) -> int:
 
     from vmlaunch.compile.compiler import compile_lab
     from vmlaunch.compile.preflight import load_checked
+    from vmlaunch.guests.kernels import prepare
     from vmlaunch.host.facts import detect_host
 
     lab = load_checked(args.spec, vms=args.vms)
-    plan = compile_lab(lab, detect_host(), args.vms)
+    host = detect_host()
+    # Writes nothing: a kernel not decompressed yet is said to be, and its bzImage is the command line
+    plan = compile_lab(lab, host, args.vms, kernels=prepare(lab, host, args.vms, build=False))
     for note in plan.notes:
         log.info("note: %s", note)
     log_accel(plan, args.verbose)
@@ -156,7 +161,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     from vmlaunch.host.confine import warn_if_off
 
     warn_if_off(host)
-    plan = compile_lab(lab, host, args.vms,
+    from vmlaunch.guests.kernels import prepare
+
+    # a kernel is decompressed into the cache here, once (not with --dry-run, which changes nothing)
+    kernels = prepare(lab, host, args.vms, build=not args.dry_run)
+    plan = compile_lab(lab, host, args.vms, kernels=kernels,
                        running=where_running(RunDir.of(host.run_root, lab.name), host.numa))
     for note in plan.notes:
         log.info("note: %s", note)

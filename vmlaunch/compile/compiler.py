@@ -7,14 +7,16 @@ spec value reaches is built in JSON form or through `qemuopts.opts`, which escap
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 
 from vmlaunch.compile.plan import AccelChoice, Plan, VmPlan
 from vmlaunch.core.naming import cgroup_name, management_mac, process_name, tap_name
 from vmlaunch.core.units import format_size, mib_words
 from vmlaunch.errors import HostError, KeyPath, Location
 from vmlaunch.guests.diskfiles import DiskOrigin
+from vmlaunch.guests.kernels import KernelBoot, fast_boot_wanted
 from vmlaunch.host.confine import SANDBOX
-from vmlaunch.host.facts import Host
+from vmlaunch.host.facts import Host, accel_of
 from vmlaunch.host.numa import Topology, format_cpulist
 from vmlaunch.layout.labdir import LabDir
 from vmlaunch.layout.rundir import RunDir, VmFiles
@@ -85,21 +87,25 @@ MEMORY_TARGET = 0.8
 
 
 def compile_lab(lab: LabSpec, host: Host, only: Sequence[str] = (),
-                running: Mapping[str, tuple[int, ...]] | None = None) -> Plan:
+                running: Mapping[str, tuple[int, ...]] | None = None,
+                kernels: Mapping[Path, KernelBoot] | None = None) -> Plan:
     """The plan for the VMs named in `only` (all of them when empty). `running`: the nodes the lab's
-    VMs that run already are on now (`runtime.control.where_running`), for placement."""
+    VMs that run already are on now (`runtime.control.where_running`), for placement. `kernels`: how
+    each direct-boot kernel boots under TCG (`guests.kernels.prepare`); a kernel not in it boots as
+    given."""
     vms = lab.select(only)
     check_vlans(lab, vms, host)
     run_dir = RunDir.of(host.run_root, lab.name)
     placements = placements_of(lab, host, running)
-    compiler = _Compiler(lab, host, run_dir, placements)
+    compiler = _Compiler(lab, host, run_dir, placements, kernels or {})
     plans = tuple(compiler.vm(vm) for vm in vms)
     resources = (*host_resources(lab, vms, host), *placement_resources(lab, vms, host, run_dir, placements),
                  *ksm_resources(lab, host), *manager_resources(lab, host, run_dir, placements),
                  *user_resources(vms, host))
     booting = [Booting(plan.name, vm.cpus, plan.accel.accel is Accel.TCG) for plan, vm in zip(plans, vms)]
     return Plan(lab=lab.name, run_dir=run_dir, resources=resources, vms=plans,
-                notes=(*memory_notes(vms, host, lab), *pinning_notes(lab, host)), lab_dir=compiler.lab_dir,
+                notes=(*memory_notes(vms, host, lab), *pinning_notes(lab, host), *compiler.kernel_notes(vms)),
+                lab_dir=compiler.lab_dir,
                 admission=admission(host.cpus, booting, asked=lab.boot_parallel,
                                     asked_by="[lab] boot_parallel"))
 
@@ -436,11 +442,13 @@ def host_resources(lab: LabSpec, vms: Sequence[VmSpec], host: Host | None = None
 
 
 class _Compiler:
-    def __init__(self, lab: LabSpec, host: Host, run_dir: RunDir, placements: dict[str, Placed]) -> None:
+    def __init__(self, lab: LabSpec, host: Host, run_dir: RunDir, placements: dict[str, Placed],
+                 kernels: Mapping[Path, KernelBoot]) -> None:
         self.lab = lab
         self.host = host
         self.run_dir = run_dir
         self.placements = placements
+        self.kernels = kernels
         self.lab_dir = LabDir.of(lab.file, lab.name)
 
     def fail(self, path: KeyPath, message: str, hint: str | None = None) -> HostError:
@@ -497,7 +505,8 @@ class _Compiler:
         ]
         argv += memory
         if vm.kernel is not None:
-            argv += ["-kernel", str(vm.kernel)]
+            boot = self.kernel_boot(vm)
+            argv += ["-kernel", str(boot.elf if boot is not None and boot.elf is not None else vm.kernel)]
         if vm.initrd is not None:
             argv += ["-initrd", str(vm.initrd)]
         append = kernel_append(vm, accel.accel)
@@ -666,9 +675,26 @@ class _Compiler:
                 raise self.fail(("vm", vm.name, "accel"), f"accel = \"kvm\", but {kvm.reason}",
                                 "use accel = \"auto\" (falls back to TCG) or \"tcg\"")
             return AccelChoice(Accel.KVM, "accel = \"kvm\" in the spec")
-        if kvm.usable:
+        if accel_of(vm.accel, kvm) is Accel.KVM:
             return AccelChoice(Accel.KVM, kvm.reason)
         return AccelChoice(Accel.TCG, f"KVM not usable: {kvm.reason}; TCG emulates (slower)")
+
+    def kernel_boot(self, vm: VmSpec) -> KernelBoot | None:
+        """How the VM's kernel boots when it may boot from its decompressed ELF (`fast_boot_wanted`):
+        the ELF, or the kernel with the reason."""
+        if vm.kernel is None or not fast_boot_wanted(vm, self.host):
+            return None
+        return self.kernels.get(vm.kernel)
+
+    def kernel_notes(self, vms: Sequence[VmSpec]) -> Iterator[str]:
+        """Which kernel boots under TCG and why, once per kernel: `alpha, beta: kernel ... boots ...`."""
+        chosen: dict[KernelBoot, list[str]] = {}
+        for vm in vms:
+            boot = self.kernel_boot(vm)
+            if boot is not None:
+                chosen.setdefault(boot, []).append(vm.name)
+        for boot, names in chosen.items():
+            yield f"{', '.join(names)}: {boot.why}"
 
     def notes(self, vm: VmSpec) -> Iterator[str]:
         if vm.cpus > self.host.cpus:

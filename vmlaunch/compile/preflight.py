@@ -129,35 +129,30 @@ def _disk_size_problems(lab: LabSpec, vm: VmSpec) -> Iterator[Found]:
                f"{image.name} ({format_size(size)})", "leave disk_size out, or make it larger")
 
 
-# An x86 bzImage's setup header (the kernel's Documentation/arch/x86/boot.rst): its magic, protocol
-# version, load address and the memory its decompressor needs from there (protocol 2.10+).
-SETUP_MAGIC, SETUP_VERSION, PREF_ADDRESS, INIT_SIZE = 0x202, 0x206, 0x258, 0x260
-SANE_BYTES = 1 << 30  # header values past 1 GiB are not a kernel's: left to QEMU
+SANE_BYTES = 1 << 30  # setup header values past 1 GiB are not a kernel's: left to QEMU
 
 
 def kernel_needs_bytes(kernel: Path, initrd: Path | None) -> tuple[int, int, int] | None:
     """What a direct-boot kernel needs of guest memory before it runs: (its load address, the memory
     its decompressor uses from there, the initrd's size) in bytes; None for what is not an x86 bzImage
     of protocol 2.10 or later (another architecture, an unreadable file: QEMU says)."""
-    import struct
+    from vmlaunch.guests.kernels import HEADER_BYTES, read_setup_header
 
     try:
         fd = os.open(kernel, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not hang us
         with os.fdopen(fd, "rb") as file:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return None  # said as a file problem
-            header = file.read(INIT_SIZE + 4)
+            header = file.read(HEADER_BYTES)
         initrd_size = os.stat(initrd).st_size if initrd is not None else 0
     except OSError:
         return None
-    if len(header) < INIT_SIZE + 4 or header[SETUP_MAGIC:SETUP_MAGIC + 4] != b"HdrS" \
-            or struct.unpack_from("<H", header, SETUP_VERSION)[0] < 0x20A:
+    setup = read_setup_header(header)
+    if setup is None or len(header) < HEADER_BYTES or setup.version < 0x20A:
         return None
-    (load,) = struct.unpack_from("<Q", header, PREF_ADDRESS)
-    (init,) = struct.unpack_from("<I", header, INIT_SIZE)
-    if load > SANE_BYTES or init > SANE_BYTES:
+    if setup.pref_address > SANE_BYTES or setup.init_size > SANE_BYTES:
         return None
-    return load, init, initrd_size
+    return setup.pref_address, setup.init_size, initrd_size
 
 
 def _kernel_memory_problems(vm: VmSpec) -> Iterator[Found]:

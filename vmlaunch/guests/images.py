@@ -220,7 +220,7 @@ def pull(image: Image, *, progress: bool | None = None) -> Path:
     Under the image's lock: a second pull of the same image waits for the first, then finds it done.
     A partial download is resumed (HTTP Range), or restarted from zero when the server ignores or
     refuses Range. A checksum mismatch deletes the download; so does one past the size cap or one
-    that would take the file system's reserve (`PullLimits`, `_disk_room`). A broken connection, a
+    that would take the file system's reserve (`PullLimits`, `disk_room`). A broken connection, a
     stall or a server slower than the minimum rate keeps it for the next pull.
     """
     if image.url is None:
@@ -529,7 +529,7 @@ def _copy(target: _Target, source: _Source, have: int, progress: bool | None, li
     """Copy the rest of `source` into the target from byte `have`: the bytes it holds then.
 
     Past `limits.max_size` bytes received, or when the file system would keep less than its reserve
-    free (`_disk_room`), the download stops and the partial file is deleted: more of it can only be
+    free (`disk_room`), the download stops and the partial file is deleted: more of it can only be
     more of the same. Slower than `limits.speed_limit` over `limits.speed_time`, or no byte for
     `limits.timeout`, it stops and the partial file is kept for the next pull to resume.
     """
@@ -622,7 +622,7 @@ def _reserve_rule() -> str:
             f"at most {human_size(RESERVE_MOST)}")
 
 
-def _disk_room(folder: Path) -> tuple[int, int] | None:
+def disk_room(folder: Path) -> tuple[int, int] | None:
     """(bytes free, bytes a download leaves free) on the file system of `folder`; None when it
     cannot be told (no statvfs, or a file system that gives no size)."""
     try:
@@ -648,7 +648,7 @@ class _Room:
         self.look()
 
     def look(self) -> None:
-        room = _disk_room(self.folder)
+        room = disk_room(self.folder)
         self.since = 0
         if room is None:
             self.left = None
@@ -678,7 +678,7 @@ def _check_room(name: str, url: str, part: Path, total: int | None, have: int, l
         raise RuntimeFailure(f"image {name}: {url} is {human_size(total)}: larger than "
                              f"{human_size(limits.max_size)}; refused (no VM image is that large)",
                              "check the URL; for a larger image set VMLAUNCH_IMAGE_MAX_SIZE (e.g. 128G)")
-    room = _disk_room(part.parent)
+    room = disk_room(part.parent)
     if room is not None and total - have > room[0] - room[1]:
         free, reserve = room
         raise RuntimeFailure(f"image {name}: {url} needs {human_size(total - have)} more in {part.parent}, "

@@ -23,6 +23,7 @@ from vmlaunch.host.cgroups import detect as detect_cpusets
 from vmlaunch.host.memory import KsmSupport, ksm_support
 from vmlaunch.host.numa import Topology, read_topology
 from vmlaunch.layout.dirs import run_root, usable_cache_dir
+from vmlaunch.spec.model import Accel
 
 if TYPE_CHECKING:
     import subprocess
@@ -82,6 +83,14 @@ class Ovmf:
 
     code: Path
     vars: Path
+
+
+def accel_of(wanted: Accel, kvm: KvmStatus) -> Accel:
+    """The accelerator a VM that asks for `wanted` runs under on a host with `kvm`: `auto` is KVM where
+    KVM runs a guest, else TCG. (`kvm` where it does not is refused by the compiler.)"""
+    if wanted is Accel.AUTO:
+        return Accel.KVM if kvm.usable else Accel.TCG
+    return wanted
 
 
 CONFINE_ENV = "VMLAUNCH_CONFINE"

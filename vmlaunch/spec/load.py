@@ -914,7 +914,7 @@ class _Builder:
                   if self.value(path, raw, "memory") is not None else None)
         kernel = self.path_of(self.value(path, raw, "kernel"))
         self.name_files(path, raw)
-        for key in ("initrd", "append"):
+        for key in ("initrd", "append", "fast_boot"):
             if key in raw and "kernel" not in raw:
                 self.problems.add((*path, key), f"{key} needs kernel", "add kernel = \"...\"")
         if not raw.get("kernel") and not raw.get("disk") and not raw.get("image"):
@@ -924,7 +924,7 @@ class _Builder:
         if not self.is_valid(path) or queries or memory is None or not sata_ok:
             return None  # the schema or a check above said why
         given: dict[str, Any] = {key: raw[key] for key in ("cpus", "cpu_model", "machine", "append",
-                                                            "numa_node") if key in raw}
+                                                            "fast_boot", "numa_node") if key in raw}
         if "cpu_pinning" in raw:
             given["cpu_pinning"] = tuple(raw["cpu_pinning"])
         if "accel" in raw:

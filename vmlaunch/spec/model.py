@@ -315,6 +315,8 @@ class VmSpec:
     # a direct-boot kernel without a console= argument would leave the serial log empty
     append: str | None = attrs.field(
         default=attrs.Factory(lambda vm: DEFAULT_APPEND if vm.kernel else None, takes_self=True))
+    # under TCG the kernel boots from the ELF its bzImage decompresses to, made once (guests/kernels.py)
+    fast_boot: bool = True
     disks: tuple[Disk, ...] = ()
     nics: tuple[Nic, ...] = ()
     pci: tuple[PciDevice, ...] = ()
