@@ -24,6 +24,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.test_e2e import Netns, netns_named
+from vmlaunch.core.wait import wait_until
 
 pytestmark = [pytest.mark.qemu, pytest.mark.guest]
 BOOT_TIMEOUT = "420"
@@ -269,6 +270,9 @@ def test_down_then_up_keeps_the_machine_and_reset_makes_it_anew(lab: tuple[Netns
                         timeout=float(BOOT_TIMEOUT) + 60)
     assert up.returncode == 0, up.stderr
     assert ssh(netns, spec, "a", "cat", "/var/tmp/kept").stdout == "kept\n"  # the same machine
+    status = netns.vmlaunch("status", str(spec), "--json", env=netns.env)
+    boot = json.loads(status.stdout)["a"]["boot"]  # where its boot went (runtime/timeline.py)
+    assert {"qemu", "firmware", "loader", "kernel", "userspace", "cloud-init"} <= set(boot), boot
     assert ssh(netns, spec, "b", "test", "-e", "/var/tmp/kept").returncode == 1  # a new one
 
 
@@ -320,6 +324,9 @@ def test_an_edited_lab_comes_back_and_a_snapshot_takes_it_back_in_time(lab: tupl
                         timeout=float(BOOT_TIMEOUT) + 60)
     assert up.returncode == 0, up.stderr
     assert ssh(netns, spec, "a", "cat", "/var/tmp/kept").stdout == "kept\n"  # the same machine
+    status = netns.vmlaunch("status", str(spec), "--json", env=netns.env)
+    boot = json.loads(status.stdout)["a"]["boot"]  # where its boot went (runtime/timeline.py)
+    assert {"qemu", "firmware", "loader", "kernel", "userspace", "cloud-init"} <= set(boot), boot
     assert reach(netns, spec, "a", "10.10.0.12") and reach(netns, spec, "b", "10.10.0.11")
 
     saved = netns.vmlaunch("snapshot", str(spec), "save", "clean", env=netns.env, timeout=300)
@@ -342,3 +349,17 @@ def test_an_edited_lab_comes_back_and_a_snapshot_takes_it_back_in_time(lab: tupl
     assert ssh(netns, spec, "b", "cat", "/var/tmp/kept").returncode == 1  # b was reset before
     clock = ssh(netns, spec, "a", "date", "+%s")
     assert clock.returncode == 0 and abs(int(clock.stdout) - int(time.time())) < 60
+
+
+def test_a_panic_reaches_qemu_through_pvpanic(lab: tuple[Netns, Path]) -> None:
+    """Debian's kernel loads the pvpanic driver for QEMU's device: a panic pauses the VM in QEMU's
+    run state guest-panicked (-action panic=pause), which `status` shows with the panic line."""
+    netns, spec = lab
+    ssh(netns, spec, "b", "sudo", "sh", "-c", "sleep 1; echo c > /proc/sysrq-trigger &")
+
+    def panicked() -> dict[str, object] | None:
+        rows = json.loads(netns.vmlaunch("status", str(spec), "--json", env=netns.env).stdout)
+        return rows["b"] if rows["b"]["run_state"] == "guest-panicked" else None
+
+    row = wait_until(panicked, 120)
+    assert row["state"] == "guest-panicked" and "Kernel panic - not syncing" in str(row["why"]), row
