@@ -218,7 +218,8 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
                              clocks=[vm.name for vm in waited] if from_snapshot is not None else (),
                              waves=waves, timeline=timeline)
             if not waves.all_continued:  # asked for, with nothing to wait for: each had its share
-                waves.wait_until_continued(deadline, lambda: _check_admitted(to_start, pids, waves))
+                asking = _Asking()
+                waves.wait_until_continued(deadline, lambda: _check_admitted(to_start, pids, waves, asking))
             waves.finish()
             for name, phases in timeline.phases().items():  # for `status --json` and `up --timeline`
                 journal.vms[name] = attrs.evolve(journal.vms[name], boot=phases)
@@ -405,10 +406,11 @@ def _waves(plan: Plan, vms: Sequence[VmPlan], timeout: float, *, parallel: int |
                       chosen, timeout, timeline=timeline)
 
 
-def _check_admitted(vms: Sequence[VmPlan], pids: dict[str, int], waves: Waves) -> None:
+def _check_admitted(vms: Sequence[VmPlan], pids: dict[str, int], waves: Waves,
+                    asking: _Asking) -> None:
     for vm in vms:
         if waves.admitted(vm.name):
-            check_booting(vm, pids[vm.name], "it was let boot")
+            check_booting(vm, pids[vm.name], "it was let boot", ask_qemu=asking(vm.name))
 
 
 def _wait_console(vms: Sequence[VmPlan], pids: dict[str, int], wait_for: str, timeout: float,
