@@ -94,3 +94,15 @@ def test_the_apis_wait_ends_at_a_panic(tmp_path: Path, run_dir: Path, test_guest
         with pytest.raises(RuntimeFailure, match=r"v0: the guest panicked before its console printed "
                                                  r"'VMLAUNCH-GUEST-READY': Kernel panic - not syncing"):
             running.vm("v0").wait_for_console(READY, timeout=600)  # not its timeout: the panic ends it
+
+
+def test_a_guest_that_reboots_after_its_panic_still_ends_the_wait(tmp_path: Path, run_dir: Path,
+                                                                 test_guest: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """panic=1: the kernel reboots a second after its panic, and its next boot's lines follow the
+    panic on the console: `up` still ends at the panic, not at its timeout."""
+    spec = lab(tmp_path, test_guest, "reboots", 1,
+               appends={0: "console=ttyS0 rdinit=/no-such-init root=/dev/nowhere panic=1"})
+    assert main(["-q", "up", str(spec), "--wait-for", READY, "--timeout", "600"]) == 4
+    err = capsys.readouterr().err
+    assert "v0: the guest panicked before its console printed 'VMLAUNCH-GUEST-READY': Kernel panic" in err

@@ -159,13 +159,14 @@ _PANIC = "Kernel panic - not syncing"
 _BOOTED = "Linux version "
 
 
-def console_panic(files: VmFiles) -> str | None:
-    """The panic line on the VM's serial console when its guest panicked since it last booted, else
+def console_panic(files: VmFiles, *, any_boot: bool = False) -> str | None:
+    """The panic line on the VM's serial console when its guest panicked since it last booted (with
+    `any_boot`, at any time this QEMU ran: a kernel told to reboot on a panic boots again), else
     None. QEMU knows of a panic only through a pvpanic device whose driver the guest loaded; the
     console tells of one at any instant, the first second of a boot included."""
-    text = read_text(files.serial_log, tail=64 << 10)
-    panic = text.rfind(_PANIC)
-    if panic < 0 or text.rfind(_BOOTED) > panic:
+    text = read_text(files.serial_log, tail=None if any_boot else 64 << 10)
+    panic = text.find(_PANIC) if any_boot else text.rfind(_PANIC)
+    if panic < 0 or (not any_boot and text.rfind(_BOOTED) > panic):
         return None
     line = text[panic:].splitlines()[0] if text[panic:] else _PANIC
     return " ".join(printable(line).split())[:200]
@@ -176,11 +177,11 @@ def console_panic(files: VmFiles) -> str | None:
 PVPANIC_SAID = "QEMU reports the guest panicked (pvpanic: run state guest-panicked)"
 
 
-def guest_panic(files: VmFiles, *, ask_qemu: bool = True) -> str | None:
+def guest_panic(files: VmFiles, *, ask_qemu: bool = True, any_boot: bool = False) -> str | None:
     """The panic line when the guest panicked since it last booted: from its console, else (with
     `ask_qemu`) QEMU's run state, which a pvpanic device sets; None when it did not, or QEMU does not
     answer within a second (busy, or gone: the caller's other checks say so)."""
-    panic = console_panic(files)
+    panic = console_panic(files, any_boot=any_boot)
     if panic is not None or not ask_qemu:
         return panic
     from vmlaunch.qemu.qmp import QuickQmp
