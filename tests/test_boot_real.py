@@ -18,7 +18,7 @@ READY = "VMLAUNCH-GUEST-READY"
 
 def lab(tmp_path: Path, guest: Path, name: str, count: int, *, lab_keys: str = "",
         appends: dict[int, str] | None = None) -> Path:
-    text = f'[lab]\nname = "{name}"\n{lab_keys}'
+    text = f'[lab]\nname = "{name}"\n{lab_keys}[lab.memory]\nksm = false\n'  # the host's KSM left alone
     for index in range(count):
         append = (appends or {}).get(index, "console=ttyS0")
         text += (f'[vm.v{index}]\nmemory = "128M"\naccel = "tcg"\nkernel = "{guest}/vmlinuz"\n'
