@@ -23,7 +23,7 @@ def kvm(name: str, vcpus: int = 1) -> Booting:
 
 @pytest.mark.parametrize(("cpus", "vms", "width"), [
     (2, [tcg(f"v{i}") for i in range(40)], 2),  # a booting TCG vCPU takes a host CPU
-    (2, [kvm(f"v{i}") for i in range(40)], 4),  # a KVM one half of one
+    (2, [kvm(f"v{i}") for i in range(40)], 8),  # a KVM one a quarter of one
     (8, [tcg(f"v{i}", 2) for i in range(10)], 4),
     (2, [tcg("big", 4), tcg("small")], 1),  # the cheapest fits alone; the big one boots alone too
     (1, [tcg("a"), tcg("b")], 1),
@@ -186,3 +186,41 @@ def test_phases_not_seen_count_in_the_next_one(tmp_path: Path) -> None:
     boot.mark("qmp", 10.5)
     boot.mark("ready", 14.0)  # no console time stamps, no firmware log (UEFI, or another OS)
     assert boot.phases() == {"qemu": 0.5, "userspace": 3.5}
+
+
+def test_vms_without_a_ready_signal_boot_at_once_and_hold_no_place() -> None:
+    """`up --wait ssh`: a VM without SSH (a router) never says it is ready: it is continued at once,
+    and the VMs that do wait take the places."""
+    order: list[str] = []
+    vms = [tcg("router"), tcg("h1"), tcg("h2"), tcg("h3")]
+    waves = Waves.open(vms, lambda name: FakeQmp(name, order), admission(1, vms[1:]), 600.0, Clock(),
+                       free={"router"})
+    assert order == ["router", "h1"] and waves.paused == ["h2", "h3"]
+    assert waves.share == 200.0  # the timeout shared by the three that wait
+    waves.ready("h1")
+    assert order == ["router", "h1", "h2"]
+
+
+def test_with_nothing_to_wait_for_the_rest_go_at_the_deadline() -> None:
+    import time as clock
+
+    vms = [tcg(f"v{i}") for i in range(4)]
+    waves, order, _, _ = waves_of(vms, Admission(1, "--parallel 1", asked=True), timeout=1000.0)
+    waves.wait_until_continued(clock.monotonic() - 1, lambda: None)  # the deadline has passed
+    assert order == ["v0"]  # nothing raised: finish() lets the rest go
+    waves.finish()
+    assert order == ["v0", "v1", "v2", "v3"]
+
+
+def test_a_qemu_that_died_while_it_waited_is_named() -> None:
+    class Dead(FakeQmp):
+        def cmd(self, command: str, **args: Any) -> Any:
+            if command == "cont" and self.name == "v1":
+                raise BrokenPipeError(32, "Broken pipe")
+            return super().cmd(command, **args)
+
+    order: list[str] = []
+    vms = [tcg("v0"), tcg("v1")]
+    waves = Waves.open(vms, lambda name: Dead(name, order), Admission(1, "", asked=True), 100.0, Clock())
+    with pytest.raises(RuntimeFailure, match="v1: its QEMU did not take `cont` when its turn to boot came"):
+        waves.ready("v0")

@@ -420,3 +420,12 @@ def test_fast_boot_is_a_switch_of_a_direct_boot_kernel(tmp_path: Path) -> None:
         load_lab(spec)
     assert [str(problem).replace(str(spec), "lab.toml") for problem in caught.value.problems] == [
         'lab.toml:5: vm.a.fast_boot: fast_boot needs kernel (add kernel = "...")']
+
+
+def test_an_elf_whose_headers_point_past_any_file_boots_as_given(tmp_path: Path, cache: Path) -> None:
+    """e_phoff of 2**64-1: not a traceback, a note."""
+    bad = bytearray(elf())
+    struct.pack_into("<Q", bad, 32, 2**64 - 1)  # e_phoff
+    kernel = kernel_file(tmp_path, bytes(bad))
+    boot = boot_of(kernel, build=True)
+    assert boot.elf is None and boot.why.startswith(f"kernel {kernel} ") and "\n" not in boot.why

@@ -582,10 +582,10 @@ class _Compiler:
         kernel loads its driver reports a panic to QEMU, which pauses it in run state guest-panicked
         (`-action panic=pause`; QEMU's own default would quit and lose the state), so that `up`'s waits
         end at once, `status` says `panicked` and `logs` keeps the console."""
-        if "pvpanic" not in self.host.qemu.devices or not is_pc_machine(vm.machine):
+        if "pvpanic" not in self.host.qemu.devices or not is_pc_machine(vm.machine) \
+                or self.host.qemu.version < (6, 0, 0):  # no -action: a panic would quit QEMU
             return []
-        action = ["-action", "panic=pause"] if self.host.qemu.version >= (6, 0, 0) else []
-        return ["-device", json_arg({"driver": "pvpanic", "id": "pvpanic"}), *action]
+        return ["-device", json_arg({"driver": "pvpanic", "id": "pvpanic"}), "-action", "panic=pause"]
 
     def firmware(self, path: KeyPath, vm: VmSpec) -> tuple[list[str], dict[str, str]]:
         """UEFI: OVMF's code read-only and shared, the VM's own copy of the variables, as the two

@@ -160,6 +160,9 @@ def boot_of(kernel: Path, *, build: bool) -> KernelBoot:
     except OSError as exc:  # a read that failed half-way (EIO), the cache's folder gone: never a failed up
         return KernelBoot(kernel, None, f"kernel {_p(kernel)} boots as given: {exc.strerror or exc}"
                           + (f" ({exc.filename})" if exc.filename else ""))
+    except (ValueError, OverflowError, struct.error) as exc:  # headers pointing past any file's end
+        return KernelBoot(kernel, None, f"kernel {_p(kernel)} boots as given: its headers do not add up "
+                          f"({exc})")
 
 
 class _Fallback(Exception):

@@ -8,7 +8,8 @@ together (paused), but they are continued in waves: the next VM as soon as a boo
 ready signal, or has had its share of the time.
 
 The budget is counted in host CPUs: a booting TCG vCPU takes one whole CPU (translation, and the
-host's own work beside it), a KVM vCPU half of one (KVM boots run at native speed and mostly wait).
+host's own work beside it), a KVM vCPU a quarter of one (KVM boots run at native speed and mostly
+wait).
 A VM bigger than the budget still boots, alone. Pure: table-tested, no I/O.
 """
 
@@ -18,8 +19,10 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-# What a booting vCPU costs, in halves of a host CPU.
-TCG_COST, KVM_COST = 2, 1
+# What a booting vCPU costs, in quarters of a host CPU: under TCG a whole CPU (it translates every
+# instruction, and the kernel's timer check fails on a starved vCPU); under KVM a quarter (it boots at
+# native speed and mostly waits on I/O).
+TCG_COST, KVM_COST = 4, 1
 # The least time a booting VM keeps its place when it never says it is ready: the next one is let in
 # after this, so that one guest that never prints its ready text cannot hold the whole lab back.
 MIN_SHARE = 10.0
@@ -45,15 +48,15 @@ class Admission:
 
     width: int | None
     reason: str
-    budget: int = 0  # in halves of a host CPU; 0 when `width` was asked for
+    budget: int = 0  # in quarters of a host CPU; 0 when `width` was asked for
     asked: bool = False  # set by the user (`up --parallel`, [lab] boot_parallel)
 
-    def share(self, timeout: float, count: int) -> float:
+    def share(self, timeout: float, count: int, floor: float = MIN_SHARE) -> float:
         """How long a booting VM that is not ready yet keeps its place: its part of the timeout, were
-        the VMs booted `width` at a time, and at least MIN_SHARE."""
+        the VMs booted `width` at a time, and at least `floor`."""
         if self.width is None or count <= self.width:
             return timeout
-        return max(MIN_SHARE, timeout * self.width / count)
+        return max(floor, timeout * self.width / count)
 
     def fits(self, booting: Iterable[Booting], vm: Booting) -> bool:
         """Whether `vm` may start booting beside those `booting` now."""
@@ -79,7 +82,7 @@ def admission(host_cpus: int, vms: Sequence[Booting], *, asked: int | None = Non
     """The admission of these VMs on a host of `host_cpus` CPUs; `asked`: a width the user set."""
     if asked is not None:
         return Admission(asked, f"{asked_by} {asked}", asked=True)
-    budget = max(1, host_cpus) * 2
+    budget = max(1, host_cpus) * TCG_COST
     tcg = any(vm.tcg for vm in vms)
     costs = sorted((vm.cost for vm in vms), reverse=False)
     width, used = 0, 0
@@ -88,6 +91,7 @@ def admission(host_cpus: int, vms: Sequence[Booting], *, asked: int | None = Non
             break
         width, used = width + 1, used + cost
     cpus = f"{host_cpus} host CPU{'s' if host_cpus != 1 else ''}"
-    how = "TCG: a booting vCPU takes a host CPU" if tcg else "KVM: a booting vCPU takes half a host CPU"
+    how = ("TCG: a booting vCPU takes a host CPU" if tcg else
+           "KVM: a booting vCPU takes a quarter of a host CPU")
     return Admission(max(1, width), f"{cpus}; {how}; `up --parallel N` or [lab] boot_parallel sets it",
                      budget)

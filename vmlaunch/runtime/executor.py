@@ -207,7 +207,8 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
             if from_snapshot is not None:  # still paused: the guests resume at the snapshot's instant
                 from_snapshot.load(to_start, timeout)
             waited = [vm for vm in to_start if vm.ssh_user] if wait_ssh else []
-            waves = _waves(plan, to_start, timeout, parallel=parallel, waiting=bool(wait_for or waited),
+            signalled = to_start if wait_for is not None else waited  # the VMs with a ready signal
+            waves = _waves(plan, to_start, timeout, parallel=parallel, signalled=signalled,
                            warm=from_snapshot is not None, timeline=timeline)
             stack.callback(waves.close)
             if wait_for is not None:
@@ -386,24 +387,33 @@ def _clear_stale(files: VmFiles) -> None:
                 path.unlink()
 
 
-def _waves(plan: Plan, vms: Sequence[VmPlan], timeout: float, *, parallel: int | None, waiting: bool,
-           warm: bool, timeline: Timeline | None = None) -> Waves:
-    """Shake hands with every VM (started paused) and continue the first of them: all at once, as
-    ever, unless `up` waits for them (a console text, SSH) or the user asked for a width; never for
-    VMs loaded from a snapshot (they do not boot)."""
+def _waves(plan: Plan, vms: Sequence[VmPlan], timeout: float, *, parallel: int | None,
+           signalled: Sequence[VmPlan], warm: bool, timeline: Timeline | None = None) -> Waves:
+    """Shake hands with every VM (started paused) and continue the first of them. The VMs whose ready
+    signal `up` waits for (`signalled`: a console text, SSH) boot in waves; the others are continued
+    at once, as every VM was before admission. With nothing to wait for, only `--parallel` makes
+    waves, each VM keeping its place for its part of the timeout. VMs loaded from a snapshot do not
+    boot: all resume at once."""
     from vmlaunch.policy.admission import Booting, admission
     from vmlaunch.spec.model import Accel
 
     booting = [Booting(vm.name, vm.vcpus, vm.accel.accel is Accel.TCG) for vm in vms]
+    waited = {vm.name for vm in signalled}
+    counted = [vm for vm in booting if vm.name in waited] if waited else booting
     chosen = plan.admission if parallel is None else admission(0, booting, asked=parallel)
-    limited = chosen.width is not None and chosen.width < len(vms)
-    if warm or not limited or not (waiting or chosen.asked):
-        chosen = ALL_AT_ONCE
-    else:
-        log.info("%s", chosen.describe(len(vms)))
+    share = None
+    if warm or chosen.width is None or chosen.width >= len(counted) or not (waited or parallel is not None):
+        chosen, free = ALL_AT_ONCE, set()
+    elif waited:
+        free = {vm.name for vm in vms} - waited
+        log.info("%s", chosen.describe(len(counted)))
+    else:  # --parallel with nothing to wait for: the waves fit in the timeout
+        free = set()
+        share = chosen.share(timeout, len(counted), floor=0.0) * 0.9
+        log.info("%s", chosen.describe(len(counted)))
     deadline = time.monotonic() + timeout
     return Waves.open(booting, lambda name: QuickQmp(plan.vm(name).files.qmp, remaining(deadline, 1.0)),
-                      chosen, timeout, timeline=timeline)
+                      chosen, timeout, timeline=timeline, free=free, share=share)
 
 
 def _check_admitted(vms: Sequence[VmPlan], pids: dict[str, int], waves: Waves,
@@ -540,6 +550,7 @@ def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports:
     one's clock to the host's (`snapshot.clock_session`), so SSH is asked once, not twice."""
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import wait as futures_wait
 
     from vmlaunch.guests.sshkeys import ssh_argv
     from vmlaunch.runtime.snapshot import clock_session
@@ -597,10 +608,21 @@ def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports:
                         "--long` says which", vm.name, vm.name)
         return True
 
+    pool = ThreadPoolExecutor(max(1, len(vms)))
+
     def all_ready() -> bool:
         trying = [vm for vm in waiting.values() if waves is None or waves.admitted(vm.name)]
-        with ThreadPoolExecutor(max(1, len(trying))) as pool:
-            answered = list(pool.map(answers, trying))
+        attempts = [pool.submit(answers, vm) for vm in trying]
+        while True:  # an attempt may take seconds: meanwhile a panic or a VM's turn is seen at once
+            done, running = futures_wait(attempts, timeout=0.2)
+            if not running:
+                break
+            for vm, attempt in zip(trying, attempts):
+                if attempt in running:
+                    check_booting(vm, pids[vm.name], "SSH answered", ask_qemu=asking(vm.name))
+            if waves is not None:
+                waves.step()
+        answered = [attempt.result() for attempt in attempts]
         for vm, ok in zip(trying, answered):
             if timeline is not None:
                 timeline.observe(vm.name, qemu.read_text(vm.files.serial_log, tail=1 << 20))
@@ -643,6 +665,8 @@ def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports:
         raise RuntimeFailure(f"timed out after {timeout:.0f} s waiting for SSH on "
                              f"{', '.join(sorted(waiting))}; the last console lines:{tails}{last}",
                              "a cold boot under TCG takes a minute or two: a longer --timeout?") from None
+    finally:  # attempts still under way end with their ssh (the VMs they ask go down on a failure)
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 # Errors of a connection to a forwarded port on 127.0.0.1 that no wait heals: the loopback interface

@@ -13,12 +13,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
-from vmlaunch.core.wait import remaining
 from vmlaunch.errors import RuntimeFailure
 from vmlaunch.policy.admission import Admission, Booting
-from vmlaunch.qemu.qmp import QuickQmp
+from vmlaunch.qemu.qmp import QmpError, QuickQmp
 from vmlaunch.runtime.timeline import Timeline
 
 log = logging.getLogger("vmlaunch")
@@ -44,15 +43,23 @@ class Waves:
     @classmethod
     def open(cls, vms: Sequence[Booting], connect: Callable[[str], QuickQmp], admission: Admission,
              timeout: float, clock: Callable[[], float] = time.monotonic,
-             timeline: Timeline | None = None) -> Waves:
-        """Shake hands with every VM, then continue the first wave."""
-        share = admission.share(timeout, len(vms))
+             timeline: Timeline | None = None, free: Collection[str] = (),
+             share: float | None = None) -> Waves:
+        """Shake hands with every VM, continue those `free` of the admission (`up` waits for no ready
+        signal of theirs), then the first wave of the others."""
+        counted = [vm for vm in vms if vm.name not in free]
+        if share is None:
+            share = admission.share(timeout, len(counted))
         waves = cls(vms, admission, share, clock)
         waves.timeline = timeline
         try:
             for vm in vms:
                 waves.qmps[vm.name] = connect(vm.name)
                 waves.handshake[vm.name] = waves.clock()
+            for name in [vm.name for vm in vms if vm.name in free]:
+                waves.queue.remove(name)
+                waves._cont(name)
+                waves.booting.pop(name)  # holds no place
             waves.admit()
         except BaseException:
             waves.close()
@@ -112,9 +119,14 @@ class Waves:
         """QMP cont, and the VM must then run (not stay paused on an error, say); its connection then
         goes, for `status` and the rest to use."""
         qmp = self.qmps.pop(name)
-        with qmp:
-            qmp.cmd("cont")
-            status = qmp.cmd("query-status")
+        try:
+            with qmp:
+                qmp.cmd("cont")
+                status = qmp.cmd("query-status")
+        except (OSError, QmpError) as exc:  # its QEMU died while it waited (the OOM killer, a kill)
+            raise RuntimeFailure(f"{name}: its QEMU did not take `cont` when its turn to boot came: "
+                                 f"{exc}", f"`vmlaunch logs SPEC {name} --qemu` shows what QEMU said "
+                                 "(kept after this failed up)") from None
         if status.get("status") != "running":
             raise RuntimeFailure(f"{name}: QEMU is {status.get('status')}, not running")
         now = self.clock()
@@ -134,17 +146,14 @@ class Waves:
 
     def wait_until_continued(self, deadline: float, check: Callable[[], None],
                              interval: float = 0.2) -> None:
-        """With nothing to wait for but the admission asked for: each VM keeps its place for its
-        share of the time, then the next is continued. `check` raises for a VM that cannot boot."""
-        while self.queue:
+        """With nothing to wait for but a width asked for: each VM keeps its place for its share of
+        the time, then the next is continued; at the deadline the rest are continued together (there
+        is no ready signal to miss). `check` raises for a VM that cannot boot."""
+        while self.queue and time.monotonic() < deadline:
             check()
             self.step()
             if self.queue:
-                time.sleep(min(interval, remaining(deadline, interval)))
-                if time.monotonic() >= deadline:
-                    raise RuntimeFailure(f"timed out with {len(self.queue)} VMs still waiting to boot: "
-                                         f"{', '.join(self.queue)}", "a longer --timeout, or a larger "
-                                         "--parallel")
+                time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
 
     def summary(self, waiting_for: Sequence[str], *, panicked: Sequence[str] = ()) -> str:
         """One line for the whole lab: "28/40 ready; booting v31..v36; 4 waiting to boot"."""
