@@ -193,8 +193,8 @@ def test_vms_without_a_ready_signal_boot_at_once_and_hold_no_place() -> None:
     and the VMs that do wait take the places."""
     order: list[str] = []
     vms = [tcg("router"), tcg("h1"), tcg("h2"), tcg("h3")]
-    waves = Waves.open(vms, lambda name: FakeQmp(name, order), admission(1, vms[1:]), 600.0, Clock(),
-                       free={"router"})
+    fake: Any = lambda name: FakeQmp(name, order)  # noqa: E731 - QuickQmp's shape, without QEMU
+    waves = Waves.open(vms, fake, admission(1, vms[1:]), 600.0, Clock(), free={"router"})
     assert order == ["router", "h1"] and waves.paused == ["h2", "h3"]
     assert waves.share == 200.0  # the timeout shared by the three that wait
     waves.ready("h1")
@@ -221,6 +221,7 @@ def test_a_qemu_that_died_while_it_waited_is_named() -> None:
 
     order: list[str] = []
     vms = [tcg("v0"), tcg("v1")]
-    waves = Waves.open(vms, lambda name: Dead(name, order), Admission(1, "", asked=True), 100.0, Clock())
+    dead: Any = lambda name: Dead(name, order)  # noqa: E731
+    waves = Waves.open(vms, dead, Admission(1, "", asked=True), 100.0, Clock())
     with pytest.raises(RuntimeFailure, match="v1: its QEMU did not take `cont` when its turn to boot came"):
         waves.ready("v0")
