@@ -470,7 +470,7 @@ def test_an_up_killed_before_its_guests_ran_is_finished_by_the_next_up(
     spec = lab(tmp_path, test_guest, one_vm().replace('type = "user"\nforward = ["tcp:127.0.0.1:2222-:22"]',
                                                       'bridge = "vlbr-kill"'))
     killed_at_cont = ("import os, sys; import vmlaunch.runtime.executor as e; "
-                      "e._wait_ready = lambda *a, **k: os._exit(9); "
+                      "e._waves = lambda *a, **k: os._exit(9); "
                       "from vmlaunch.cli import main; sys.exit(main(sys.argv[1:]))")
     argv, env = netns._command(("up", str(spec)), None, None)
     argv[argv.index("-m"):argv.index("vmlaunch") + 1] = ["-c", killed_at_cont]

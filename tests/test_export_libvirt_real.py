@@ -102,6 +102,9 @@ DIFFERENCES = {
     "hugepage backing": "`thread-context`",
     "NUMA binding": "`host-nodes`",
     "SATA CD-ROM": "CD-ROM",
+    "panics": "`pvpanic`",
+    "firmware log": "`isa-debugcon`",
+    "kernel command line": "`no_timer_check`",
 }
 DEVICE_PLUMBING = {"id", "bus", "addr", "drive", "netdev", "chardev", "fsdev", "multifunction", "port",
                    "chassis", "index", "channel", "scsi-id", "lun", "device_id", "bootindex"}
@@ -207,8 +210,13 @@ def read_argv(argv: list[str]) -> Guest:
                                 "threads": int(pairs.get("threads", 1))}
         elif option == "-m":
             guest.top["memory_mib"] = int((value or "").rstrip("M"))
+        elif option == "-append" and value is not None and value.endswith(" no_timer_check"):
+            guest.top["append"] = value.removesuffix(" no_timer_check")  # vmlaunch's, under TCG
+            guest.differences.append(("kernel command line", "no_timer_check"))
         elif option in ("-kernel", "-initrd", "-append"):
             guest.top[option[1:]] = value
+        elif option == "-action":
+            guest.differences.append(("panics", f"-action {value}"))
         elif option == "-netdev":
             guest.netdevs.append(json.loads(value or "")["type"])
         elif option == "-serial":
@@ -250,7 +258,8 @@ def read_argv(argv: list[str]) -> Guest:
         if backend_type != "socket":
             guest.differences.append(("serial backend", backend_type))
     for name, (backend_type, _) in chardevs.items():
-        guest.differences.append(("monitor", f"chardev {name} ({backend_type})"))
+        category = "firmware log" if name == "firmware" else "monitor"
+        guest.differences.append((category, f"chardev {name} ({backend_type})"))
     return guest
 
 
@@ -296,6 +305,10 @@ def _read_device(guest: Guest, device: dict[str, Any], nodes: dict[str, dict[str
         guest.serial.append({"device": "isa-serial", "chardev": device["chardev"]})
     elif driver in ("pcie-root-port", "pcie-pci-bridge"):
         guest.differences.append(("PCI topology", driver))
+    elif driver == "pvpanic":
+        guest.differences.append(("panics", driver))
+    elif driver == "isa-debugcon":
+        guest.differences.append(("firmware log", driver))
     else:
         guest.devices.append(driver)
 

@@ -530,7 +530,7 @@ def test_up_refuses_a_writable_share_without_user_xattrs(tmp_path: Path) -> None
             shareaccess.require_xattrs(load_lab(base / "lab.toml"))
         except shareaccess.ShareAccessError as exc:
             result["error"] = [str(exc.location), exc.message, exc.hint]
-        done = subprocess.run([sys.executable, "-m", "vmlaunch", "up", str(base / "lab.toml")],
+        done = subprocess.run([sys.executable, "-m", "vmlaunch", "-q", "up", str(base / "lab.toml")],
                               capture_output=True, text=True, env={**os.environ,
                               "VMLAUNCH_RUN_DIR": str(base / "run")})
         result["up"] = [done.returncode, done.stderr]

@@ -209,7 +209,7 @@ class MemoryMap:
 
 _NODE_PAGES = re.compile(r"\bN(\d+)=(\d+)\b")
 _PAGE_SIZE = re.compile(r"\bkernelpagesize_kB=(\d+)\b")
-LARGE = 16 * MIB  # mappings at least this big count as guest RAM for the policies shown
+LARGE = 16 * MIB  # anonymous (or hugetlbfs) mappings this big count as guest RAM for the policies shown
 
 
 def read_numa_maps(pid: int) -> MemoryMap | None:
@@ -235,7 +235,8 @@ def parse_numa_maps(text: str) -> MemoryMap:
         for node, pages in _NODE_PAGES.findall(line):
             per_node[int(node)] = per_node.get(int(node), 0) + int(pages) * page
             mapped += int(pages) * page
-        if mapped >= LARGE and fields[1] not in policies:
+        ram = "file=" not in line or " huge" in line  # guest RAM: anonymous, or from hugetlbfs (a
+        if ram and mapped >= LARGE and fields[1] not in policies:  # kernel QEMU maps is no RAM)
             policies.append(fields[1])
     return MemoryMap(per_node, tuple(policies))
 
