@@ -106,3 +106,20 @@ def test_a_guest_that_reboots_after_its_panic_still_ends_the_wait(tmp_path: Path
     assert main(["-q", "up", str(spec), "--wait-for", READY, "--timeout", "600"]) == 4
     err = capsys.readouterr().err
     assert "v0: the guest panicked before its console printed 'VMLAUNCH-GUEST-READY': Kernel panic" in err
+
+
+def test_a_big_wait_prints_one_line_for_the_lab(tmp_path: Path, run_dir: Path, test_guest: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Seven guests booting one at a time: after 5 s more than four still wait, so the progress is
+    one line for the lab ("2/7 ready; booting v2; 4 waiting to boot"), not a line per VM; once four
+    or fewer wait, each VM's own line is back."""
+    spec = lab(tmp_path, test_guest, "quiet", 7)
+    assert main(["up", str(spec), "--wait-for", READY, "--parallel", "1", "--timeout", "600"]) == 0
+    err = capsys.readouterr().err
+    try:
+        # at 5 s at most two are ready (a boot takes over 2 s): one line for the lab, none per VM
+        assert re.search(r"^vmlaunch: waiting for 'VMLAUNCH-GUEST-READY', 5 s: \d/7 ready; booting v\d; "
+                         r"\d waiting to boot$", err, re.M), err
+        assert not re.search(r"^vmlaunch: v\d: waiting for 'VMLAUNCH-GUEST-READY', 5 s", err, re.M), err
+    finally:
+        assert main(["down", str(spec), "--timeout", "0"]) == 0
