@@ -3,9 +3,9 @@
 Every QEMU starts paused. `Waves` shakes hands with each over QMP first (a guest that already boots
 slows down the handshakes still to come), then continues as many as the admission lets boot at once,
 and the next one each time a booting VM is ready (its console printed the text `up` waits for, SSH
-answers) or has had its share of the time. The waits of `executor.py` tell it which VMs got ready;
-it keeps the QMP connections open until every VM runs, and notes when each was continued and when it
-was ready, for the boot timeline.
+answers) or has had its share of the time. The waits of `executor.py` tell it which VMs got ready.
+A paused VM's QMP connection stays open until its turn (QMP serves one client at a time: once a VM
+runs, its monitor is free for `status` and the rest); when each was continued goes to the timeline.
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ class Waves:
         self.queue = [vm.name for vm in vms]  # still paused, in the plan's order
         self.booting: dict[str, float] = {}  # name -> when it was continued, while it holds a place
         self.continued: dict[str, float] = {}  # name -> when it was continued (every one, for good)
-        self.ready_at: dict[str, float] = {}  # name -> when it was found ready
-        self.handshake: dict[str, float] = {}  # name -> when its QMP answered
         self.admission, self.share, self.clock = admission, share, clock
         self.qmps: dict[str, QuickQmp] = {}  # the paused VMs' connections (QMP serves one client)
         self.timeline: Timeline | None = None
@@ -55,7 +53,6 @@ class Waves:
         try:
             for vm in vms:
                 waves.qmps[vm.name] = connect(vm.name)
-                waves.handshake[vm.name] = waves.clock()
             for name in [vm.name for vm in vms if vm.name in free]:
                 waves.queue.remove(name)
                 waves._cont(name)
@@ -84,7 +81,6 @@ class Waves:
 
     def ready(self, name: str) -> None:
         """`name` reached its ready signal: its place goes to the next VM."""
-        self.ready_at.setdefault(name, self.clock())
         self.booting.pop(name, None)
         self.admit()
 
