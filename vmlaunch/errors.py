@@ -23,6 +23,8 @@ KeyPath = tuple[Union[str, int], ...]
 EXIT_SPEC = 2
 EXIT_HOST = 3
 EXIT_RUNTIME = 4
+EXIT_AGENT = 5  # the guest's command channel: no agent answers, it closed, it hangs
+EXIT_TIMED_OUT = 124  # a command run in a guest did not end in time (as timeout(1))
 EXIT_USAGE = 64
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE: what a shell shows for `yes | head -1`
@@ -118,6 +120,20 @@ def needs_root(doing: str, capability: str | None = None) -> str:
     """The one hint for every "needs root": what needed it and how to get it."""
     also = f" (or {capability})" if capability else ""
     return f"{doing} needs root{also}: run vmlaunch as root"
+
+
+class AgentError(RuntimeFailure):
+    """The command channel to a guest failed: the VM has none, no agent answers on it, the guest
+    closed it or it stopped answering."""
+
+    exit_code = EXIT_AGENT
+
+
+class CommandTimedOut(RuntimeFailure):
+    """A command run in a guest through its channel did not end within its timeout; the agent killed
+    it (and what it started in its process group) in the guest."""
+
+    exit_code = EXIT_TIMED_OUT
 
 
 class UsageError(VmlaunchError):

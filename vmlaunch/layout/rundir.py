@@ -4,6 +4,7 @@
         .vmlaunch-run-dir      vmlaunch's mark: only a run dir that has it is ever removed
         state.json             the journal of what `up` did (`runtime/journal.py`)
         V.qmp  V.console       QMP and serial console sockets of VM V
+        V.agent  V.qga         the command channel (vmlaunch's agent, QEMU's guest agent) of VM V
         V.manager.qmp          the lab manager's own QMP monitor of VM V (labs with a manager)
         V.pid                  QEMU's pidfile
         V.stderr.log           QEMU's messages while it starts (before it opens V.qemu.log)
@@ -13,6 +14,7 @@
         manager.log            what the lab manager did and why (`runtime/manager.py`), kept by `down`
         manager.json           the lab manager's settings, written by `up` (`resources/manager.py`)
         manager.state.json     what the lab manager saw and set last, read by `status`
+        wire.json  wire.lock   faults on the wire set at runtime: link states, netem, partitions
     run_root/.LAB.lock         serialises `up` and `down` of the lab (beside the run dir: `down`
                                removes the run dir while holding it)
 """
@@ -31,13 +33,15 @@ from vmlaunch.errors import RuntimeFailure
 
 MARK = ".vmlaunch-run-dir"
 STATE = "state.json"
-VM_SUFFIXES = (".qmp", ".manager.qmp", ".console", ".console.lock", ".serial.log", ".pid", ".stderr.log",
-               ".qemu.log", ".firmware.log")
+VM_SUFFIXES = (".qmp", ".manager.qmp", ".console", ".agent", ".qga", ".agent.lock", ".console.lock",
+               ".serial.log", ".pid", ".stderr.log", ".qemu.log", ".firmware.log")
 MANAGER_LOG = "manager.log"
 MANAGER_CONFIG = "manager.json"
 MANAGER_STATE = "manager.state.json"
+WIRE = "wire.json"  # faults on the wire set at runtime (runtime/wire.py)
+WIRE_LOCK = "wire.lock"
 INTENT = "intent.json"  # an operation on the running lab under way, or interrupted (runtime/intent.py)
-LAB_FILES = (MANAGER_LOG, MANAGER_CONFIG, MANAGER_STATE, INTENT)
+LAB_FILES = (MANAGER_LOG, MANAGER_CONFIG, MANAGER_STATE, INTENT, WIRE, WIRE_LOCK)
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -87,6 +91,23 @@ class VmFiles:
         return self._file(".console")
 
     @property
+    def agent(self) -> Path:
+        """The command channel to vmlaunch's own agent in the guest (virtio-serial port
+        org.vmlaunch.agent.0): root in the guest to whoever can open it, hence 0600 like QMP."""
+        return self._file(".agent")
+
+    @property
+    def qga(self) -> Path:
+        """The command channel to QEMU's guest agent, where the guest runs one (virtio-serial port
+        org.qemu.guest_agent.0)."""
+        return self._file(".qga")
+
+    @property
+    def agent_lock(self) -> Path:
+        """Held while one command uses the channel: a channel serves one client at a time."""
+        return self._file(".agent.lock")
+
+    @property
     def console_lock(self) -> Path:
         return self._file(".console.lock")
 
@@ -113,7 +134,7 @@ class VmFiles:
 
     @property
     def sockets(self) -> tuple[Path, ...]:
-        return (self.qmp, self.manager_qmp, self.console)
+        return (self.qmp, self.manager_qmp, self.console, self.agent, self.qga)
 
     @property
     def every(self) -> tuple[Path, ...]:
@@ -122,12 +143,13 @@ class VmFiles:
     @property
     def stale(self) -> tuple[Path, ...]:
         """What a crashed QEMU leaves that would make the next one fail to bind or be found."""
-        return (self.qmp, self.manager_qmp, self.console, self.pidfile)
+        return (self.qmp, self.manager_qmp, self.console, self.agent, self.qga, self.pidfile)
 
     @property
     def private(self) -> tuple[Path, ...]:
         """What QEMU creates under its own umask (027) and vmlaunch narrows to the owner."""
-        return (self.qmp, self.manager_qmp, self.console, self.serial_log, self.qemu_log, self.firmware_log)
+        return (self.qmp, self.manager_qmp, self.console, self.agent, self.qga, self.serial_log,
+                self.qemu_log, self.firmware_log)
 
 
 @attrs.frozen
@@ -163,6 +185,14 @@ class RunDir:
     @property
     def manager_state(self) -> Path:
         return self.path / MANAGER_STATE
+
+    @property
+    def wire(self) -> Path:
+        return self.path / WIRE
+
+    @property
+    def wire_lock(self) -> Path:
+        return self.path / WIRE_LOCK
 
     @property
     def intent(self) -> Path:
