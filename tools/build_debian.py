@@ -9,14 +9,28 @@ and ``DIR/bookworm.json`` (default DIR: ``examples/debian`` in the repository). 
 records the image's size, sha256 and sha512, the hash of the build inputs (this file, which holds
 every setting, and the host's GRUB packages, whose binaries go into the image) and every package
 with its version. When the manifest's inputs hash matches and the image has the recorded size,
-nothing is done (``--force`` rebuilds). Missing host tools are installed with apt-get. Exit
-status: 0 success, 3 failure (one line on stderr naming the step; the whole output of every
-command is in ``DIR/build.log``).
+nothing is done (``--force`` rebuilds). The archive is not an input: like its packages' versions,
+which copy of it the build read (a mirror's URI) does not make the hash, so neither a new mirror
+nor a machine with other sources sharing the image rebuilds it, and an up-to-date image needs no
+sources at all; the manifest records the entries used (``sources``). Missing host tools are
+installed with apt-get. Exit status: 0 success, 3 failure (one line on stderr naming the step;
+the whole output of every command is in ``DIR/build.log``).
 
 How it is built (each step one line of progress, the total time at the end):
 
 1. mmdebstrap (``--mode=root``, ``--variant=apt``, no recommends) installs the packages into a
-   directory. Downloaded .debs and apt's package lists are synced into and out of
+   directory, from the Debian archive as apt's own sources on this machine name it (no archive's
+   host is named here): the ``deb`` entries of /etc/apt/sources.list and
+   /etc/apt/sources.list.d/*.list (one-line format) and *.sources (deb822) for bookworm,
+   bookworm-updates and bookworm-security that have the ``main`` component, with the components
+   and options (``signed-by``, ``arch``, ...) the machine gives them; entries whose Release file,
+   as apt last fetched it, is not of Origin Debian (a third-party repository that names its suite
+   after the release) are left out. They are passed to mmdebstrap as one-line entries and become
+   the image's own apt sources. Without an entry for bookworm the build stops, naming the files
+   read; a missing updates or security entry is a warning. ``VMLAUNCH_DEBIAN_MIRROR=URI`` (a
+   Debian mirror: bookworm and bookworm-updates, ``main``) and optionally
+   ``VMLAUNCH_DEBIAN_SECURITY_MIRROR=URI`` (bookworm-security) replace apt's sources. Downloaded
+   .debs and apt's package lists are synced into and out of
    ``${XDG_CACHE_HOME:-~/.cache}/vmlaunch/debian-apt``, so a rebuild downloads only what changed.
    /usr is merged by mmdebstrap's merged-usr hook (the ``usrmerge`` package would pull in perl).
    Documentation, man pages and translations are not installed (dpkg path-exclude, kept in the
@@ -80,7 +94,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, NamedTuple
 
@@ -93,11 +107,34 @@ STEPS = 8  # the build's steps, each announced by Log.say
 MANIFEST_FORMAT = "vmlaunch-debian-image 1"
 
 SUITE = "bookworm"
-SOURCES = (
-    "deb http://deb.debian.org/debian bookworm main",
-    "deb http://deb.debian.org/debian bookworm-updates main",
-    "deb http://deb.debian.org/debian-security bookworm-security main",
-)
+# The archive's suites the image is made from, in this order: the release, its updates and the
+# security archive's. Their entries come from apt's own sources on this machine (archive_sources).
+SUITES = (SUITE, f"{SUITE}-updates", f"{SUITE}-security")
+REQUIRED_COMPONENT = "main"
+APT_ETC = Path("/etc/apt")
+APT_LISTS = Path("/var/lib/apt/lists")
+MIRROR_ENV = "VMLAUNCH_DEBIAN_MIRROR"
+SECURITY_MIRROR_ENV = "VMLAUNCH_DEBIAN_SECURITY_MIRROR"
+# deb822 fields that are options of an entry, and their names in the one-line format
+DEB822_OPTIONS = {
+    "architectures": "arch",
+    "languages": "lang",
+    "targets": "target",
+    "pdiffs": "pdiffs",
+    "by-hash": "by-hash",
+    "allow-insecure": "allow-insecure",
+    "allow-weak": "allow-weak",
+    "allow-downgrade-to-insecure": "allow-downgrade-to-insecure",
+    "trusted": "trusted",
+    "signed-by": "signed-by",
+    "check-valid-until": "check-valid-until",
+    "valid-until-min": "valid-until-min",
+    "valid-until-max": "valid-until-max",
+    "check-date": "check-date",
+    "date-max-future": "date-max-future",
+    "inrelease-path": "inrelease-path",
+    "snapshot": "snapshot",
+}
 PACKAGES = (
     "linux-image-amd64",  # the cloud flavour has no 9p (CONFIG_NET_9P unset): no shared folders
     "tiny-initramfs",
@@ -397,11 +434,243 @@ def ensure_host_tools(log: Log) -> None:
         raise BuildError(f"installed {' '.join(missing)}, yet still missing: {' '.join(still)}")
 
 
+# --------------------------------------------------------------------------- the archive
+
+
+class Source(NamedTuple):
+    """One `deb` entry of apt's sources: an archive's URI, one suite, its components."""
+
+    uri: str
+    suite: str
+    components: tuple[str, ...]
+    options: tuple[str, ...]  # one-line options, e.g. "signed-by=/usr/share/keyrings/x.gpg"
+    where: str  # the file (and line) it was read from
+
+    def line(self) -> str:
+        """The entry in apt's one-line format, as mmdebstrap takes it."""
+        options = f"[{' '.join(self.options)}] " if self.options else ""
+        return f"deb {options}{self.uri} {self.suite} {' '.join(self.components)}"
+
+
+def parse_one_line(text: str, where: str) -> list[Source]:
+    """The `deb` entries of a sources.list (apt's one-line format); deb-src and comments skipped."""
+    found = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()  # apt ends an entry at '#'
+        kind, *tail = line.split(None, 1) or [""]
+        if kind != "deb" or not tail:
+            continue
+        options: tuple[str, ...] = ()
+        rest = tail[0]
+        if rest.startswith("["):
+            inside, closed, rest = rest[1:].partition("]")
+            if not closed:
+                continue  # apt rejects the line too
+            options = tuple(inside.split())
+        words = rest.split()
+        if len(words) < 2 or words[1].endswith("/"):
+            continue  # malformed, or a flat repository (an exact path, no suite)
+        found.append(Source(words[0], words[1], tuple(words[2:]), options, f"{where}:{number}"))
+    return found
+
+
+def deb822_stanzas(text: str) -> list[tuple[int, dict[str, str]]]:
+    """(first line, fields) of each stanza; field names lower-cased, continuation lines joined."""
+    stanzas: list[tuple[int, dict[str, str]]] = []
+    fields: dict[str, str] = {}
+    start, name = 0, ""
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("#"):
+            continue
+        if not line.strip():
+            if fields:
+                stanzas.append((start, fields))
+            fields, name = {}, ""
+            continue
+        if line[0] in " \t":
+            if name:
+                fields[name] += "\n" + line.strip()
+            continue
+        key, colon, value = line.partition(":")
+        if not colon:
+            continue
+        if not fields:
+            start = number
+        name = key.strip().lower()
+        fields[name] = value.strip()
+    if fields:
+        stanzas.append((start, fields))
+    return stanzas
+
+
+def parse_deb822(text: str, where: str) -> list[Source]:
+    """The `deb` entries of a .sources file (deb822: Types, URIs, Suites, Components, options)."""
+    found = []
+    for start, fields in deb822_stanzas(text):
+        if "deb" not in fields.get("types", "").split():
+            continue
+        if fields.get("enabled", "yes").strip().lower() in ("no", "false", "0"):
+            continue
+        options = []
+        for field, value in fields.items():
+            option = DEB822_OPTIONS.get(field)
+            if option is None:
+                continue
+            if "\n" in value:  # an embedded key (Signed-By): no one-line form
+                options.append(f"{option}=<embedded key>")
+            else:
+                options.append(f"{option}={','.join(value.replace(',', ' ').split())}")
+        components = tuple(fields.get("components", "").split())
+        for uri in fields.get("uris", "").split():
+            for suite in fields.get("suites", "").split():
+                if not suite.endswith("/"):
+                    found.append(Source(uri, suite, components, tuple(options), f"{where}:{start}"))
+    return found
+
+
+def apt_source_files(etc: Path) -> list[Path]:
+    """apt's source files in the order apt reads them."""
+    files = [etc / "sources.list"] if (etc / "sources.list").is_file() else []
+    folder = etc / "sources.list.d"
+    if folder.is_dir():
+        files += sorted(p for p in folder.iterdir() if p.suffix in (".list", ".sources") and p.is_file())
+    return files
+
+
+def read_apt_sources(files: Sequence[Path]) -> list[Source]:
+    found = []
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            raise BuildError(f"cannot read {path}: {exc.strerror or exc}") from None
+        parse = parse_deb822 if path.suffix == ".sources" else parse_one_line
+        found += parse(text, str(path))
+    return found
+
+
+def lists_file(uri: str, suite: str, name: str) -> str:
+    """The name apt gives a file of the archive in /var/lib/apt/lists (apt's URItoFileName)."""
+    address = f"{uri.rstrip('/')}/dists/{suite}/{name}"
+    scheme, sep, rest = address.partition("://")
+    if not sep:
+        rest = address.partition(":")[2].lstrip("/") if ":" in address else address
+    host, slash, path = rest.partition("/")
+    host = host.rpartition("@")[2]  # no user or password
+    quoted = "".join(
+        f"%{ord(c):02x}" if c in '\\|{}[]<>"^~_=!@#$%&*' or ord(c) <= 0x20 or ord(c) >= 0x7F else c
+        for c in host + slash + path
+    )
+    return quoted.replace("/", "_")
+
+
+def release_origin(source: Source, lists: Path) -> str:
+    """The Origin of the entry's Release file as apt last fetched it; "" when apt has none."""
+    for name in ("InRelease", "Release"):
+        try:
+            text = (lists / lists_file(source.uri, source.suite, name)).read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("Origin:"):
+                return line.partition(":")[2].strip()
+        return ""
+    return ""
+
+
+def merge_sources(sources: Sequence[Source]) -> list[Source]:
+    """One entry per (URI, suite, options), with the components of all such entries."""
+    merged: dict[tuple[str, str, tuple[str, ...]], Source] = {}
+    for source in sources:
+        key = (source.uri.rstrip("/"), source.suite, source.options)
+        if key in merged:
+            known = merged[key]
+            extra = tuple(c for c in source.components if c not in known.components)
+            merged[key] = known._replace(components=known.components + extra)
+        else:
+            merged[key] = source
+    return list(merged.values())
+
+
+def mirror_sources(environ: Mapping[str, str]) -> list[Source]:
+    """The entries the environment names instead of apt's sources (VMLAUNCH_DEBIAN_MIRROR)."""
+    found = []
+    for variable, suites in ((MIRROR_ENV, SUITES[:2]), (SECURITY_MIRROR_ENV, SUITES[2:])):
+        uri = environ.get(variable, "").strip()
+        if not uri:
+            continue
+        if ":" not in uri or " " in uri:
+            raise BuildError(f"{variable}={uri!r} is not a URI (like scheme://host/path)")
+        found += [Source(uri, suite, (REQUIRED_COMPONENT,), (), variable) for suite in suites]
+    return found
+
+
+def archive_sources(
+    etc: Path = APT_ETC, lists: Path = APT_LISTS, environ: Mapping[str, str] | None = None
+) -> tuple[list[Source], list[str]]:
+    """The `deb` entries of the Debian archive for SUITES, and the suites found missing.
+
+    From VMLAUNCH_DEBIAN_MIRROR (and VMLAUNCH_DEBIAN_SECURITY_MIRROR) when set, else from apt's
+    sources on this machine: the entries of SUITES whose components include main (the components
+    of entries for the same URI, suite and options are merged), less those apt knows to be from
+    another origin than Debian (the Origin of their Release file in apt's lists: a third-party
+    repository may name its suite after the release). BuildError when there is none for SUITE.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get(MIRROR_ENV, "").strip():
+        chosen = mirror_sources(environ)
+        read = f"${MIRROR_ENV}"
+    elif environ.get(SECURITY_MIRROR_ENV, "").strip():
+        raise BuildError(f"{SECURITY_MIRROR_ENV} is set but {MIRROR_ENV} is not")
+    else:
+        files = apt_source_files(etc)
+        read = ", ".join(str(p) for p in files) or f"no sources in {etc}"
+        found = merge_sources(read_apt_sources(files))
+        chosen = [
+            s for s in found
+            if s.suite in SUITES and REQUIRED_COMPONENT in s.components
+            and release_origin(s, lists) in ("", "Debian")
+        ]
+        if not any(s.suite == SUITE for s in chosen):
+            suites = sorted({s.suite for s in found}) or ["none"]
+            raise BuildError(
+                f"apt's sources on this machine have no `deb` entry for {SUITE} with component "
+                f"{REQUIRED_COMPONENT} of the Debian archive (read: {read}; suites found: "
+                f"{', '.join(suites)}); add one, or set {MIRROR_ENV} to the URI of a Debian "
+                f"mirror (and {SECURITY_MIRROR_ENV} to one of the security archive)"
+            )
+    embedded = [s.where for s in chosen if any("<embedded key>" in o for o in s.options)]
+    if embedded:
+        raise BuildError(
+            f"an entry for {SUITE} has its key embedded in Signed-By ({', '.join(embedded)}), which "
+            f"mmdebstrap's one-line entries cannot carry: point Signed-By at a keyring file, or set "
+            f"{MIRROR_ENV}"
+        )
+    chosen.sort(key=lambda s: SUITES.index(s.suite))
+    missing = [suite for suite in SUITES if not any(s.suite == suite for s in chosen)]
+    return chosen, missing
+
+
+def log_sources(log: Log, sources: Sequence[Source], missing: Sequence[str]) -> None:
+    for source in sources:
+        log.write(f"archive: {source.line()} (from {source.where})\n")
+    if missing:
+        line = (f"warning: no entry for {', '.join(missing)} in the archive's sources: "
+                "the image lacks those updates")
+        say(line)
+        log.write(line + "\n")
+
+
+
 # --------------------------------------------------------------------------- manifest
 
 
 def input_hashes() -> dict[str, str]:
-    """What the image is made from besides the archive: this file and the host's GRUB."""
+    """What the image is made from besides the archive: this file and the host's GRUB.
+
+    Not the archive's entries (archive_sources): mirrors serve the same archive, whose changing
+    contents no key follows anyway (``--force``); the suites and the packages are this file's.
+    """
     try:
         builder = hashlib.sha256(BUILDER.read_bytes()).hexdigest()
     except OSError as exc:
@@ -475,7 +744,7 @@ def early_overlay(directory: Path) -> None:
     )
 
 
-def bootstrap(log: Log, root: Path, overlay: Path, cache: Path) -> None:
+def bootstrap(log: Log, root: Path, overlay: Path, cache: Path, sources: Sequence[Source]) -> None:
     archives, lists = cache / "archives", cache / "lists"
     archives.mkdir(parents=True, exist_ok=True)
     lists.mkdir(parents=True, exist_ok=True)
@@ -498,7 +767,7 @@ def bootstrap(log: Log, root: Path, overlay: Path, cache: Path) -> None:
         f"--customize-hook=sync-out /var/lib/apt/lists {lists}",
         SUITE,
         str(root),
-        *SOURCES,
+        *(source.line() for source in sources),
     ]
     run(log, cmd, "mmdebstrap")
 
@@ -783,13 +1052,13 @@ class BootCode(NamedTuple):
     core: bytes  # the BIOS core image, for the BIOS boot partition
 
 
-def make_tree(log: Log, work: Path, layout: Layout) -> Tree:
+def make_tree(log: Log, work: Path, layout: Layout, sources: Sequence[Source]) -> Tree:
     cache = cache_dir()
     root, overlay = work / "root", work / "overlay"
     early_overlay(overlay)
     log.say("mmdebstrap", f"mmdebstrap {SUITE}: {len(PACKAGES)} packages and their dependencies")
     log.write(f"apt cache: {cache}\n")
-    bootstrap(log, root, overlay, cache)
+    bootstrap(log, root, overlay, cache, sources)
     packages = installed_packages(root)
     prune_cache(cache, packages)
     kernel = kernel_release(root)
@@ -833,7 +1102,9 @@ def make_disk(log: Log, work: Path, tree: Tree, boot: BootCode, layout: Layout) 
     return disk
 
 
-def manifest_for(qcow2: Path, tree: Tree, layout: Layout, inputs: dict[str, str]) -> dict[str, object]:
+def manifest_for(
+    qcow2: Path, tree: Tree, layout: Layout, inputs: dict[str, str], sources: Sequence[Source]
+) -> dict[str, object]:
     sha256, sha512 = file_digests(qcow2)
     return {
         "format": MANIFEST_FORMAT,
@@ -845,6 +1116,7 @@ def manifest_for(qcow2: Path, tree: Tree, layout: Layout, inputs: dict[str, str]
         "inputs_sha256": inputs_digest(inputs),
         "inputs": inputs,
         "suite": SUITE,
+        "sources": [source.line() for source in sources],
         "kernel": tree.kernel,
         "kernel_args": f"root=UUID={layout.root_fs_uuid} {KERNEL_ARGS}",
         "boot": ["uefi", "bios"],
@@ -869,17 +1141,19 @@ def install(out: Path, qcow2: Path, manifest: dict[str, object]) -> None:
     os.replace(tmp, out / f"{NAME}.json")
 
 
-def build(log: Log, out: Path, inputs: dict[str, str], started: float) -> None:
+def build(
+    log: Log, out: Path, inputs: dict[str, str], sources: Sequence[Source], started: float
+) -> None:
     layout = plan_layout()
     with work_dir(out) as work:
-        tree = make_tree(log, work, layout)
+        tree = make_tree(log, work, layout, sources)
         boot = make_boot_code(log, work, layout)
         disk = make_disk(log, work, tree, boot, layout)
         log.say("qcow2", "qemu-img convert -O qcow2 -c (zstd)")
         qcow2 = work / f"{NAME}.qcow2"
         run(log, ["qemu-img", "convert", *QCOW2_OPTIONS, str(disk), str(qcow2)], "qemu-img")
         log.say("manifest", "manifest: sha256, sha512")
-        manifest = manifest_for(qcow2, tree, layout, inputs)
+        manifest = manifest_for(qcow2, tree, layout, inputs, sources)
         manifest["build_step_seconds"] = log.end_step()
         manifest["build_seconds"] = round(time.monotonic() - started, 1)
         install(out, qcow2, manifest)
@@ -912,8 +1186,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             log = Log(out / "build.log")
             try:
+                sources, missing = archive_sources()
+                log_sources(log, sources, missing)
                 ensure_host_tools(log)
-                build(log, out, input_hashes(), started)
+                build(log, out, input_hashes(), sources, started)
             finally:
                 log.close()
     except BuildError as exc:
