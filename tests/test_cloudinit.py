@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 
 from vmlaunch.errors import HostError, RuntimeFailure, SpecError
 from vmlaunch.guests import cloudinit
+from vmlaunch.guests.channel import install_command
 from vmlaunch.layout.labdir import LabDir
-from vmlaunch.spec.load import parse_lab
+from vmlaunch.spec.load import load_lab, parse_lab
 from vmlaunch.spec.model import LabSpec, VmSpec
 
 LAB_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKCg43hHtm1AqSJq4/c9XRzwFTq6pkMz6rYUD5m+UgEx vmlaunch-demo"
@@ -133,6 +134,7 @@ def test_generated_cloud_config(lab: LabSpec) -> None:
         "ssh_keys": {"ed25519_private": HOST_KEY[0], "ed25519_public": HOST_KEY[1]},
         "updates": {"network": {"when": ["boot-new-instance", "boot"]}},
         "bootcmd": [
+            install_command(),  # the command channel's agent, first
             [*mount, "share0", "/srv/my src", "trans=virtio,version=9p2000.L,msize=512000,ro"],
             [*mount, "share1", "/srv/out", "trans=virtio,version=9p2000.L,msize=512000,rw"],
         ],
@@ -145,8 +147,22 @@ def test_generated_cloud_config(lab: LabSpec) -> None:
 def test_defaults_without_packages_runcmd_or_shares(lab: LabSpec) -> None:
     config = cloud_config(lab, "bare")
     assert config["users"][0]["name"] == "vmlaunch"
-    for key in ("packages", "package_update", "runcmd", "bootcmd", "mounts"):
+    for key in ("packages", "package_update", "runcmd", "mounts"):
         assert key not in config
+    assert config["bootcmd"] == [install_command()]  # the agent of the command channel only
+
+
+def test_the_seed_installs_the_agent_unless_agent_is_off(tmp_path: Path) -> None:
+    for value, installed in (("", True), ("agent = true\n", True), ("agent = false\n", False)):
+        spec = tmp_path / "lab.toml"
+        spec.write_text('[lab]\nname = "ci"\n[image.deb]\nfile = "deb.qcow2"\n'
+                        f'[vm.a]\nmemory = 256\nimage = "deb"\n{value}')
+        (tmp_path / "deb.qcow2").write_bytes(b"")
+        lab = load_lab(spec)
+        config = yaml.safe_load(cloudinit.user_data(lab, lab.vm("a"), None, None))
+        assert (install_command() in config.get("bootcmd", [])) is installed
+        exported = yaml.safe_load(cloudinit.user_data(lab, lab.vm("a"), None, None, agent=False))
+        assert "bootcmd" not in exported  # an export's engine has no port for it
 
 
 def test_no_seed_without_cloud_init(lab: LabSpec) -> None:
@@ -249,7 +265,7 @@ created: 2024-01-02       # a YAML timestamp: kept as written
     assert config["hostname"] == "other"
     assert config["fqdn"] == "web"
     assert config["runcmd"] == ["touch /var/tmp/hello", "echo 'it''s' > /tmp/x", "echo theirs", ["ls", "-l"]]
-    assert config["bootcmd"][-1] == "echo early" and len(config["bootcmd"]) == 3
+    assert config["bootcmd"][-1] == "echo early" and len(config["bootcmd"]) == 4
     assert config["users"] == [
         {"name": "dev", "sudo": "ALL=(ALL) NOPASSWD:ALL", "shell": "/bin/bash", "lock_passwd": True,
          "ssh_authorized_keys": [LAB_KEY, "ssh-ed25519 AAAAextra them"], "groups": ["adm"]},

@@ -85,8 +85,10 @@ def test_best_practice_defaults(tmp_path: Path) -> None:
     file_node, fmt_node = (json.loads(a) for a in option(argv, "-blockdev"))
     assert file_node["aio"] == "io_uring"
     assert file_node["cache"] == {"direct": True, "no-flush": False}  # cache=none
-    blk, nic, balloon, panic = devices(argv)
+    blk, nic, balloon, panic, channels, agent, qga = devices(argv)
     assert panic == {"driver": "pvpanic", "id": "pvpanic"}  # a panic is seen at once
+    assert channels["driver"] == "virtio-serial-pci"  # the command channel: on for a direct boot
+    assert (agent["name"], qga["name"]) == ("org.vmlaunch.agent.0", "org.qemu.guest_agent.0")
     assert option(argv, "-action") == ["panic=pause"]  # and kept, for status and logs
     assert (blk["driver"], blk["write-cache"]) == ("virtio-blk-pci", "on")
     assert nic["driver"] == "virtio-net-pci"

@@ -149,6 +149,7 @@ PACKAGES = (
     "iproute2",
     "netbase",
     "iputils-ping",
+    "qemu-guest-agent",  # QEMU's own agent: the command channel's qga path (vmlaunch's own: the seed)
 )
 DPKG_OPTIONS = (
     "path-exclude=/usr/share/doc/*",

@@ -39,6 +39,8 @@ from typing import BinaryIO, NamedTuple
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILDER = Path(__file__).resolve()
 INIT_SCRIPT = BUILDER.parent / "guest" / "init"
+# vmlaunch's agent for the command channel (the sh one: the guest has no python3), /bin/vmlaunch-agent
+AGENT_SCRIPT = REPO_ROOT / "vmlaunch" / "guests" / "guest_agent.sh"
 DEFAULT_OUT = REPO_ROOT / "examples" / "guest"
 
 KERNEL_META = "linux-image-amd64"
@@ -166,7 +168,8 @@ def locked(directory: Path) -> Iterator[None]:
 
 
 def input_hashes() -> dict[str, str]:
-    return {"init-sha256": sha256_file(INIT_SCRIPT), "builder-sha256": sha256_file(BUILDER)}
+    return {"init-sha256": sha256_file(INIT_SCRIPT), "agent-sha256": sha256_file(AGENT_SCRIPT),
+            "builder-sha256": sha256_file(BUILDER)}
 
 
 def read_stamp(out: Path) -> dict[str, str]:
@@ -477,7 +480,7 @@ class CpioWriter:
         self._entry("TRAILER!!!", 0, nlink=1)
 
 
-def build_initramfs(busybox: bytes, init: bytes, modules: list[Module]) -> bytes:
+def build_initramfs(busybox: bytes, init: bytes, modules: list[Module], agent: bytes = b"") -> bytes:
     """gzip-compressed newc cpio archive (reproducible: fixed mtimes)."""
     raw = io.BytesIO()
     cpio = CpioWriter(raw)
@@ -486,6 +489,8 @@ def build_initramfs(busybox: bytes, init: bytes, modules: list[Module]) -> bytes
     cpio.chardev("dev/console", 5, 1)
     cpio.file("bin/busybox", busybox, 0o755)
     cpio.file("init", init, 0o755)
+    if agent:
+        cpio.file("bin/vmlaunch-agent", agent, 0o755)
     for module in modules:
         cpio.file(f"lib/modules/{module.name}.ko", module.data)
     cpio.file(MODULE_LIST_PATH, "".join(f"{m.name}\n" for m in modules).encode())
@@ -508,6 +513,7 @@ def read_bytes(path: Path, what: str) -> bytes:
 
 def build(out: Path) -> None:
     init = read_bytes(INIT_SCRIPT, "init script")
+    agent = read_bytes(AGENT_SCRIPT, "agent script")
     packages, debs = acquire(cache_dir())
     with tempfile.TemporaryDirectory(prefix="vmlaunch-guest-") as tmp:
         root = Path(tmp)
@@ -518,7 +524,7 @@ def build(out: Path) -> None:
         vmlinuz = read_bytes(root / "boot" / f"vmlinuz-{kernel}", "kernel image")
         busybox = read_bytes(root / "bin" / "busybox", "busybox")
         modules = collect_modules(root, kernel)
-    initrd = build_initramfs(busybox, init, modules)
+    initrd = build_initramfs(busybox, init, modules, agent)
     with contextlib.suppress(FileNotFoundError):
         (out / ".stamp").unlink()
     atomic_write(out / "vmlinuz", vmlinuz)

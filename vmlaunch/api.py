@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vmlaunch.compile.compiler import compile_lab
 from vmlaunch.compile.plan import Plan
@@ -31,6 +31,10 @@ from vmlaunch.host.facts import detect_host
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.runtime import control, executor, running
 from vmlaunch.runtime.control import VmStatus
+
+if TYPE_CHECKING:
+    from vmlaunch.runtime.agent import Command, Result
+    from vmlaunch.runtime.rig import Guest
 
 log = logging.getLogger("vmlaunch")
 
@@ -272,6 +276,67 @@ class Vm:
             raise RuntimeFailure(f"{self.name}: {words!r} exited with status {done.returncode}",
                                  done.stderr.strip()[-500:] or None)
         return done
+
+    # ---- the command channel (runtime/agent.py, runtime/rig.py): no network or SSH needed
+
+    def _guest(self, via: str | None) -> Guest:
+        from vmlaunch.runtime.rig import Guest
+
+        if via not in (None, "agent", "qga", "ssh"):
+            raise UsageError(f"via={via!r}: give \"ssh\" (or \"agent\", \"qga\"), or nothing for the "
+                             "command channel")
+        return Guest(self.lab.run_dir, self.name, self.lab.model, via)
+
+    def run(self, cmd: Command, timeout: float | None = 60.0, *, input: bytes | None = None,
+            via: str | None = None) -> Result:
+        """Run `cmd` in the guest; its `Result(exit_code, stdout, stderr)`, outputs as bytes.
+
+        A string runs through the guest's shell (`vm.run("ls /tmp | wc -l")`), a list is argv
+        (`vm.run(["printf", "%s", "two words"])`). It goes through the command channel (`agent`), which
+        needs neither the guest's network nor SSH; `via="ssh"` goes through SSH instead. `input` is the
+        command's stdin. Each output keeps its first 64 MiB (`truncated` says when there was more).
+
+        Raises CommandTimedOut (exit 124 at the CLI; `.result` holds the output so far) when the command
+        outlives `timeout` seconds (None: no limit): it is killed in the guest with its process group.
+        AgentError (exit 5) when the VM has no channel, no agent answers within 60 s, or the channel
+        closes or hangs."""
+        return self._guest(via).run(cmd, timeout=timeout, input=input)
+
+    def succeed(self, cmd: Command, timeout: float | None = 60.0, *, via: str | None = None) -> str:
+        """Run `cmd`; its standard output as text. CommandFailed (a RuntimeFailure; `.result` holds the
+        exit status and both outputs, which the message shows) when it exits with another status than 0."""
+        return self._guest(via).succeed(cmd, timeout)
+
+    def fail(self, cmd: Command, timeout: float | None = 60.0, *, via: str | None = None) -> str:
+        """Run `cmd`, which must fail: its standard output; CommandFailed when it exits 0."""
+        return self._guest(via).fail(cmd, timeout)
+
+    def wait_until_succeeds(self, cmd: Command, timeout: float = 900.0, *, via: str | None = None) -> str:
+        """Run `cmd` every half second until it exits 0; its standard output. CommandFailed with the
+        last try's status and output when `timeout` seconds pass first."""
+        return self._guest(via).wait_until_succeeds(cmd, timeout)
+
+    def wait_for_unit(self, unit: str, timeout: float = 900.0, *, via: str | None = None) -> None:
+        """Wait until the systemd unit `unit` is active in the guest. A unit that fails ends the wait at
+        once: CommandFailed carrying the tail of its journal."""
+        self._guest(via).wait_for_unit(unit, timeout)
+
+    def wait_for_port(self, port: int, timeout: float = 900.0, *, via: str | None = None) -> None:
+        """Wait until something listens on TCP `port` inside the guest (any address)."""
+        self._guest(via).wait_for_port(port, timeout)
+
+    def copy_to(self, host_path: str | os.PathLike[str], guest_path: str, *, timeout: float | None = 600.0,
+                via: str | None = None) -> str:
+        """Copy a file or folder of the host into the guest, as `cp -r` (into `guest_path` when it is a
+        folder there); modes kept, the copies owned by root. Returns the guest path written."""
+        return self._guest(via).copy_to(host_path, guest_path, timeout)
+
+    def copy_from(self, guest_path: str, host_path: str | os.PathLike[str], *, timeout: float | None = 600.0,
+                  via: str | None = None) -> Path:
+        """Copy a file or folder of the guest to the host, as `cp -r`; modes kept less setuid and setgid
+        bits, links only inside the copy, no device nodes (the guest is not trusted). Returns the host
+        path written."""
+        return self._guest(via).copy_from(guest_path, host_path, timeout)
 
     def wait_ssh(self, timeout: float = 600.0) -> None:
         """Wait until the VM answers SSH and its cloud-init is done (as `up --wait ssh`)."""

@@ -13,6 +13,7 @@ from vmlaunch.compile.plan import AccelChoice, Plan, VmPlan
 from vmlaunch.core.naming import cgroup_name, management_mac, process_name, tap_name
 from vmlaunch.core.units import format_size, mib_words
 from vmlaunch.errors import HostError, KeyPath, Location
+from vmlaunch.guests.channel import AGENT_PORT, QGA_PORT
 from vmlaunch.guests.diskfiles import DiskOrigin
 from vmlaunch.guests.kernels import KernelBoot, fast_boot_wanted
 from vmlaunch.host.confine import SANDBOX
@@ -55,6 +56,7 @@ from vmlaunch.spec.model import (
     SocketNetwork,
     UserNetwork,
     VmSpec,
+    agent_on,
     balloon_min_mib,
     needs_lab_dir,
 )
@@ -464,7 +466,7 @@ class _Compiler:
         accel = self.accel(vm)
         files = self.run_dir.vm(vm.name)
         managed = has_manager(self.lab, self.host)
-        for sock in files.sockets if managed else (files.qmp, files.console):
+        for sock in files.sockets if managed else (files.qmp, files.console, files.agent, files.qga):
             if len(str(sock).encode()) > UNIX_PATH_MAX:
                 raise HostError(f"socket path {sock} is longer than {UNIX_PATH_MAX} bytes",
                                 "set VMLAUNCH_RUN_DIR to a shorter directory")
@@ -528,6 +530,7 @@ class _Compiler:
                 "free-page-reporting": reports_free_pages(vm),
             })]
         argv += self.panic_device(vm)
+        argv += self.channel(path, vm, files)
         argv += self.firmware_log(vm, files)
         return VmPlan(name=vm.name, argv=tuple(argv), accel=accel, files=files, vcpus=vm.cpus,
                       notes=tuple(self.notes(vm)),
@@ -566,6 +569,23 @@ class _Compiler:
                                           "host-nodes": [node.host_node], "policy": "bind"})]
             cpus = {"cpus": f"{node.vcpus[0]}-{node.vcpus[-1]}"} if node.vcpus else {}
             argv += ["-numa", opts("node", nodeid=index, memdev=memdev, **cpus)]
+        return argv
+
+    def channel(self, path: KeyPath, vm: VmSpec, files: VmFiles) -> list[str]:
+        """The command channel (`agent`): one virtio-serial controller with two ports, each a socket
+        server in the run dir: org.vmlaunch.agent.0 for vmlaunch's agent, org.qemu.guest_agent.0 for
+        QEMU's guest agent where the guest runs one (runtime/agent.py takes whichever answers)."""
+        if not agent_on(vm):
+            return []
+        if vm.agent is None and not {"virtio-serial-pci", "virtserialport"} <= self.host.qemu.devices:
+            return []  # on by default only: a QEMU without virtio-serial runs the VM without a channel
+        for device in ("virtio-serial-pci", "virtserialport"):
+            self.need_device((*path, "agent"), device)
+        argv = ["-device", json_arg({"driver": "virtio-serial-pci", "id": "channels"})]
+        for chardev, sock, port in (("agent", files.agent, AGENT_PORT), ("qga", files.qga, QGA_PORT)):
+            argv += ["-chardev", opts("socket", id=chardev, path=str(sock), server=True, wait=False),
+                     "-device", json_arg({"driver": "virtserialport", "bus": "channels.0", "chardev": chardev,
+                                          "id": f"{chardev}-port", "name": port})]
         return argv
 
     def firmware_log(self, vm: VmSpec, files: VmFiles) -> list[str]:

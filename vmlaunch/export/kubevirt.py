@@ -460,7 +460,7 @@ class _Exporter:
             self.todo_once("the lab has no SSH key yet (its first `vmlaunch up` makes one): the VMs' "
                            "user gets none; export again after, or add yours in cloud_init.user_data")
         key = self.options.authorized_key
-        no_cloud: dict[str, Any] = {"userData": cloudinit.user_data(self.lab, guest, key, None)}
+        no_cloud: dict[str, Any] = {"userData": cloudinit.user_data(self.lab, guest, key, None, agent=False)}
         mgmt = self.pod_nic(vm)
         network = cloudinit.network_config(self.lab, vm, management_mac(self.lab.mac_prefix, self.lab.name,
                                                                          vm.name)

@@ -58,8 +58,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from vmlaunch.errors import KeyPath, Location, Problem, RuntimeFailure, SpecError
+from vmlaunch.guests.channel import install_command
 from vmlaunch.layout.labdir import LabDir
-from vmlaunch.spec.model import CloudInit, LabSpec, Share, UserNetwork, VmSpec
+from vmlaunch.spec.model import CloudInit, LabSpec, Share, UserNetwork, VmSpec, agent_on
 
 if TYPE_CHECKING:
     import yaml
@@ -83,11 +84,13 @@ _SURROGATE_PAIR = re.compile(r"(?<!\\)((?:\\\\)*)\\u(d[89ab][0-9a-f]{2})\\u(d[c-
 # --------------------------------------------------------------------------- user-data
 
 
-def user_data(lab: LabSpec, vm: VmSpec, authorized_key: str | None, host_key: tuple[str, str] | None) -> str:
+def user_data(lab: LabSpec, vm: VmSpec, authorized_key: str | None, host_key: tuple[str, str] | None,
+              *, agent: bool = True) -> str:
     """The VM's `#cloud-config`: `generated_config`, with the user's cloud-config file (if the spec
     names one) merged over it by `merge_config`. Without `authorized_key` the user gets no key; without
-    `host_key` the guest makes its own (a VM exported to a cluster: `export/kubevirt.py`)."""
-    config = generated_config(vm, authorized_key, host_key)
+    `host_key` the guest makes its own (a VM exported to a cluster: `export/kubevirt.py`). Without
+    `agent`, no agent for the command channel (an export: its engine gives the VM no such port)."""
+    config = generated_config(vm, authorized_key, host_key, agent=agent)
     seed = _seed_of(vm)
     if seed.user_data is not None:
         theirs, locate = load_user_config(seed.user_data, _spec_location(lab, vm))
@@ -96,7 +99,7 @@ def user_data(lab: LabSpec, vm: VmSpec, authorized_key: str | None, host_key: tu
 
 
 def generated_config(vm: VmSpec, authorized_key: str | None,
-                     host_key: tuple[str, str] | None) -> dict[str, Any]:
+                     host_key: tuple[str, str] | None, *, agent: bool = True) -> dict[str, Any]:
     """What vmlaunch asks of cloud-init, as a dict.
 
     - One user, the lab's (no distro default user: one known account per VM), with the lab's key,
@@ -107,6 +110,7 @@ def generated_config(vm: VmSpec, authorized_key: str | None,
       the one sshd offers.
     - `manage_etc_hosts`: the hostname resolves (sudo warns on every call otherwise).
     - `updates`: the network config is rendered at every boot, not just the first (module doc).
+    - `bootcmd`: vmlaunch's agent for the command channel (`agent`, guests/channel.py), then the shares.
     """
     seed = _seed_of(vm)
     user: dict[str, Any] = {"name": seed.user, "sudo": SUDO_ALL, "shell": "/bin/bash", "lock_passwd": True}
@@ -126,8 +130,10 @@ def generated_config(vm: VmSpec, authorized_key: str | None,
         private, public = host_key
         config["ssh_keys"] = {"ed25519_private": private, "ed25519_public": public.strip()}
     config["updates"] = {"network": {"when": ["boot-new-instance", "boot"]}}
-    if vm.shares:
-        config["bootcmd"] = [mount_command(share) for share in vm.shares]
+    bootcmd = [install_command()] if agent and agent_on(vm) else []  # the command channel's agent: first
+    bootcmd += [mount_command(share) for share in vm.shares]
+    if bootcmd:
+        config["bootcmd"] = bootcmd
     if seed.packages:
         config["package_update"] = True
         config["packages"] = list(seed.packages)

@@ -1,35 +1,423 @@
-"""The command channel to a guest: run a command, copy files, without the network or SSH.
+"""The command channel to a guest: run a command in it without its network or SSH.
 
-(Interface first; the implementation lands with the channel.)
+QEMU carries the channel on virtio-serial ports (compile/compiler.py puts them in when a VM's `agent`
+is on), each a socket in the run dir (0600, like QMP: whoever opens it is root in the guest):
+
+- `V.agent`, port org.vmlaunch.agent.0: vmlaunch's own agent (guests/guest_agent.py, or
+  guests/guest_agent.sh where the guest has no python3), installed by the cloud-init seed and built
+  into the project's test guest. Protocol VLA1, described in those files: a `hello` with a nonce (the
+  answer to it proves the agent is there and that what is read next belongs to this client), then one
+  `exec` at a time, length-prefixed both ways, so any bytes pass.
+- `V.qga`, port org.qemu.guest_agent.0: QEMU's guest agent, where the guest runs one
+  (`guest-sync-delimited`, `guest-exec`, `guest-exec-status`). Its output is capped by qemu-ga itself
+  (16 MiB).
+
+`run` takes whichever answers, vmlaunch's agent first. A channel serves one client at a time: clients
+of one VM queue on `V.agent.lock`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import base64
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+import select
+import shlex
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
 
 import attrs
 
-from vmlaunch.errors import AgentError
-from vmlaunch.layout.rundir import RunDir
+from vmlaunch.errors import AgentError, CommandTimedOut, RuntimeFailure
+from vmlaunch.layout.rundir import RunDir, VmFiles, open_in_run_dir
 
-DEFAULT_TIMEOUT = 60.0
+DEFAULT_TIMEOUT = 60.0  # seconds a command may run
+DEFAULT_WAIT = 60.0  # seconds to wait for an agent to answer (a guest still booting)
+DEFAULT_LIMIT = 64 << 20  # bytes kept of each output stream
+GRACE = 15.0  # seconds past a command's timeout before the channel counts as hung
+PREFER = 0.3  # seconds vmlaunch's agent gets to answer after QEMU's guest agent did
+CHUNK = 1 << 16
+
+Command = str | bytes | Sequence[str | bytes]
 
 
 @attrs.frozen
 class Result:
     """What a command run in a guest did: its exit status (128+N when killed by signal N) and its
-    output, bytes as the guest wrote them; `truncated` when either stream passed the bound."""
+    output, bytes as the guest wrote them; `truncated` when a stream passed the bound (the rest was
+    read and dropped in the guest)."""
 
     exit_code: int
     stdout: bytes
     stderr: bytes
     truncated: bool = False
+    timed_out: bool = False
+    via: str = "agent"  # agent (vmlaunch's) | qga (QEMU's guest agent) | ssh
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
 
 
-def run(run_dir: RunDir, vm: str, cmd: str | Sequence[str], *, timeout: float | None = DEFAULT_TIMEOUT,
-        input: bytes | None = None) -> Result:
-    """Run `cmd` in VM `vm` (a string through the guest's shell, a sequence as argv).
+def command_line(cmd: Command) -> bytes:
+    """The shell text the guest runs: a string as it is (the guest's shell reads it), a sequence as
+    argv (each word quoted)."""
+    if isinstance(cmd, bytes):
+        return cmd
+    if isinstance(cmd, str):
+        return cmd.encode("utf-8", "surrogateescape")
+    words = [word.decode("utf-8", "surrogateescape") if isinstance(word, bytes) else word for word in cmd]
+    if not words:
+        raise AgentError("no command given")
+    if any("\0" in word for word in words):
+        raise AgentError("a command word holds a NUL byte, which no argv can carry")
+    return ("exec " + " ".join(shlex.quote(word) for word in words)).encode("utf-8", "surrogateescape")
 
-    Raises AgentError when the VM has no channel, no agent answers, or the channel closes or hangs;
-    CommandTimedOut when the command outlives `timeout` (it is killed in the guest)."""
-    raise AgentError(f"{vm}: the command channel is not built yet")
+
+def describe(cmd: Command, width: int = 60) -> str:
+    text = command_line(cmd).decode("utf-8", "replace")
+    text = text[5:] if text.startswith("exec ") and not isinstance(cmd, str | bytes) else text
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def run(run_dir: RunDir, vm: str, cmd: Command, *, timeout: float | None = DEFAULT_TIMEOUT,
+        input: bytes | None = None, wait: float = DEFAULT_WAIT, limit: int = DEFAULT_LIMIT,
+        via: str | None = None, stdout: IO[bytes] | None = None) -> Result:
+    """Run `cmd` in VM `vm` (a string through the guest's shell, a sequence as argv) with `input` on
+    its stdin; return its Result. `via`: "agent" or "qga" to use only that agent. With `stdout` (a
+    binary file), the command's standard output is written there instead of kept in the Result.
+
+    Raises AgentError when the VM has no channel, no agent answers within `wait` seconds, or the
+    channel closes or stops answering; CommandTimedOut (carrying the Result so far as `.result`) when
+    the command outlives `timeout` (None: no limit) — the agent killed it and its process group."""
+    if timeout is not None and timeout <= 0:
+        raise AgentError(f"timeout {timeout:g}: give a number of seconds above 0")
+    text = command_line(cmd)
+    files = run_dir.vm(vm)
+    with _queued(files, vm, wait):
+        deadline = time.monotonic() + wait
+        channel = _connect(files, vm, deadline, via)
+        try:
+            result = channel.exec(text, input or b"", timeout, limit, stdout)
+        finally:
+            channel.close()
+    if result.timed_out:
+        error = CommandTimedOut(f"{vm}: {describe(cmd)!r} did not end within {timeout:g} s; it was killed "
+                                "in the guest", "give it more time with a larger timeout")
+        error.result = result  # type: ignore[attr-defined]
+        raise error
+    return result
+
+
+@contextlib.contextmanager
+def _queued(files: VmFiles, vm: str, wait: float) -> Iterator[None]:
+    """One client per channel: wait (up to `wait` seconds) for the one before to finish."""
+    if not files.dir.is_dir():
+        raise AgentError(f"VM {vm} is not running (its lab is not up)", "`vmlaunch up` it first")
+    fd = open_in_run_dir(files.agent_lock, os.O_RDWR | os.O_CREAT)
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise AgentError(f"{vm}: another command holds the channel for more than {wait:g} s",
+                                     "a channel serves one command at a time") from None
+                time.sleep(0.02)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _open(path: Path) -> socket.socket | None:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(str(path))
+    except FileNotFoundError:
+        conn.close()
+        return None
+    except OSError as exc:
+        conn.close()
+        raise AgentError(f"cannot open the channel {path}: {exc.strerror or exc}",
+                         "is the VM running? `vmlaunch status`") from None
+    conn.setblocking(False)
+    return conn
+
+
+def _connect(files: VmFiles, vm: str, deadline: float, via: str | None) -> Channel:
+    """The first agent that answers: vmlaunch's, or QEMU's guest agent (vmlaunch's is preferred when
+    both answer within PREFER seconds)."""
+    if via not in (None, "agent", "qga"):
+        raise AgentError(f"via={via!r}: the channel is \"agent\" or \"qga\"")
+    candidates: list[Channel] = []
+    if via in (None, "agent") and (conn := _open(files.agent)) is not None:
+        candidates.append(VlaChannel(conn, vm))
+    if via in (None, "qga") and (conn := _open(files.qga)) is not None:
+        candidates.append(QgaChannel(conn, vm))
+    if not candidates:
+        if not files.pidfile.exists():
+            raise AgentError(f"VM {vm} is not running", "`vmlaunch up` it first")
+        raise AgentError(f"VM {vm} has no command channel", "set agent = true on the VM in the spec and "
+                         "`up` it again (see the manual's Test rigs guide)")
+    try:
+        for channel in candidates:
+            channel.greet()
+        chosen: Channel | None = None
+        chosen_at = 0.0
+        while chosen is None or (isinstance(chosen, QgaChannel) and len(candidates) > 1):
+            now = time.monotonic()
+            limit = deadline if chosen is None else min(deadline, chosen_at + PREFER)
+            if now >= limit:
+                break
+            readable, _, _ = select.select([c.conn for c in candidates], [], [], limit - now)
+            for channel in [c for c in candidates if c.conn in readable]:
+                if channel.answered():
+                    if isinstance(channel, VlaChannel):
+                        chosen = channel
+                        break
+                    if chosen is None:
+                        chosen, chosen_at = channel, time.monotonic()
+            if isinstance(chosen, VlaChannel):
+                break
+    except BaseException:
+        for channel in candidates:
+            channel.close()
+        raise
+    for channel in candidates:
+        if channel is not chosen:
+            channel.close()
+    if chosen is None:
+        which = " or ".join(c.what for c in candidates)
+        raise AgentError(f"{vm}: no agent answered on its command channel ({which}) within "
+                         f"{max(0.0, deadline - time.monotonic() + 0.0):.0f} s of waiting",
+                         "is the guest up? vmlaunch's agent starts with the test guest and from the "
+                         "cloud-init seed; another guest needs qemu-guest-agent running")
+    return chosen
+
+
+class Channel:
+    """One connection to an agent."""
+
+    what = "an agent"
+
+    def __init__(self, conn: socket.socket, vm: str) -> None:
+        self.conn = conn
+        self.vm = vm
+        self.buffer = b""
+        self.closed = False
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def greet(self) -> None:
+        raise NotImplementedError
+
+    def answered(self) -> bool:
+        """Read what there is; whether the greeting was answered."""
+        raise NotImplementedError
+
+    def exec(self, text: bytes, data: bytes, timeout: float | None, limit: int,
+             stdout: IO[bytes] | None) -> Result:
+        raise NotImplementedError
+
+    # ---- blocking reads and writes against a deadline
+
+    def _receive(self, deadline: float | None, doing: str) -> bytes:
+        """Some bytes; AgentError when the channel closes or `deadline` passes first."""
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        readable, _, _ = select.select([self.conn], [], [], wait)
+        if not readable:
+            raise AgentError(f"{self.vm}: the command channel stopped answering ({doing})",
+                             "the guest may hang; `vmlaunch logs` shows its console")
+        try:
+            data = self.conn.recv(CHUNK)
+        except BlockingIOError:
+            return b""
+        except OSError as exc:
+            raise AgentError(f"{self.vm}: the command channel failed ({doing}): {exc.strerror or exc}") \
+                from None
+        if not data:
+            raise AgentError(f"{self.vm}: the command channel closed ({doing})",
+                             "the VM stopped, or QEMU closed the channel")
+        return data
+
+    def _send(self, data: bytes, deadline: float | None, doing: str) -> None:
+        view = memoryview(data)
+        while view:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            _, writable, _ = select.select([], [self.conn], [], wait)
+            if not writable:
+                raise AgentError(f"{self.vm}: the command channel takes nothing more ({doing})",
+                                 "the agent in the guest stopped reading")
+            try:
+                view = view[self.conn.send(view[:CHUNK]):]
+            except BlockingIOError:
+                continue
+            except OSError as exc:
+                raise AgentError(f"{self.vm}: the command channel failed ({doing}): "
+                                 f"{exc.strerror or exc}") from None
+
+    def _line(self, deadline: float | None, doing: str, longest: int = 4096) -> bytes:
+        while b"\n" not in self.buffer:
+            if len(self.buffer) > longest:
+                raise AgentError(f"{self.vm}: the agent answered garbage ({doing})")
+            self.buffer += self._receive(deadline, doing)
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line
+
+    def _copy(self, size: int, sink: IO[bytes] | None, deadline: float | None, doing: str) -> bytes:
+        """`size` bytes of the channel: into `sink`, or returned."""
+        kept = bytearray()
+        while size > 0:
+            if not self.buffer:
+                self.buffer = self._receive(deadline, doing)
+            piece, self.buffer = self.buffer[:size], self.buffer[size:]
+            size -= len(piece)
+            if sink is not None:
+                sink.write(piece)
+            else:
+                kept += piece
+        return bytes(kept)
+
+
+class VlaChannel(Channel):
+    """vmlaunch's agent, protocol VLA1."""
+
+    what = "vmlaunch's agent"
+
+    def greet(self) -> None:
+        self.nonce = secrets.token_hex(8)
+        self._send(f"VLA1 hello {self.nonce}\n".encode(), time.monotonic() + 5.0, "greeting")
+
+    def answered(self) -> bool:
+        with contextlib.suppress(BlockingIOError):
+            data = self.conn.recv(CHUNK)
+            if not data:
+                raise AgentError(f"{self.vm}: the command channel closed before the agent answered")
+            self.buffer += data
+        while b"\n" in self.buffer:
+            line, _, self.buffer = self.buffer.partition(b"\n")
+            words = line.split()
+            if len(words) >= 3 and words[0] == b"VLA1" and words[1] == self.nonce.encode() \
+                    and words[2] == b"ready":
+                self.flavour = (words[4] if len(words) > 4 else b"?").decode("ascii", "replace")
+                return True
+        if len(self.buffer) > CHUNK:
+            self.buffer = b""  # a stale stream without lines: drop it
+        return False
+
+    def exec(self, text: bytes, data: bytes, timeout: float | None, limit: int,
+             stdout: IO[bytes] | None) -> Result:
+        request = secrets.token_hex(4)
+        seconds = 0 if timeout is None else max(1, int(timeout + 0.999))
+        header = f"VLA1 exec {request} {len(text)} {len(data)} {seconds} {limit}\n".encode()
+        send_deadline = time.monotonic() + GRACE + len(data) / (1 << 20)  # the guest reads >= 1 MiB/s
+        self._send(header + text + data + f"VLA1 end {request}\n".encode(), send_deadline, "sending")
+        reply_deadline = None if timeout is None else time.monotonic() + seconds + GRACE
+        while True:
+            words = self._line(reply_deadline, "waiting for the command to end").decode(
+                "utf-8", "replace").split(" ")
+            if len(words) >= 3 and words[0] == "VLA1" and words[1] == request:
+                break
+        if words[2] == "error":
+            raise AgentError(f"{self.vm}: the agent could not run the command: {' '.join(words[3:])}")
+        if words[2] != "done" or len(words) != 8 or not all(w.isdigit() for w in words[3:]):
+            raise AgentError(f"{self.vm}: the agent answered garbage: {' '.join(words)[:200]!r}")
+        status, timed_out, out_size, err_size, truncated = (int(w) for w in words[3:])
+        transfer = GRACE + (out_size + err_size) / (1 << 20)
+        out = self._copy(out_size, stdout, time.monotonic() + transfer, "reading the output")
+        err = self._copy(err_size, None, time.monotonic() + transfer, "reading the output")
+        return Result(status, out, err, bool(truncated), bool(timed_out), "agent")
+
+
+class QgaChannel(Channel):
+    """QEMU's guest agent (qemu-ga): JSON commands, output base64 in the replies."""
+
+    what = "QEMU's guest agent"
+    POLL = 0.05
+
+    def greet(self) -> None:
+        self.sync_id = secrets.randbelow(1 << 30)
+        self._send(b"\xff" + json.dumps({"execute": "guest-sync-delimited",
+                                         "arguments": {"id": self.sync_id}}).encode() + b"\n",
+                   time.monotonic() + 5.0, "greeting")
+
+    def answered(self) -> bool:
+        with contextlib.suppress(BlockingIOError):
+            data = self.conn.recv(CHUNK)
+            if not data:
+                raise AgentError(f"{self.vm}: the QEMU guest agent channel closed before it answered")
+            self.buffer += data
+        while b"\n" in self.buffer:
+            line, _, self.buffer = self.buffer.partition(b"\n")
+            line = line.rpartition(b"\xff")[2].strip()
+            with contextlib.suppress(ValueError):
+                if json.loads(line).get("return") == self.sync_id:
+                    return True
+        return False
+
+    def call(self, command: str, arguments: dict[str, Any], deadline: float | None) -> Any:
+        self._send(json.dumps({"execute": command, "arguments": arguments}).encode() + b"\n", deadline,
+                   f"sending {command}")
+        while True:
+            line = self._line(deadline, f"waiting for {command}", longest=1 << 30).strip()
+            try:
+                reply = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(reply, dict):
+                continue
+            if "error" in reply:
+                desc = reply["error"].get("desc") if isinstance(reply["error"], dict) else reply["error"]
+                raise AgentError(f"{self.vm}: QEMU's guest agent refused {command}: {desc}")
+            if "return" in reply:
+                return reply["return"]
+
+    def exec(self, text: bytes, data: bytes, timeout: float | None, limit: int,
+             stdout: IO[bytes] | None) -> Result:
+        script = ('command -v setsid >/dev/null 2>&1 && exec setsid /bin/sh -c "$0"; exec /bin/sh -c "$0"')
+        args: dict[str, Any] = {"path": "/bin/sh", "capture-output": True,
+                                "arg": ["-c", script, text.decode("utf-8", "surrogateescape")]}
+        if data:
+            args["input-data"] = base64.b64encode(data).decode()
+        started = self.call("guest-exec", args, time.monotonic() + GRACE)
+        pid = int(started["pid"])
+        deadline = None if timeout is None else time.monotonic() + timeout
+        timed_out = False
+        while True:
+            status = self.call("guest-exec-status", {"pid": pid}, time.monotonic() + GRACE)
+            if status.get("exited"):
+                break
+            if deadline is not None and time.monotonic() >= deadline and not timed_out:
+                timed_out = True
+                self.call("guest-exec", {"path": "/bin/sh", "arg": [
+                    "-c", 'kill -KILL -- "-$0" 2>/dev/null || kill -KILL "$0"', str(pid)]},
+                    time.monotonic() + GRACE)
+            time.sleep(self.POLL)
+        code = int(status["exitcode"]) if "exitcode" in status else 128 + int(status.get("signal", 0))
+        out = base64.b64decode(status.get("out-data", ""))
+        err = base64.b64decode(status.get("err-data", ""))
+        truncated = bool(status.get("out-truncated") or status.get("err-truncated")) \
+            or len(out) > limit or len(err) > limit
+        out, err = out[:limit], err[:limit]
+        if stdout is not None:
+            stdout.write(out)
+            out = b""
+        return Result(code, out, err, truncated, timed_out, "qga")
+
+
+def channel_of(files: VmFiles) -> list[str]:
+    """The channels a running VM has (its sockets): "agent", "qga"."""
+    return [name for name, path in (("agent", files.agent), ("qga", files.qga)) if path.exists()]
+
+
+__all__ = ["DEFAULT_LIMIT", "DEFAULT_TIMEOUT", "DEFAULT_WAIT", "Result", "RuntimeFailure", "command_line",
+           "run"]

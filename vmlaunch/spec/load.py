@@ -924,7 +924,7 @@ class _Builder:
         if not self.is_valid(path) or queries or memory is None or not sata_ok:
             return None  # the schema or a check above said why
         given: dict[str, Any] = {key: raw[key] for key in ("cpus", "cpu_model", "machine", "append",
-                                                            "fast_boot", "numa_node") if key in raw}
+                                                            "fast_boot", "numa_node", "agent") if key in raw}
         if "cpu_pinning" in raw:
             given["cpu_pinning"] = tuple(raw["cpu_pinning"])
         if "accel" in raw:

@@ -329,6 +329,18 @@ class VmSpec:
     ssh: bool = False  # a management NIC with a 127.0.0.1 port forwarded to 22, and `vmlaunch ssh`
     hugepages: HugepageSize | None = None  # guest RAM from hugepages of this size
     reserve_hugepages: bool = False  # vmlaunch raises nr_hugepages for it, and gives them back
+    # the command channel (virtio-serial ports for vmlaunch's agent and QEMU's guest agent); None: on
+    # when vmlaunch configures the guest (`agent_on`)
+    agent: bool | None = None
+
+
+def agent_on(vm: VmSpec) -> bool:
+    """Whether the VM has the command channel: as `agent` says, else when vmlaunch configures the
+    guest, through its cloud-init seed (which installs vmlaunch's agent) or by booting its kernel
+    itself (the project's test guest has the agent built in)."""
+    if vm.agent is not None:
+        return vm.agent
+    return vm.cloud_init is not None or vm.kernel is not None
 
 
 def needs_lab_dir(vm: VmSpec) -> bool:

@@ -1,0 +1,106 @@
+#!/bin/sh
+# vmlaunch's agent for guests without python3 (the project's test guest; any POSIX sh with dd,
+# head, mkfifo, setsid and wc, as busybox has). It serves vmlaunch's command channel, protocol VLA1
+# (vmlaunch/runtime/agent.py is the host side), on the virtio-serial port org.vmlaunch.agent.0.
+# Whoever can open the channel's socket on the host is root in this guest: that socket is 0600.
+#
+#   host:  VLA1 hello NONCE\n                       guest: VLA1 NONCE ready 1 sh\n
+#   host:  VLA1 exec ID CMDLEN INLEN TIMEOUT LIMIT\n CMD INPUT VLA1 end ID\n
+#   guest: VLA1 ID done STATUS TIMEDOUT OUTLEN ERRLEN TRUNCATED\n OUT ERR
+#
+# CMD runs as a shell script in a session of its own (its process group is what a timeout kills),
+# stdin from INPUT, in /. Each output stream keeps its first LIMIT bytes; the rest is read and
+# dropped (TRUNCATED=1). While the host side is closed the port reads end at once: the agent polls,
+# quickly for a while after each command, then slowly.
+
+PORT_NAME=org.vmlaunch.agent.0
+umask 077
+
+find_port() {
+    for dir in /sys/class/virtio-ports/*; do
+        if [ "$(cat "$dir/name" 2>/dev/null)" = "$PORT_NAME" ]; then
+            echo "/dev/${dir##*/}"
+            return 0
+        fi
+    done
+    return 1
+}
+
+take() {  # take N FILE: exactly N bytes of the channel into FILE; fails on a short read
+    dd bs=65536 count="$1" iflag=fullblock,count_bytes of="$2" 2>/dev/null <&3 || return 1
+    [ "$(wc -c <"$2")" -eq "$1" ]
+}
+
+bounded() {  # bounded LIMIT FILE < STREAM: keep LIMIT bytes in FILE; FILE.over says if there was more
+    if head -c "$1" >"$2"; then
+        [ "$(wc -c)" -gt 0 ] && : >"$2.over"
+    else
+        : >"$2.over"  # no room for it in the guest: cut too
+        cat >/dev/null
+    fi
+}
+
+run_exec() {  # run_exec ID CMDLEN INLEN TIMEOUT LIMIT
+    id=$1
+    rm -rf "$W" && mkdir "$W" || { printf 'VLA1 %s error cannot make %s\n' "$id" "$W" >&3; return 1; }
+    take "$2" "$W/cmd" && take "$3" "$W/in" || return 1
+    IFS= read -r trailer <&3 || return 1
+    if [ "$trailer" != "VLA1 end $id" ]; then
+        printf 'VLA1 %s error the request was cut or garbled\n' "$id" >&3
+        return 1
+    fi
+    mkfifo "$W/o" "$W/e" || { printf 'VLA1 %s error cannot make fifos in %s\n' "$id" "$W" >&3; return 1; }
+    bounded "$5" "$W/out" <"$W/o" &
+    reader_out=$!
+    bounded "$5" "$W/err" <"$W/e" &
+    reader_err=$!
+    (cd / && exec setsid sh "$W/cmd" <"$W/in" >"$W/o" 2>"$W/e") &
+    pid=$!
+    watchdog=''
+    if [ "$4" -gt 0 ]; then
+        (exec setsid sh -c 'sleep "$1"; : >"$3"; kill -KILL -"$2"' watchdog "$4" "$pid" "$W/timedout") &
+        watchdog=$!
+    fi
+    wait "$pid"
+    status=$?
+    wait "$reader_out" "$reader_err"
+    [ -n "$watchdog" ] && kill -KILL -"$watchdog" 2>/dev/null
+    timedout=0
+    [ -e "$W/timedout" ] && [ "$status" -ge 128 ] && timedout=1
+    truncated=0
+    [ -e "$W/out.over" ] || [ -e "$W/err.over" ] && truncated=1
+    printf 'VLA1 %s done %s %s %s %s %s\n' "$id" "$status" "$timedout" \
+        "$(wc -c <"$W/out")" "$(wc -c <"$W/err")" "$truncated" >&3
+    cat "$W/out" "$W/err" >&3
+}
+
+serve() {  # until the host side closes (a read ends) or a request goes wrong
+    while IFS= read -r line <&3; do
+        set -f
+        # shellcheck disable=SC2086
+        set -- $line
+        set +f
+        [ "$1" = VLA1 ] || continue
+        case "$2" in
+            hello) printf 'VLA1 %s ready 1 sh\n' "$3" >&3 ;;
+            exec) run_exec "$3" "$4" "$5" "$6" "$7" || return 0 ;;
+            *) printf 'VLA1 %s error unknown request %s\n' "$3" "$2" >&3 ;;
+        esac
+        idle=0
+    done
+}
+
+W=${TMPDIR:-/tmp}/vmlaunch-agent
+rm -rf "$W"
+mkdir -p "$W" || exit 1
+port=''
+idle=0
+while :; do
+    if [ -z "$port" ]; then
+        port=$(find_port) || { sleep 1; continue; }
+        exec 3<>"$port" || { port=''; sleep 1; continue; }
+    fi
+    serve
+    idle=$((idle + 1))
+    if [ "$idle" -lt 100 ]; then sleep 0.05; else sleep 0.5; fi
+done
