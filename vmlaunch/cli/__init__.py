@@ -2,8 +2,8 @@
 
 One module per command group, each with `register(commands, root)` adding its commands the one way
 (`common.command`): `lab` (validate, cmdline, up, down, pause, resume, reset), `vms` (ls, status,
-logs, console, ssh, balloon, qmp, numa), `rig` (exec, cp), `image`, `snapshot`, `export`, `doctor`,
-`help` (help, completion). This module builds the parser from them and owns what every command shares: the exit
+logs, console, ssh, balloon, qmp, numa), `rig` (exec, cp), `image`, `snapshot`, `export`,
+`doctor`, `help` (help, completion). This module builds the parser from them and owns what every command shares: the exit
 codes, the log lines on standard error, signals and a closed pipe.
 
 Start-up is kept light: a group imports argparse only; each command imports what it needs when it runs.
