@@ -6,9 +6,8 @@ same MACs, taps and multicast groups, and differ between labs.
 Interface names: the default bridge of a network and the tap of a NIC are a 60-bit hash in base32 of
 what they belong to, `vlb<12>` for bridges and `vl-<12>` for taps, 15 bytes (the kernel's limit); an
 uplink's VLAN link is `UPLINK.VLAN` as administrators name them, `vlq<12>` when that is too long; the
-IFB of a tap's netem is `vli` and the tap's 12. The
-lab and VM names the spec allows (up to 20 and 32 bytes) do not fit IFNAMSIZ whole, so no injective
-name exists; 60 bits are enough because:
+IFB of a tap's netem is `vli` and the tap's 12. The lab and VM names the spec allows (up to 20 and 32
+bytes) do not fit IFNAMSIZ whole, so no injective name exists; 60 bits are enough because:
 
 - by accident: among n names the chance that any two collide is about n^2 / 2^61, one in 2 * 10^10
   for 10,000 interfaces on one host;

@@ -128,6 +128,7 @@ def detect_host() -> Host:
 
 
 def kernel_has_netem() -> bool | None:
+    """Whether the kernel has sch_netem, from its config and module lists (no probe: a few reads)."""
     from vmlaunch.host import netem
 
     return netem.kernel_has_netem()
