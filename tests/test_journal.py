@@ -16,6 +16,7 @@ from vmlaunch.resources.hugepages import HugepagesRecord
 from vmlaunch.resources.image import ImageRecord
 from vmlaunch.resources.ksm import KsmRecord
 from vmlaunch.resources.manager import ManagerRecord
+from vmlaunch.resources.netem import NetemRecord
 from vmlaunch.resources.pci import PciRecord
 from vmlaunch.resources.placement import PlacementRecord
 from vmlaunch.resources.registry import RECORDS
@@ -52,6 +53,7 @@ SAMPLES = [
     Entry("placement", "b", "b", PlacementRecord("b", None, (0, 1), (0, 1, 2, 3))),
     Entry("vm-user", "a", "a", VmUserRecord("a", 1879048192, "/run/vmlaunch", ("/l/share",))),
     Entry("vm-user-claim", "b", "b", VmUserClaimRecord("b", 1879048193, "/run/vmlaunch")),
+    Entry("netem", "vl-abcdefghijkl", "a", NetemRecord("vl-abcdefghijkl", "vliabcdefghijkl", "a", 0)),
 ]
 
 
@@ -73,7 +75,7 @@ def good(resources: list[Any] | None = None, **changes: Any) -> dict[str, Any]:
 
 def test_registry_covers_every_record_kind() -> None:
     assert set(RECORDS) == {"image", "bridge", "tap", "pci", "labdir", "vmfile", "hugepages",
-                            "manager", "ksm", "placement", "script", "vm-user", "vm-user-claim"}
+                            "manager", "ksm", "placement", "script", "vm-user", "vm-user-claim", "netem"}
     assert {e.kind for e in SAMPLES} == set(RECORDS)
 
 

@@ -203,6 +203,11 @@ file = "a.img"
 
 [[vm.a.nic]]
 network = "br"
+netem = { loss = 1 }
+
+[[vm.a.nic]]
+network = "mc"
+netem = { delay = "1ms", where = "guest" }
 
 [[vm.a.pci]]
 host = "15:00.0"
@@ -241,6 +246,7 @@ def _built(tmp_path: Path) -> dict[type, list[tuple[object, dict[str, Any]]]]:
         model.VmSpec: [(a, vm_a)],  # (b has an image: its ssh is on)
         model.Disk: [(a.disks[0], vm_a["disk"][0])],
         model.Nic: [(a.nics[0], vm_a["nic"][0])],
+        model.Netem: [(a.nics[i].netem, vm_a["nic"][i]["netem"]) for i in (0, 1)],
         model.PciDevice: [(a.pci[0], vm_a["pci"][0])],
         model.Balloon: [(a.balloon, vm_a["balloon"])],
         model.Share: [(a.shares[0], vm_a["share"][0])],

@@ -533,7 +533,7 @@ def test_every_problem_of_a_table_at_once(tmp_path: Path) -> None:
         "lab.toml:11: vm.a.nic[0].mac: '01:00:00:00:00:01' is a multicast address (the first octet must "
         "be even)",
         "lab.toml:12: vm.a.nic[0].speed: unknown key 'speed' (known keys: dns, gateway, ip, mac, model, "
-        "network, queues)",
+        "netem, network, queues)",
         f"lab.toml:14: vm.a.disk[0].file: {tmp_path}/d.img does not exist (give the disk a size to have "
         "`up` create it)",
         "lab.toml:15: vm.a.disk[0].cache: cache = \"unsafe\" ignores flushes: a host crash corrupts the "

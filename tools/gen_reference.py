@@ -59,6 +59,7 @@ MODELS: dict[str, type] = {
     "#/$defs/disk": model.Disk,
     "#/$defs/nic": model.Nic,
     "#/$defs/pci": model.PciDevice,
+    "#/$defs/netem": model.Netem,
     "#/$defs/balloon": model.Balloon,
     "#/$defs/cloudInit": model.CloudInit,
     "#/$defs/share": model.Share,
@@ -75,7 +76,10 @@ FIELDS: dict[tuple[type, str], str | None] = {
     (model.VmSpec, "share"): "shares",
     (model.Balloon, "min"): "min_mib",
     (model.SocketNetwork, "mcast"): None,  # split into group and port
-    (model.Disk, "accept_data_loss"): None,  # an opt-in the loader checks; the model keeps nothing of it
+    (model.Disk, "accept_data_loss"): None,
+    (model.Netem, "delay"): "delay_ms",
+    (model.Netem, "jitter"): "jitter_ms",
+    (model.Netem, "rate"): "rate_bit",  # an opt-in the loader checks; the model keeps nothing of it
 }
 # The $defs that are a kind of value rather than a table: (what a key's type says, section title).
 FORMATS = {"size": ("size", "Sizes"), "duration": ("duration", "Durations"), "name": ("name", "Names"),

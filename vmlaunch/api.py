@@ -253,6 +253,38 @@ class Vm:
         """
         return control.qmp_command(self.lab.run_dir, self.name, command, args)
 
+    def netem(self, nic: int | str, *, delay: float | str | None = None, jitter: float | str | None = None,
+              loss: float | str | None = None, rate: str | None = None, corrupt: float | str | None = None,
+              duplicate: float | str | None = None, reorder: float | str | None = None,
+              where: str = "auto", clear: bool = False, timeout: float = 30.0) -> dict[str, Any]:
+        """Set the kernel's netem on one NIC (its index, "nicN" or its network's name), as `vmlaunch
+        netem SPEC VM NIC ...`, replacing what it had; with `clear`, clear it. Returns what is now set:
+        the figures in fixed units (delay_ms, jitter_ms, loss, corrupt, duplicate, reorder in percent,
+        rate_bit) and "where" ("host" or "guest"); {} once cleared.
+
+        delay and jitter: milliseconds, or text with a unit ("20ms"); percentages 0-100 (30 or "30%");
+        rate: text with tc's unit ("10mbit"). Delay, jitter, loss, corrupt, duplicate and reorder apply
+        to what the NIC sends (once per round trip), rate to each direction. UsageError for a bad
+        figure, HostError where netem cannot run (`where="host"` on a kernel without netem, a guest
+        without tc or netem).
+        """
+        from vmlaunch.runtime import netem, wire
+        from vmlaunch.spec.netem import parse_netem
+
+        index = wire.resolve_nic(self.lab.model, self.name, str(nic))
+        given = {"delay": delay, "jitter": jitter, "loss": loss, "rate": rate, "corrupt": corrupt,
+                 "duplicate": duplicate, "reorder": reorder}
+        if clear:
+            if any(value is not None for value in given.values()):
+                raise UsageError("netem(clear=True) takes no figures")
+            netem.clear_netem(self.lab.run_dir, self.lab.model, self.name, index, timeout=timeout)
+            return {}
+        parsed, problems = parse_netem({**given, "where": where}, bare_ms=True)
+        if parsed is None:
+            said = "; ".join(f"{key}: {message}" if key else message for key, message, _ in problems)
+            raise UsageError(said, problems[0][2])
+        return netem.set_netem(self.lab.run_dir, self.lab.model, self.name, index, parsed, timeout=timeout)
+
     def status(self) -> VmStatus:
         """This VM's row of `Lab.status()`."""
         return self.lab.status()[self.name]

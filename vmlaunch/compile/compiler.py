@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from vmlaunch.compile.plan import AccelChoice, Plan, VmPlan
-from vmlaunch.core.naming import cgroup_name, management_mac, process_name, tap_name
+from vmlaunch.core.naming import cgroup_name, management_mac, netem_ifb_name, process_name, tap_name
 from vmlaunch.core.units import format_size, mib_words
 from vmlaunch.errors import HostError, KeyPath, Location
 from vmlaunch.guests.channel import AGENT_PORT, QGA_PORT
@@ -31,6 +31,7 @@ from vmlaunch.resources.hugepages import Hugepages
 from vmlaunch.resources.image import Image
 from vmlaunch.resources.ksm import Ksm, default_settings, explicit_settings
 from vmlaunch.resources.manager import LabManager, ManagedVm, ManagerConfig
+from vmlaunch.resources.netem import TapNetem
 from vmlaunch.resources.pci import PciBind
 from vmlaunch.resources.placement import VmPlacement
 from vmlaunch.resources.script import ScriptEnv, TapScript
@@ -49,6 +50,7 @@ from vmlaunch.spec.model import (
     DiskFormat,
     Firmware,
     LabSpec,
+    NetemWhere,
     Nic,
     NicModel,
     PciDriver,
@@ -101,7 +103,8 @@ def compile_lab(lab: LabSpec, host: Host, only: Sequence[str] = (),
     placements = placements_of(lab, host, running)
     compiler = _Compiler(lab, host, run_dir, placements, kernels or {})
     plans = tuple(compiler.vm(vm) for vm in vms)
-    resources = (*host_resources(lab, vms, host), *placement_resources(lab, vms, host, run_dir, placements),
+    resources = (*host_resources(lab, vms, host), *netem_resources(lab, vms, host),
+                 *placement_resources(lab, vms, host, run_dir, placements),
                  *ksm_resources(lab, host), *manager_resources(lab, host, run_dir, placements),
                  *user_resources(vms, host))
     booting = [Booting(plan.name, vm.cpus, plan.accel.accel is Accel.TCG) for plan, vm in zip(plans, vms)]
@@ -394,6 +397,40 @@ def user_resources(vms: Sequence[VmSpec], host: Host) -> Iterator[Resource]:
                          shares=tuple((share.source, share.readonly) for share in vm.shares))
 
 
+def netem_side(lab: LabSpec, vm: VmSpec, index: int, host: Host) -> NetemWhere | None:
+    """Where the spec's netem of NIC `index` runs (HOST or GUEST), None when it has none. `host` on a
+    host whose kernel has no netem is a HostError at the key; netem in a guest without its command
+    channel (`agent = false`) too."""
+    from vmlaunch.host.netem import no_netem
+    from vmlaunch.spec.netem import resolve_where
+
+    nic = vm.nics[index]
+    if nic.netem is None:
+        return None
+    host_side = isinstance(lab.network(nic.network), TAP_NETWORKS)
+    where = resolve_where(nic.netem.where, host_side=host_side, host_netem=bool(host.netem))
+    path: KeyPath = ("vm", vm.name, "nic", index, "netem")
+    if where is NetemWhere.HOST and host.netem is False:
+        error = no_netem()
+        raise HostError(error.message, error.hint, Location(lab.file, lab.source.line_of(path), path))
+    if where is NetemWhere.GUEST and getattr(vm, "agent", None) is False:
+        raise HostError("netem in the guest is set through its command channel, and the VM has agent = "
+                        "false", "turn the agent on, or use where = \"host\" on a bridge or tap network",
+                        Location(lab.file, lab.source.line_of(path), path))
+    return where
+
+
+def netem_resources(lab: LabSpec, vms: Sequence[VmSpec], host: Host) -> Iterator[Resource]:
+    """After the taps: each NIC's netem from the spec that runs on the host side (its tap)."""
+    for vm in vms:
+        for index, _ in enumerate(vm.nics):
+            if netem_side(lab, vm, index, host) is NetemWhere.HOST:
+                tap = tap_name(lab.name, vm.name, index)
+                netem = vm.nics[index].netem
+                assert netem is not None
+                yield TapNetem(tap=tap, ifb=netem_ifb_name(tap), vm=vm.name, index=index, netem=netem)
+
+
 def host_resources(lab: LabSpec, vms: Sequence[VmSpec], host: Host | None = None) -> Iterator[Resource]:
     """In the order `up` applies them: PCI first (checked before anything else changes)."""
     for vm in vms:
@@ -535,6 +572,9 @@ class _Compiler:
         return VmPlan(name=vm.name, argv=tuple(argv), accel=accel, files=files, vcpus=vm.cpus,
                       notes=tuple(self.notes(vm)),
                       placement=self.placements.get(vm.name),
+                      guest_netem=tuple((index, nic.mac, nic.netem) for index, nic in enumerate(vm.nics)
+                                        if nic.netem is not None
+                                        and netem_side(self.lab, vm, index, self.host) is NetemWhere.GUEST),
                       ssh_user=(vm.cloud_init.user if vm.cloud_init else DEFAULT_CLOUD_USER) if vm.ssh
                       else None)
 

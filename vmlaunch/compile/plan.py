@@ -12,7 +12,7 @@ from vmlaunch.layout.rundir import RunDir, VmFiles
 from vmlaunch.policy.admission import Admission
 from vmlaunch.policy.placement import Placed
 from vmlaunch.resources.base import Resource
-from vmlaunch.spec.model import Accel
+from vmlaunch.spec.model import Accel, Netem
 
 
 @attrs.frozen
@@ -31,6 +31,9 @@ class VmPlan:
     vcpus: int = 1
     ssh_user: str | None = None  # a VM with an SSH port (management NIC): the user `vmlaunch ssh` logs in as
     placement: Placed | None = None  # the NUMA node(s) and CPUs it runs on, when placed
+    # (NIC index, its MAC, the figures) of the spec's netem that runs in the guest: `up` sets it through
+    # the command channel once the guest answers (runtime/netem.py)
+    guest_netem: tuple[tuple[int, str, Netem], ...] = ()
 
 
 @attrs.frozen

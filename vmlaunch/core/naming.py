@@ -5,9 +5,9 @@ same MACs, taps and multicast groups, and differ between labs.
 
 Interface names: the default bridge of a network and the tap of a NIC are a 60-bit hash in base32 of
 what they belong to, `vlb<12>` for bridges and `vl-<12>` for taps, 15 bytes (the kernel's limit); an
-uplink's VLAN link is `UPLINK.VLAN` as administrators name them, `vlq<12>` when that is too long. The
-lab and VM names the spec allows (up to 20 and 32 bytes) do not fit IFNAMSIZ whole, so no injective
-name exists; 60 bits are enough because:
+uplink's VLAN link is `UPLINK.VLAN` as administrators name them, `vlq<12>` when that is too long; the
+IFB of a tap's netem is `vli` and the tap's 12. The lab and VM names the spec allows (up to 20 and 32
+bytes) do not fit IFNAMSIZ whole, so no injective name exists; 60 bits are enough because:
 
 - by accident: among n names the chance that any two collide is about n^2 / 2^61, one in 2 * 10^10
   for 10,000 interfaces on one host;
@@ -77,6 +77,14 @@ def tap_name(lab: str, vm: str, index: int) -> str:
     Never equal to a default bridge name (the third character differs).
     """
     return f"vl-{_name_hash('tap', lab, vm, str(index))}"
+
+
+def netem_ifb_name(tap: str) -> str:
+    """The IFB that a tap's ingress (what its VM sends) is redirected to for netem: `vli` and the tap's
+    hash, so named from the tap and found with it. Marked as the lab's like the tap (kind "ifb").
+
+    Never a default bridge's, a tap's nor a VLAN link's name (the third character differs)."""
+    return f"vli{tap[3:]}"
 
 
 def vlan_link_name(uplink: str, vlan: int) -> str:

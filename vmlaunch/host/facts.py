@@ -75,6 +75,7 @@ class Host:
     # with VMLAUNCH_CONFINE=off, for measuring and debugging
     confine: bool = True
     as_root: bool = False  # vmlaunch runs as root (a lab that makes bridges and taps)
+    netem: bool | None = None  # the kernel has sch_netem (host/netem.py); None: not known
 
 
 @attrs.frozen
@@ -122,7 +123,15 @@ def detect_host() -> Host:
         vlan_8021q=kernel_has_8021q(),
         confine=confinement_wanted(),
         as_root=os.geteuid() == 0,
+        netem=kernel_has_netem(),
     )
+
+
+def kernel_has_netem() -> bool | None:
+    """Whether the kernel has sch_netem, from its config and module lists (no probe: a few reads)."""
+    from vmlaunch.host import netem
+
+    return netem.kernel_has_netem()
 
 
 def kernel_has_8021q() -> bool:

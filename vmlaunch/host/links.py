@@ -27,6 +27,7 @@ from vmlaunch.errors import EXIT_HOST, RuntimeFailure, needs_root
 TUN_KIND = "tun"
 BRIDGE_KIND = "bridge"
 VLAN_KIND = "vlan"
+IFB_KIND = "ifb"  # an intermediate functional block: where netem shapes what a tap receives
 IFF_UP = 0x1
 
 _R = TypeVar("_R")
@@ -89,7 +90,8 @@ class Link:
     def describe(self) -> str:
         if self.kind == VLAN_KIND:
             return f"VLAN {self.vlan} of interface #{self.parent}"
-        return {BRIDGE_KIND: "a bridge", TUN_KIND: "a tun/tap device", None: "a network device"}.get(
+        return {BRIDGE_KIND: "a bridge", TUN_KIND: "a tun/tap device", IFB_KIND: "an IFB device",
+                None: "a network device"}.get(
             self.kind, f"a {self.kind} device")
 
 
@@ -169,6 +171,10 @@ class Netlink:
 
     def set(self, link: Link, doing: str, **kwargs: Any) -> None:
         self._call(link.name, doing, lambda: self._ipr.link("set", index=link.index, **kwargs))
+
+    def tc(self, link: Link, doing: str, command: str, kind: str | None = None, **kwargs: Any) -> Any:
+        """One traffic-control request (qdisc or filter) on `link`: IPRoute.tc(command, kind, index)."""
+        return self._call(link.name, doing, lambda: self._ipr.tc(command, kind, link.index, **kwargs))
 
     def mark(self, link: Link, mark: str) -> None:
         """Mark an interface vmlaunch created as its own (its ifalias, `ip link` shows it as alias)."""

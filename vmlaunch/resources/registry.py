@@ -11,6 +11,7 @@ from vmlaunch.resources.hugepages import HugepagesRecord
 from vmlaunch.resources.image import ImageRecord
 from vmlaunch.resources.ksm import KsmRecord, release_unjournaled_ksm
 from vmlaunch.resources.manager import ManagerRecord
+from vmlaunch.resources.netem import NetemRecord
 from vmlaunch.resources.pci import PciRecord
 from vmlaunch.resources.placement import PlacementRecord
 from vmlaunch.resources.script import ScriptRecord
@@ -21,6 +22,7 @@ RECORDS: dict[str, type[Record]] = {record.kind: record for record in (
     ImageRecord,
     BridgeRecord,
     TapRecord,
+    NetemRecord,
     ScriptRecord,
     PciRecord,
     LabDirRecord,

@@ -228,6 +228,10 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
             if from_snapshot is not None:
                 from_snapshot.step_clocks(plan, [vm for vm in to_start if vm not in waited],
                                           {vm.name: journal.vms[vm.name].ssh_port for vm in to_start})
+            if any(vm.guest_netem for vm in to_start) or any(r.kind == "netem" for r in resources):
+                from vmlaunch.runtime import netem  # the spec's netem: recorded, and set in the guests
+
+                netem.apply_at_up(plan, to_start, deadline)
         except BaseException:
             with signals.held():  # a second Ctrl-C must not cut the rollback short
                 try:
@@ -764,6 +768,10 @@ def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, fo
             if journal.vms:  # the lab stays up: this VM's files go now, as the run dir would
                 _remove_files(run_dir.vm(name))
         failures: list[str] = []
+        if stopped and run_dir.wire.exists():  # netem set at run time: its IFBs outlive the taps
+            from vmlaunch.runtime import netem
+
+            failures += netem.undo_at_down(run_dir, run_dir.lab, list(stopped) if journal.vms else None)
         remaining_vms = set(journal.vms)
         ctx = Context(lab=run_dir.lab)
         for entry in reversed(list(journal.resources)):

@@ -5,7 +5,7 @@ version): everything that can be found without the journal.
   (the QMP socket path in the run dir, unique per lab and VM: `qemu.is_our_qemu`); each stopped as
   `down` stops any VM (power button, QMP quit, kill);
 - its lab manager: the process running `vmlaunch.manager RUN_DIR`;
-- its taps: the links whose mark (ifalias) names the lab;
+- its taps and the IFBs of their netem: the links whose mark (ifalias) names the lab;
 - its bridges and its KSM claim: through the host-wide registries, as for an `up` killed before it
   journaled them (`resources/registry.py`);
 - its placed VMs' cpuset cgroups (`vmlaunch.LAB.VM`).
@@ -81,18 +81,19 @@ def stop_managers(run_dir: RunDir) -> None:
 
 
 def remove_marked_taps(lab: str) -> list[str]:
-    """Delete the taps marked as the lab's that no process holds open (their QEMU is gone); returns
-    what could not be done."""
-    from vmlaunch.host.links import TUN_KIND, LinkError, netlink
+    """Delete the taps marked as the lab's that no process holds open (their QEMU is gone), and the IFBs
+    of their netem; returns what could not be done."""
+    from vmlaunch.host.links import IFB_KIND, TUN_KIND, LinkError, netlink
 
     problems = []
     try:
         with netlink("(every interface)") as nl:
             for link in nl.links("(every interface)", "listing interfaces"):
-                if link.kind == TUN_KIND and link.lab == lab:
+                if link.kind in (TUN_KIND, IFB_KIND) and link.lab == lab:
                     try:
                         nl.delete(link)
-                        log.info("tap %s: removed (marked as lab %s's)", link.name, lab)
+                        what = "tap" if link.kind == TUN_KIND else "IFB (netem)"
+                        log.info("%s %s: removed (marked as lab %s's)", what, link.name, lab)
                     except LinkError as exc:
                         problems.append(str(exc))
     except (VmlaunchError, OSError) as exc:  # no netlink here (no pyroute2, no permission)

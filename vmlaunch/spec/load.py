@@ -56,6 +56,8 @@ from vmlaunch.spec.model import (
     LabMemory,
     LabPlacement,
     LabSpec,
+    Netem,
+    NetemWhere,
     Network,
     Nic,
     NicModel,
@@ -686,6 +688,7 @@ class _Builder:
         self.forwarding: dict[str, KeyPath] = {
             net.name: () for net in networks if isinstance(net, UserNetwork) and net.forward}
         self.forwarding_or_user = {net.name for net in networks if isinstance(net, UserNetwork)}
+        self.socket_networks = {net.name for net in networks if isinstance(net, SocketNetwork)}
         broken = {key for key in self.table(("network",)) if key not in known}
         vms = self.with_addresses(tuple(self.vms(known, broken)))
         memory = self.lab_memory(vms)
@@ -1290,12 +1293,34 @@ class _Builder:
             given: dict[str, Any] = {k: raw[k] for k in ("queues", "gateway") if k in raw}
             if "dns" in raw:
                 given["dns"] = tuple(raw["dns"])
+            if "netem" in raw:
+                netem = self.netem((*path, "netem"), raw["netem"], network)
+                if netem is None:
+                    continue
+                given["netem"] = netem
             nic = Nic(network=network, mac=mac or "", model=NicModel(raw["model"]) if "model" in raw
                       else default_of(Nic, "model"), **given)
             if nic.queues > 1 and nic.model is not NicModel.VIRTIO:
                 self.problems.add((*path, "queues"), "multi-queue needs model = \"virtio\"")
             if mac is not None:
                 yield nic
+
+    def netem(self, path: KeyPath, raw: Doc, network: str) -> Netem | None:
+        """A NIC's `netem = { ... }`: every figure checked (spec/netem.py, the CLI's parser too);
+        `where = "host"` needs a NIC with a host interface (a bridge or tap network's)."""
+        from vmlaunch.spec.netem import parse_netem
+
+        netem, problems = parse_netem(raw, bare_ms=False)
+        for key, message, hint in problems:
+            self.problems.add((*path, key) if key else path, message, hint)
+        if netem is None:
+            return None
+        if netem.where is NetemWhere.HOST and (network in self.forwarding_or_user
+                                               or network in self.socket_networks):
+            self.problems.add((*path, "where"), f"network {network!r} has no host interface to shape "
+                              "(QEMU's user and socket networks)", 'use where = "guest" (or "auto")')
+            return None
+        return netem
 
     def address_fits(self, path: KeyPath, raw: Doc, network: str) -> bool:
         """ip, gateway and dns are for networks whose addresses the guest sets itself (bridge, socket);

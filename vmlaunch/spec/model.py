@@ -167,6 +167,30 @@ class Disk:
     accept_other_owner: bool = False  # the file, or a folder on its path, may be another user's
 
 
+class NetemWhere(enum.Enum):
+    """Where a NIC's netem runs (spec/netem.py says what each figure does)."""
+
+    AUTO = "auto"  # host where the host kernel has sch_netem and the NIC a host interface, else guest
+    HOST = "host"  # on the NIC's tap, through netlink: any guest OS, no agent
+    GUEST = "guest"  # in the guest, with its own tc, through the command channel
+
+
+@attrs.frozen
+class Netem:
+    """Impairments of one NIC's traffic (the kernel's netem). Delay, jitter, loss, corrupt, duplicate
+    and reorder apply to what the NIC sends, so once per round trip; rate to each direction. None:
+    not set. Parsed by spec/netem.py, one parser for the spec, the CLI and the API."""
+
+    delay_ms: float | None = None
+    jitter_ms: float | None = None
+    loss: float | None = None  # percent, 0-100
+    corrupt: float | None = None
+    duplicate: float | None = None
+    reorder: float | None = None
+    rate_bit: int | None = None  # bits per second
+    where: NetemWhere = NetemWhere.AUTO
+
+
 @attrs.frozen
 class Nic:
     network: str
@@ -178,6 +202,7 @@ class Nic:
     ip: str | None = None
     gateway: str | None = None
     dns: tuple[str, ...] = ()
+    netem: Netem | None = None  # impairments `up` sets on its traffic (`netem = { ... }`)
 
 
 @attrs.frozen
