@@ -87,6 +87,15 @@ class Firmware(enum.Enum):
     UEFI = "uefi"  # OVMF: the code read-only and shared, a per-VM copy of the variable store
 
 
+class Video(enum.Enum):
+    """The VM's display device: what QMP `screendump` (`vmlaunch screenshot`) reads and what a guest's
+    graphical console draws on."""
+
+    STD = "std"  # QEMU's standard VGA (`-device VGA`, as `-vga std`): every x86 guest drives it
+    VIRTIO = "virtio"  # virtio-vga: a paravirtual GPU (Linux's virtio-gpu driver), VGA-compatible at boot
+    NONE = "none"  # no display device: no screen to dump, one PCI slot and 16 MiB of video memory less
+
+
 class NetworkType(enum.Enum):
     BRIDGE = "bridge"
     USER = "user"
@@ -329,6 +338,9 @@ class VmSpec:
     ssh: bool = False  # a management NIC with a 127.0.0.1 port forwarded to 22, and `vmlaunch ssh`
     hugepages: HugepageSize | None = None  # guest RAM from hugepages of this size
     reserve_hugepages: bool = False  # vmlaunch raises nr_hugepages for it, and gives them back
+    # On by default: a test rig expects `screenshot` to show the guest's screen, as a libvirt or
+    # NixOS-test VM has one. Left out, on a machine or QEMU without VGA, the VM has none (compiler).
+    video: Video = Video.STD
 
 
 def needs_lab_dir(vm: VmSpec) -> bool:
