@@ -281,7 +281,8 @@ def test_a_vlan_needs_8021q(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("line", "expected"), [
-    ("", "VGA"), ('video = "std"\n', "VGA"), ('video = "virtio"\n', "virtio-vga"), ('video = "none"\n', None)])
+    ("", "VGA"), ('video = "std"\n', "VGA"), ('video = "virtio"\n', "virtio-vga"),
+    ('video = "none"\n', None)])
 def test_a_screen_for_screenshots(tmp_path: Path, line: str, expected: str | None) -> None:
     spec = write_spec(tmp_path, HEAD + f'[vm.a]\nmemory = 64\nkernel = "k"\n{line}')
     argv = argv_of(spec)
@@ -297,5 +298,5 @@ def test_no_default_screen_where_there_is_no_vga(tmp_path: Path) -> None:
     assert not [d for d in devices(argv_of(plain, devices=frozenset({"virtio-balloon-pci", "pvpanic"})))
                 if d.get("id") == "video0"]
     asked = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\nkernel = "k"\nvideo = "virtio"\n', "asked.toml")
-    with pytest.raises(HostError, match=r"asked.toml:6: vm.a.video: this QEMU \(.*\) has no virtio-vga device"):
+    with pytest.raises(HostError, match=r"asked.toml:6: vm.a.video: this QEMU \(.*\) has no virtio-vga"):
         argv_of(asked, devices=frozenset({"virtio-balloon-pci", "VGA"}))
