@@ -85,10 +85,11 @@ def test_best_practice_defaults(tmp_path: Path) -> None:
     file_node, fmt_node = (json.loads(a) for a in option(argv, "-blockdev"))
     assert file_node["aio"] == "io_uring"
     assert file_node["cache"] == {"direct": True, "no-flush": False}  # cache=none
-    blk, nic, balloon, panic, channels, agent, qga = devices(argv)
+    blk, nic, balloon, panic, channels, agent, qga, video = devices(argv)
     assert panic == {"driver": "pvpanic", "id": "pvpanic"}  # a panic is seen at once
     assert channels["driver"] == "virtio-serial-pci"  # the command channel: on for a direct boot
     assert (agent["name"], qga["name"]) == ("org.vmlaunch.agent.0", "org.qemu.guest_agent.0")
+    assert video == {"driver": "VGA", "id": "video0"}  # a screen for `screenshot`, last: slots stay
     assert option(argv, "-action") == ["panic=pause"]  # and kept, for status and logs
     assert (blk["driver"], blk["write-cache"]) == ("virtio-blk-pci", "on")
     assert nic["driver"] == "virtio-net-pci"
@@ -276,3 +277,28 @@ def test_a_vlan_needs_8021q(tmp_path: Path) -> None:
     alone = write_spec(tmp_path, HEAD + '[network.idle]\nuplink = "eth2"\nvlan = 7\n'
                        '[vm.a]\nmemory = 64\nkernel = "k"\n', "idle.toml")
     compile_lab(load_lab(alone), fake_host(vlan_8021q=False))  # no VM on it: nothing to refuse
+
+
+# --- the screen (`video`) ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("line", "expected"), [
+    ("", "VGA"), ('video = "std"\n', "VGA"), ('video = "virtio"\n', "virtio-vga"),
+    ('video = "none"\n', None)])
+def test_a_screen_for_screenshots(tmp_path: Path, line: str, expected: str | None) -> None:
+    spec = write_spec(tmp_path, HEAD + f'[vm.a]\nmemory = 64\nkernel = "k"\n{line}')
+    argv = argv_of(spec)
+    screens = [d for d in devices(argv) if d.get("id") == "video0"]
+    assert screens == ([{"driver": expected, "id": "video0"}] if expected else [])
+    assert option(argv, "-display") == ["none"]  # read over QMP, never shown in a window
+
+
+def test_no_default_screen_where_there_is_no_vga(tmp_path: Path) -> None:
+    left_out = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\nkernel = "k"\nmachine = "microvm"\n')
+    assert not [d for d in devices(argv_of(left_out)) if d.get("id") == "video0"]
+    plain = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\nkernel = "k"\n', "plain.toml")
+    assert not [d for d in devices(argv_of(plain, devices=frozenset({"virtio-balloon-pci", "pvpanic"})))
+                if d.get("id") == "video0"]
+    asked = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\nkernel = "k"\nvideo = "virtio"\n', "asked.toml")
+    with pytest.raises(HostError, match=r"asked.toml:6: vm.a.video: this QEMU \(.*\) has no virtio-vga"):
+        argv_of(asked, devices=frozenset({"virtio-balloon-pci", "VGA"}))

@@ -368,3 +368,20 @@ def test_a_lab_with_only_socket_networks_is_told_no_network_step(tmp_path: Path)
     step = next(line for line in done.stderr.splitlines() if "define them:" in line)
     assert step.endswith(f'for f in {tmp_path / "out"}/domains/*.xml; do virsh define "$f"; done '
                          "(then virsh start)"), step
+
+
+@pytest.mark.parametrize(("line", "model", "graphics"), [
+    ("", "vga", None), ('video = "virtio"\n', "virtio", None), ('video = "none"\n', "none", False)])
+def test_the_screen_is_exported(tmp_path: Path, line: str, model: str, graphics: bool | None) -> None:
+    import yaml
+
+    spec = write_spec(tmp_path, f'[lab]\nname = "s"\n[vm.a]\nmemory = 64\nkernel = "k"\n{line}')
+    lab = load_lab(spec)
+    domain = export_libvirt(lab).files[0].text
+    assert f'<video>\n      <model type="{model}" />\n    </video>' in domain
+    assert "<graphics" not in domain  # as vmlaunch: a screen to read, never a window or a VNC port
+    kubevirt = export_kubevirt(lab, options=KubevirtOptions(authorized_key=LAB_KEY))
+    vm = next(yaml.safe_load(f.text) for f in kubevirt.files if "VirtualMachine\n" in f.text)
+    assert vm["spec"]["template"]["spec"]["domain"]["devices"].get("autoattachGraphicsDevice") == graphics
+    unmapped = [p.location.key_path for p in kubevirt.problems if p.location.key_path[-1:] == ("video",)]
+    assert unmapped == ([("vm", "a", "video")] if model == "virtio" else [])

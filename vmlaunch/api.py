@@ -146,6 +146,18 @@ class Lab:
         `vmlaunch status`."""
         return {row.name: row for row in control.status(self.run_dir, list(self.vms), self.model)}
 
+    def collect(self, folder: str | os.PathLike[str], *, screenshots: bool = True) -> Path:
+        """Save the evidence of this Lab's VMs into `folder` (made when missing) and return it: each
+        VM's console log, QEMU's logs and a screenshot (`VM/serial.log`, `VM/qemu.log`,
+        `VM/stderr.log`, `VM/screen.png`), `status.json` (as `vmlaunch status --json`), `wire.json`
+        (the faults set on the wire), `manager.log` when the lab has a manager, and `README.txt`
+        listing what was saved and what could not be, and why. Never raises for a missing piece:
+        after `down` it saves the logs of the last run. The pytest fixture calls it when a test
+        fails."""
+        from vmlaunch.runtime.evidence import collect
+
+        return collect(self.run_dir, self.model, self.vms, Path(folder), screenshots=screenshots).folder
+
     def manager_log(self) -> str:
         """The lab manager's log: every balloon target it set and why (`vmlaunch logs --manager`)."""
         return control.read_manager_log(self.run_dir)[0]
@@ -284,6 +296,33 @@ class Vm:
             said = "; ".join(f"{key}: {message}" if key else message for key, message, _ in problems)
             raise UsageError(said, problems[0][2])
         return netem.set_netem(self.lab.run_dir, self.lab.model, self.name, index, parsed, timeout=timeout)
+
+    def screenshot(self, path: str | os.PathLike[str]) -> Path:
+        """Save the VM's screen as a PNG at `path` (replaced atomically; a relative path is taken from
+        the working directory) and return its absolute path. The screen is the VM's display device
+        (`video` in the spec, VGA by default). RuntimeFailure when the VM is not running or has no
+        screen (`video = "none"`)."""
+        from vmlaunch.compile.compiler import video_of
+        from vmlaunch.runtime import screen
+        from vmlaunch.spec.model import Video
+
+        if video_of(self.lab.model, self.lab.model.vm(self.name)) is Video.NONE:
+            raise screen.no_screen(self.name)
+        return screen.screenshot(self.lab.run_dir, self.name, Path(path))
+
+    def send_keys(self, *keys: str, text: str | None = None, hold_ms: int | None = None) -> None:
+        """Press keys on the VM's keyboard, as QMP `send-key`: each of `keys` is one combination of
+        QEMU's key names (qcodes) joined by `-`, pressed together: `vm.send_keys("ctrl-alt-delete")`,
+        `vm.send_keys("alt-f2", "ret")`; common aliases are known (enter, esc, del, space, super).
+        `text` is then typed as keys of a US keyboard, shift for capitals and symbols:
+        `vm.send_keys(text="root\n")`. Each key is held `hold_ms` (QEMU's 100 ms by default).
+        UsageError naming an unknown key or a character a US keyboard cannot type (nothing is sent
+        then); RuntimeFailure when the VM is not running. Returns once QEMU has queued the keys."""
+        from vmlaunch.runtime import screen
+
+        if hold_ms is not None and (isinstance(hold_ms, bool) or not isinstance(hold_ms, int) or hold_ms < 1):
+            raise UsageError(f"hold_ms: {hold_ms!r} is not a number of milliseconds (1 or more)")
+        screen.send_keys(self.lab.run_dir, self.name, screen.keys_to_send(keys, text), hold_ms)
 
     def status(self) -> VmStatus:
         """This VM's row of `Lab.status()`."""

@@ -7,6 +7,12 @@
 A relative spec path is taken from the directory of the test file, wherever pytest runs. Every lab
 the fixture brought up is brought down when the test ends, pass or fail.
 
+Evidence: when the test fails (in its setup or its body), each lab's evidence (`Lab.collect`: the
+consoles, QEMU's logs, screenshots, `status --json`, the wire state, the lab manager's log) is saved
+before `down` into the test's own `tmp_path`, as `vmlaunch-LAB`; the report names the folder (a section
+of the failure, the test's `user_properties`, and a line in the terminal summary). A passing test saves
+nothing unless pytest runs with `--vmlaunch-keep`.
+
 Coverage: pytest imports this plugin (an entry point) before coverage starts, so `make test` reports
 it as unrun although tests/test_api.py uses the fixture.
 """
@@ -15,7 +21,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -23,12 +30,43 @@ if TYPE_CHECKING:
     from vmlaunch.api import Lab
 
 LabFactory = Callable[..., "Lab"]
+EVIDENCE = "vmlaunch evidence"  # the name of the report section and of the user property
+KEEP = "--vmlaunch-keep"
+_REPORTS = pytest.StashKey[dict[str, pytest.TestReport]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("vmlaunch")
+    group.addoption(KEEP, action="store_true", default=False,
+                    help="save the evidence of every vmlaunch_lab lab (consoles, QEMU logs, screenshots, "
+                    "status) for passing tests too; a failing test's is always saved")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Keep each phase's report on the item: the fixture's teardown reads whether the test failed."""
+    outcome: Any = yield
+    report: pytest.TestReport = outcome.get_result()
+    item.stash.setdefault(_REPORTS, {})[report.when] = report
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """A line per saved evidence folder, after the failures (teardown reports carry them, also from
+    pytest-xdist's workers)."""
+    saved = [(report.nodeid, value) for reports in terminalreporter.stats.values() for report in reports
+             if getattr(report, "when", None) == "teardown"
+             for name, value in getattr(report, "user_properties", ()) if name == EVIDENCE]
+    if saved:
+        terminalreporter.section(EVIDENCE)
+        for nodeid, folder in saved:
+            terminalreporter.line(f"{nodeid}: {folder}")
 
 
 @pytest.fixture
-def vmlaunch_lab(request: pytest.FixtureRequest) -> Iterator[LabFactory]:
+def vmlaunch_lab(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LabFactory]:
     """`vmlaunch_lab(spec, vms=(), *, wait_for=None, timeout=None, wait_ssh=False)` brings a lab up
-    (`Lab.up`) and returns it; a relative `spec` is taken from the test file's directory."""
+    (`Lab.up`) and returns it; a relative `spec` is taken from the test file's directory. When the
+    test fails, each lab's evidence is saved into `tmp_path / "vmlaunch-LAB"` before it goes down."""
     from vmlaunch.api import Lab, _locate_spec
 
     labs: list[Lab] = []
@@ -43,6 +81,10 @@ def vmlaunch_lab(request: pytest.FixtureRequest) -> Iterator[LabFactory]:
         return lab
 
     yield start
+    reports = request.node.stash.get(_REPORTS, {})
+    failed = [report for report in reports.values() if report.failed]
+    if labs and (failed or request.config.getoption(KEEP)):
+        _save_evidence(request.node, labs, tmp_path, failed)
     errors = []
     for lab in reversed(labs):
         try:
@@ -51,3 +93,20 @@ def vmlaunch_lab(request: pytest.FixtureRequest) -> Iterator[LabFactory]:
             errors.append(f"{lab.spec}: {exc}")
     if errors:
         pytest.fail("vmlaunch_lab teardown failed:\n" + "\n".join(errors), pytrace=False)
+
+
+def _save_evidence(item: pytest.Item, labs: Sequence[Lab], tmp_path: Path,
+                   failed: Sequence[pytest.TestReport]) -> None:
+    """Each lab's evidence into the test's tmp_path, named in the report; never an error of its own."""
+    lines = []
+    for lab in labs:
+        folder = tmp_path / f"vmlaunch-{lab.name}"
+        try:
+            lab.collect(folder)
+        except Exception as exc:  # the test's own failure is what matters: say why, go on
+            lines.append(f"lab {lab.name}: collecting its evidence failed: {exc}")
+            continue
+        item.user_properties.append((EVIDENCE, str(folder)))
+        lines.append(f"lab {lab.name}: {folder} (README.txt lists what is there)")
+    for report in failed:
+        report.sections.append((EVIDENCE, "\n".join(lines)))

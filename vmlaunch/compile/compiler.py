@@ -57,6 +57,7 @@ from vmlaunch.spec.model import (
     PlacementPolicy,
     SocketNetwork,
     UserNetwork,
+    Video,
     VmSpec,
     agent_on,
     balloon_min_mib,
@@ -86,6 +87,7 @@ NIC_DEVICES = {
     NicModel.E1000E: "e1000e",
     NicModel.RTL8139: "rtl8139",
 }
+VIDEO_DEVICES = {Video.STD: "VGA", Video.VIRTIO: "virtio-vga"}
 DISK_DEVICES = {DiskBus.VIRTIO: "virtio-blk-pci", DiskBus.SCSI: "scsi-hd", DiskBus.SATA: "ide-hd"}
 MEMORY_TARGET = 0.8
 
@@ -330,6 +332,15 @@ def reports_free_pages(vm: VmSpec) -> bool:
     return vm.balloon.free_page_reporting and vm.hugepages is None
 
 
+def video_of(lab: LabSpec, vm: VmSpec) -> Video:
+    """The VM's screen as the spec asks for it: `video` given, or the default on the x86 PC machines
+    (no screen elsewhere: QEMU's other x86 machines have no PCI bus or no VGA)."""
+    if vm.video is Video.STD and not is_pc_machine(vm.machine) \
+            and not lab.source.defines(("vm", vm.name, "video")):
+        return Video.NONE
+    return vm.video
+
+
 def is_pc_machine(machine: str) -> bool:
     """The x86 PC machines (`pc`, `q35`, and their versions such as pc-q35-7.2), which have an ISA bus."""
     return machine in ("pc", "q35") or machine.startswith(("pc-", "pc-i440fx", "pc-q35"))
@@ -569,6 +580,7 @@ class _Compiler:
         argv += self.panic_device(vm)
         argv += self.channel(path, vm, files)
         argv += self.firmware_log(vm, files)
+        argv += self.display(path, vm)
         return VmPlan(name=vm.name, argv=tuple(argv), accel=accel, files=files, vcpus=vm.cpus,
                       notes=tuple(self.notes(vm)),
                       placement=self.placements.get(vm.name),
@@ -636,6 +648,20 @@ class _Compiler:
             return []
         return ["-chardev", opts("file", id="firmware", path=str(files.firmware_log)),
                 "-device", json_arg({"driver": "isa-debugcon", "iobase": 0x402, "chardev": "firmware"})]
+
+    def display(self, path: KeyPath, vm: VmSpec) -> list[str]:
+        """The VM's screen (`video`), for QMP `screendump` and `send-key`; `-display none` stays: the
+        screen is read, never shown in a window. Last among the PCI devices, so that adding it moved no
+        other device's slot (a guest names its NICs by slot: enp0s2 stays enp0s2). Left to its default,
+        a machine or QEMU without VGA has none; asked for, it is an error there."""
+        video = video_of(self.lab, vm)
+        if video is Video.NONE:
+            return []
+        driver = VIDEO_DEVICES[video]
+        if driver not in self.host.qemu.devices and not self.lab.source.defines((*path, "video")):
+            return []
+        self.need_device((*path, "video"), driver)
+        return ["-device", json_arg({"driver": driver, "id": "video0"})]
 
     def panic_device(self, vm: VmSpec) -> list[str]:
         """QEMU's pvpanic device on the x86 PC machines (pc, q35) where this QEMU has it: a guest whose

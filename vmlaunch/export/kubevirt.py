@@ -29,7 +29,7 @@ from typing import Any
 
 import attrs
 
-from vmlaunch.compile.compiler import TCG_CPU, reports_free_pages
+from vmlaunch.compile.compiler import TCG_CPU, reports_free_pages, video_of
 from vmlaunch.core.naming import default_bridge_name, management_mac
 from vmlaunch.errors import KeyPath, UsageError, format_key_path
 from vmlaunch.export import Export, ExportedFile, Findings, qualified
@@ -47,6 +47,7 @@ from vmlaunch.spec.model import (
     PciDriver,
     TapNetwork,
     UserNetwork,
+    Video,
     VmSpec,
 )
 
@@ -211,6 +212,8 @@ class _Exporter:
             devices["networkInterfaceMultiqueue"] = True
         if not vm.balloon.enabled:
             devices["autoattachMemBalloon"] = False
+        if video_of(self.lab, vm) is Video.NONE:
+            devices["autoattachGraphicsDevice"] = False  # KubeVirt's own VGA (and VNC) otherwise
         devices["logSerialConsole"] = True  # the console's output, kept (the guest-console-log container)
         host_devices = self.host_devices(vm)
         if host_devices:
@@ -263,6 +266,9 @@ class _Exporter:
         if balloon.enabled and balloon.deflate_on_oom and self.lab.source.defines((*path, "balloon",
                                                                                     "deflate_on_oom")):
             add((*path, "balloon", "deflate_on_oom"), "KubeVirt's balloon has no deflate-on-OOM")
+        if vm.video is Video.VIRTIO:
+            add((*path, "video"), "KubeVirt picks the graphics device itself (VGA, or bochs under UEFI): "
+                "exported as its default")
         for index, _ in enumerate(vm.shares):
             add((*path, "share", index), "a folder of the lab's host has no equivalent on a cluster: not "
                 "exported (nor mounted by cloud-init)",

@@ -24,6 +24,7 @@ from vmlaunch.compile.compiler import (
     TCG_CPU,
     boot_disks,
     reports_free_pages,
+    video_of,
 )
 from vmlaunch.core.naming import management_mac, vlan_link_name
 from vmlaunch.errors import KeyPath
@@ -43,10 +44,12 @@ from vmlaunch.spec.model import (
     SocketNetwork,
     TapNetwork,
     UserNetwork,
+    Video,
     VmSpec,
     needs_lab_dir,
 )
 
+VIDEO_MODELS = {Video.STD: "vga", Video.VIRTIO: "virtio", Video.NONE: "none"}
 # UUIDs of exported domains and networks: version 5, from this namespace and the object's name.
 UUID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "vmlaunch:export:libvirt")
 SERIAL_LOG_DIR = Path("/var/log/libvirt/qemu")  # virtlogd's folder for domain logs
@@ -248,6 +251,9 @@ def domain_xml(lab: LabSpec, vm: VmSpec, findings: Findings) -> str:
     console = ET.SubElement(devices, "console", type="pty")
     ET.SubElement(console, "target", type="serial", port="0")
     _balloon(lab, vm, devices, findings)
+    # the screen `virsh screenshot` reads; no <graphics>: as in vmlaunch, never a window or a VNC port
+    video = ET.SubElement(devices, "video")
+    ET.SubElement(video, "model", type=VIDEO_MODELS[video_of(lab, vm)])
     return _text(root)
 
 

@@ -14,7 +14,7 @@ import contextlib
 import json
 import socket
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -87,16 +87,40 @@ class QuickQmp:
         return reply
 
     def cmd(self, command: str, **args: Any) -> Any:
+        return self.cmd_with_fds(command, (), **args)
+
+    def cmd_with_fds(self, command: str, fds: Sequence[int], **args: Any) -> Any:
+        """`cmd`, with `fds` passed along (SCM_RIGHTS) for the commands that take one (add-fd,
+        getfd): QEMU gets its own copies, the caller's stay open."""
         message: dict[str, Any] = {"execute": command}
         if args:
             message["arguments"] = args
-        self.stream.write(json.dumps(message).encode() + b"\n")
-        self.stream.flush()
+        data = json.dumps(message).encode() + b"\n"
+        if fds:
+            self.stream.flush()
+            try:
+                socket.send_fds(self.conn, [data], list(fds))
+            except OSError as exc:
+                raise QmpError(f"QMP: {exc}") from None
+        else:
+            self.stream.write(data)
+            self.stream.flush()
         while True:
             reply = self._read()
             if "return" in reply or "error" in reply:
                 return result(command, reply)
             # anything else is an event: not what we wait for
+
+    def add_fd(self, fd: int) -> int:
+        """Hand QEMU a copy of `fd` in a new fd set; returns the set's id, for `/dev/fdset/ID` as a
+        file name and for `remove_fd`. QEMU opens such a name by duplicating a descriptor of the set
+        whose access mode matches (O_WRONLY for a file it writes): it never opens a path of its own,
+        which a confined QEMU could not."""
+        reply = self.cmd_with_fds("add-fd", [fd])
+        return int(reply["fdset-id"])
+
+    def remove_fd(self, fdset: int) -> None:
+        self.cmd("remove-fd", **{"fdset-id": fdset})
 
     def close(self) -> None:
         self.stream.close()

@@ -68,6 +68,7 @@ from vmlaunch.spec.model import (
     SocketNetwork,
     TapNetwork,
     UserNetwork,
+    Video,
     VmSpec,
     balloon_min_mib,
     default_of,
@@ -932,6 +933,8 @@ class _Builder:
             given["cpu_pinning"] = tuple(raw["cpu_pinning"])
         if "accel" in raw:
             given["accel"] = Accel(raw["accel"])
+        if "video" in raw:
+            given["video"] = Video(raw["video"])
         if "initrd" in raw:
             given["initrd"] = self.path_of(raw["initrd"])
         given.update(guest)

@@ -87,6 +87,15 @@ class Firmware(enum.Enum):
     UEFI = "uefi"  # OVMF: the code read-only and shared, a per-VM copy of the variable store
 
 
+class Video(enum.Enum):
+    """The VM's display device: what QMP `screendump` (`vmlaunch screenshot`) reads and what a guest's
+    graphical console draws on."""
+
+    STD = "std"  # QEMU's standard VGA (`-device VGA`, as `-vga std`): every x86 guest drives it
+    VIRTIO = "virtio"  # virtio-vga: a paravirtual GPU (Linux's virtio-gpu driver), VGA-compatible at boot
+    NONE = "none"  # no display device: no screen to dump, one PCI slot and 16 MiB of video memory less
+
+
 class NetworkType(enum.Enum):
     BRIDGE = "bridge"
     USER = "user"
@@ -357,6 +366,9 @@ class VmSpec:
     # the command channel (virtio-serial ports for vmlaunch's agent and QEMU's guest agent); None: on
     # when vmlaunch configures the guest (`agent_on`)
     agent: bool | None = None
+    # On by default: a test rig expects `screenshot` to show the guest's screen, as a libvirt or
+    # NixOS-test VM has one. Left out, on a machine or QEMU without VGA, the VM has none (compiler).
+    video: Video = Video.STD
 
 
 def agent_on(vm: VmSpec) -> bool:

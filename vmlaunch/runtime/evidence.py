@@ -1,0 +1,168 @@
+"""Evidence of a lab, for when a test fails: everything that says what its VMs did, copied into a folder
+that outlives `down`.
+
+    DIR/README.txt          what was collected, when, and what could not be (and why)
+    DIR/status.json         what `vmlaunch status --json` prints
+    DIR/wire.json           the faults on the wire set at runtime (link states, netem, partition)
+    DIR/manager.log         the lab manager's log, when the lab has a manager
+    DIR/VM/serial.log       what the guest printed on its serial console
+    DIR/VM/qemu.log         QEMU's command line, what it said while starting and then (its -D log)
+    DIR/VM/screen.png       the VM's screen, when it runs and has one
+
+Collecting never fails because one piece is missing: each missing piece is a line of README.txt. A VM
+that is not up gives the logs of its last run (kept by `down`, `layout/lastrun.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shlex
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+
+import attrs
+
+from vmlaunch.errors import VmlaunchError
+from vmlaunch.layout import lastrun
+from vmlaunch.layout.rundir import RunDir, VmFiles
+from vmlaunch.runtime import process, screen, wire
+from vmlaunch.runtime.control import VmStatus, is_up, manager_record, status
+from vmlaunch.spec.model import LabSpec
+
+log = logging.getLogger(__name__)
+
+INDEX = "README.txt"
+
+
+@attrs.frozen
+class Evidence:
+    """What `collect` wrote into `folder` (paths relative to it) and what it could not, with why."""
+
+    folder: Path
+    files: tuple[str, ...]
+    missing: tuple[str, ...]
+
+
+class _Collector:
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.files: list[str] = []
+        self.missing: list[str] = []
+
+    def write(self, name: str, data: bytes | str | None, why_none: str = "") -> None:
+        """Write `name` (relative), or note it missing with `why_none` when `data` is None."""
+        if data is None:
+            self.missing.append(f"{name}: {why_none}")
+            return
+        path = self.folder / name
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data.encode() if isinstance(data, str) else data)
+        except OSError as exc:
+            self.missing.append(f"{name}: cannot write it: {exc.strerror or exc}")
+            return
+        self.files.append(name)
+
+    def attempt(self, name: str, produce: Callable[[], bytes | str | None], why_none: str) -> None:
+        """`write(name, produce())`; a vmlaunch error or OSError while producing it is noted, not raised."""
+        try:
+            data = produce()
+        except (VmlaunchError, OSError) as exc:
+            self.missing.append(f"{name}: {exc}")
+            return
+        except Exception as exc:  # evidence of a failure must not fail on a bug of its own
+            log.debug("collecting %s failed", name, exc_info=True)
+            self.missing.append(f"{name}: {type(exc).__name__}: {exc}")
+            return
+        self.write(name, data, why_none)
+
+
+def collect(run_dir: RunDir, lab: LabSpec, names: Sequence[str], folder: Path, *,
+            screenshots: bool = True) -> Evidence:
+    """Copy the evidence of the VMs `names` of `lab` into `folder` (made when missing; files of the
+    same names are replaced); `screenshots`: a screenshot of each running VM with a screen."""
+    folder = Path(os.path.abspath(folder))
+    folder.mkdir(parents=True, exist_ok=True)
+    out = _Collector(folder)
+    rows: list[VmStatus] = []
+
+    def status_json() -> str:
+        rows[:] = status(run_dir, list(names), lab)
+        return json.dumps({row.name: row.to_json() for row in rows}, indent=2) + "\n"
+
+    out.attempt("status.json", status_json, "")
+    out.attempt("wire.json", lambda: json.dumps(wire.load(run_dir), indent=2) + "\n", "")
+    out.attempt("manager.log", lambda: _manager_log(run_dir), "the lab has no lab manager")
+    rows_of = {row.name: row for row in rows}
+    for name in names:
+        _vm(out, run_dir, name, rows_of.get(name), screenshots)
+    _index(out, lab, names)
+    return Evidence(folder, tuple(out.files), tuple(out.missing))
+
+
+def _manager_log(run_dir: RunDir) -> str | None:
+    if manager_record(run_dir) is not None:
+        return process.read_text(run_dir.manager_log)
+    return lastrun.read_manager(run_dir.lab)
+
+
+def _vm(out: _Collector, run_dir: RunDir, name: str, row: VmStatus | None, screenshots: bool) -> None:
+    files = run_dir.vm(name)
+    never = "the VM is not up, and no earlier run of it was kept"
+    if is_up(run_dir, name):
+        out.attempt(f"{name}/serial.log", partial(_read_bytes, files.serial_log), "QEMU has not written it")
+        out.attempt(f"{name}/qemu.log", partial(_qemu_log, files, row), "")
+    else:
+        out.attempt(f"{name}/serial.log", lambda: lastrun.read(run_dir.lab, name, "serial"), never)
+        kept = lastrun.read(run_dir.lab, name, "qemu")  # what QEMU said while starting, then its -D log
+        out.write(f"{name}/qemu.log", None if kept is None else
+                  f"# QEMU of VM {name}, its last run (the VM is not up)\n{kept}", never)
+    shot = f"{name}/screen.png"
+    if not screenshots:
+        out.write(shot, None, "no screenshots asked for")
+    elif row is None or row.pid is None or row.state == "unresponsive":
+        # a paused or panicked guest's screen is worth having: only a QEMU that is gone or mute has none
+        out.write(shot, None, f"the VM is {row.state if row else 'not up'}: no screen to capture")
+    else:
+        def capture() -> bytes:
+            (out.folder / name).mkdir(parents=True, exist_ok=True)
+            screen.screenshot(run_dir, name, out.folder / shot)  # a VM without a screen: noted
+            return (out.folder / shot).read_bytes()
+
+        out.attempt(shot, capture, "")
+
+
+def _qemu_log(files: VmFiles, row: VmStatus | None) -> str:
+    """What QEMU said while starting (its stderr), then for the rest of its life (its -D log), under
+    its command line: the argv is what a reader of a failure asks for first."""
+    head = [f"# QEMU of VM {files.name}"]
+    if row is not None and row.pid is not None:
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{row.pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+            head.append(f"# pid {row.pid}: {shlex.join(arg.decode(errors='replace') for arg in argv)}")
+    started, then = process.read_text(files.stderr_log), process.read_text(files.qemu_log)
+    return "\n".join([*head, f"# while starting ({files.stderr_log.name}):", started.rstrip("\n"),
+                      f"# then ({files.qemu_log.name}):", then.rstrip("\n")]) + "\n"
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    text = process.read_text(path)  # never through a symlink; "" when missing
+    return text.encode() if text or path.exists() else None
+
+
+def _index(out: _Collector, lab: LabSpec, names: Sequence[str]) -> None:
+    when = time.strftime("%Y-%m-%d %H:%M:%S %z")
+    lines = [f"Evidence of lab {lab.name} ({lab.file}), VMs {', '.join(names) or 'none'}, collected {when}.",
+             "", "Collected:"]
+    lines += [f"  {name}" for name in out.files] or ["  nothing"]
+    if out.missing:
+        lines += ["", "Not collected:"] + [f"  {line}" for line in out.missing]
+    lines += ["", "status.json is `vmlaunch status --json`; wire.json the faults set on the wire at runtime;",
+              "VM/serial.log the VM's console, VM/qemu.log QEMU's command line and messages,",
+              "VM/screen.png its screen."]
+    out.write(INDEX, "\n".join(lines) + "\n")
