@@ -2,9 +2,9 @@
 
 One module per command group, each with `register(commands, root)` adding its commands the one way
 (`common.command`): `lab` (validate, cmdline, up, down, pause, resume, reset), `vms` (ls, status,
-logs, console, ssh, balloon, qmp, numa), `image`, `snapshot`, `export`, `doctor`, `help` (help,
-completion). This module builds the parser from them and owns what every command shares: the exit
-codes, the log lines on standard error, signals and a closed pipe.
+logs, console, ssh, balloon, qmp, numa), `wire` (link, partition), `image`, `snapshot`, `export`,
+`doctor`, `help` (help, completion). This module builds the parser from them and owns what every
+command shares: the exit codes, the log lines on standard error, signals and a closed pipe.
 
 Start-up is kept light: a group imports argparse only; each command imports what it needs when it runs.
 """
@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from vmlaunch.cli import doctor, export, help, image, lab, snapshot, vms
+from vmlaunch.cli import doctor, export, help, image, lab, snapshot, vms, wire
 from vmlaunch.cli.common import Parser
 from vmlaunch.core.version import __version__
 from vmlaunch.errors import (
@@ -31,7 +31,7 @@ from vmlaunch.errors import (
 log = logging.getLogger("vmlaunch")
 
 # The command groups, in the order `vmlaunch --help` lists their commands.
-GROUPS = (lab, vms, image, snapshot, export, doctor, help)
+GROUPS = (lab, vms, wire, image, snapshot, export, doctor, help)
 
 
 def build_parser() -> argparse.ArgumentParser:
