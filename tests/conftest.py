@@ -71,20 +71,35 @@ def _host_settings() -> dict[Path, str]:
     return values
 
 
+def _nft_tables() -> set[str]:
+    """vmlaunch's nftables tables (a lab's partition, `vmlaunch-LAB`) in the host's network namespace."""
+    if shutil.which("nft") is None:
+        return set()
+    done = subprocess.run(["nft", "list", "tables", "bridge"], capture_output=True, text=True, check=False)
+    return {words[2] for line in done.stdout.splitlines()
+            if len(words := line.split()) == 3 and words[2].startswith("vmlaunch-")}
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _host_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Each test module leaves the real host's KSM and hugepage settings as it found them ("never a
-    leftover"); one that does not fails, naming what it changed, and the settings are put back."""
+    """Each test module leaves the real host's KSM and hugepage settings, and its nftables, as it found
+    them ("never a leftover"); one that does not fails, naming what it changed, and the settings are
+    put back (a table left is removed)."""
     before = _host_settings()
+    tables = _nft_tables()
     yield
     changed = {path: (value, now) for path, value in before.items()
                if (now := _host_settings().get(path)) != value}
     for path, (value, _) in changed.items():
         with contextlib.suppress(OSError):
             path.write_text(value + "\n")
-    if changed:
+    left = sorted(_nft_tables() - tables)
+    for table in left:
+        subprocess.run(["nft", "delete", "table", "bridge", table], capture_output=True, check=False)
+    if changed or left:
         pytest.fail(f"{request.module.__name__} left host settings changed: "
-                    + ", ".join(f"{path} {value} -> {now}" for path, (value, now) in changed.items()))
+                    + ", ".join([f"{path} {value} -> {now}" for path, (value, now) in changed.items()]
+                                + [f"nftables table bridge {table} left" for table in left]))
 
 
 def write_spec(tmp_path: Path, text: str, name: str = "lab.toml") -> Path:

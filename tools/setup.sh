@@ -20,8 +20,10 @@ PYTHON=${PYTHON:-python3}
 # libvirt's networks run): the tests check `vmlaunch export --to libvirt` with them, in a private
 # libvirtd (tools/private_libvirt.py). Installing them starts no daemon. zstd and lz4: the programs
 # that decompress a kernel of those compressions for a fast boot under TCG (guests/kernels.py).
+# nftables: `nft`, which `vmlaunch partition` cuts bridge networks with (the lab's own table).
 DEB_PACKAGES=(qemu-system-x86 qemu-utils iproute2 util-linux ovmf openssh-client zsh ethtool fdisk e2fsprogs
-              libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients libxml2-utils iptables zstd lz4)
+              libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients libxml2-utils iptables zstd lz4
+              nftables)
 # Debian's own Python makes a venv only with python3-venv (ensurepip).
 if [ ! -x .venv/bin/python ]; then
     case $(readlink -f "$(command -v "$PYTHON" || echo "$PYTHON")") in

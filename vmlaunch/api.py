@@ -158,6 +158,24 @@ class Lab:
 
         return collect(self.run_dir, self.model, self.vms, Path(folder), screenshots=screenshots).folder
 
+    def partition(self, *vms: str) -> list[list[str]]:
+        """Cut `vms` off from the rest of the lab, as `vmlaunch partition SPEC VMS...`: on every
+        network they share with other VMs (bridge networks on the host, in the lab's nftables table;
+        socket networks in the guests, through the command channel), as one more group: a second
+        call cuts another group off from this one and from the rest. Returns the groups now.
+        UsageError for no VM, a VM named twice or one the lab does not have; RuntimeFailure when the
+        lab is not up; HostError when the host has no nft."""
+        from vmlaunch.runtime import partition
+
+        return partition.partition(self.run_dir, self.model, vms)
+
+    def heal(self, *vms: str) -> list[list[str]]:
+        """Put `vms` back with the rest of the lab (none: heal every cut), as `vmlaunch partition
+        --heal`; returns the groups still cut off."""
+        from vmlaunch.runtime import partition
+
+        return partition.heal(self.run_dir, self.model, vms)
+
     def manager_log(self) -> str:
         """The lab manager's log: every balloon target it set and why (`vmlaunch logs --manager`)."""
         return control.read_manager_log(self.run_dir)[0]
@@ -256,6 +274,15 @@ class Vm:
         """Resume the VM, as `vmlaunch resume SPEC VM`: "resumed" or "already running"; RuntimeFailure
         when an interrupted snapshot restore holds it paused (its memory may be half loaded)."""
         return control.resume(self.lab.run_dir, [self.name], timeout)[self.name]
+
+    def link(self, nic: int | str, up: bool) -> int:
+        """Set a NIC's link up or down, as `vmlaunch link SPEC VM NIC up|down` (QMP `set_link`: the
+        guest sees its carrier go and come back; nothing passes while it is down). `nic`: its index,
+        `nicN`, or the name of the network it is on. Returns the NIC's index. UsageError for a NIC
+        the VM does not have; RuntimeFailure when the VM is not running."""
+        from vmlaunch.runtime.link import set_link
+
+        return set_link(self.lab.run_dir, self.lab.model, self.name, nic, up)
 
     def qmp(self, command: str, **args: Any) -> Any:
         """Send one QMP command with `args` as its arguments; return QEMU's reply (`return`).

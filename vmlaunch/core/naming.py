@@ -157,6 +157,12 @@ def process_name(vm: str) -> str:
     return f"vl-{vm}"
 
 
+def nft_table_name(lab: str) -> str:
+    """The lab's nftables table (`vmlaunch partition`): a lab name ([a-z0-9-], starting with neither
+    '-') is a valid nft identifier after `vmlaunch-`, and no two labs share one."""
+    return f"vmlaunch-{lab}"
+
+
 def cgroup_name(lab: str, vm: str) -> str:
     """A VM's cpuset cgroup: '.' is in no lab or VM name, so no two VMs of any labs share one."""
     return f"vmlaunch.{lab}.{vm}"

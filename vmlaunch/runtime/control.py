@@ -47,13 +47,15 @@ class NicStatus:
     forwards: tuple[str, ...] = ()  # user networks: the host ports forwarded into the guest
     mcast: str | None = None  # socket networks: the multicast group:port
     address: str | None = None  # the static address cloud-init sets ("10.10.0.11/24")
+    link: str = "up"  # "down" while `vmlaunch link ... down` holds it (runtime/link.py)
 
     def describe(self) -> str:
         where = {"bridge": f"bridge {self.bridge}, tap {self.tap}", "tap": f"tap {self.tap}",
                  "socket": f"socket {self.mcast}"}.get(self.type, "user")
         forwards = f"; forwards {', '.join(self.forwards)}" if self.forwards else ""
         address = f" {self.address}" if self.address else ""
-        return f"{self.mac}{address} {self.network} ({where}{forwards})"
+        link = ", link down" if self.link == "down" else ""
+        return f"{self.mac}{address} {self.network} ({where}{forwards}){link}"
 
 
 @attrs.frozen
@@ -132,7 +134,9 @@ def nics_of(lab: LabSpec, vm: VmSpec) -> tuple[NicStatus, ...]:
 def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) -> list[VmStatus]:
     """Each VM of the lab: running, stopped (not up) or crashed (up, but its QEMU is gone); with the
     lab's spec, also each VM's NICs."""
+    from vmlaunch.runtime import wire
     from vmlaunch.runtime.intent import held_paused
+    from vmlaunch.runtime.link import link_of
     from vmlaunch.runtime.snapshot import settle_unlocked
 
     ongoing = settle_unlocked(run_dir)  # an interrupted snapshot save or restore: finished or undone
@@ -142,6 +146,7 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
         held = {vm: f"by vmlaunch: {ongoing.describe()} under way (pid {ongoing.pid})"
                 for vm in ongoing.paused}
     busy = set(held) if ongoing is not None else set()
+    faults = wire.load(run_dir)
     vms_managed = manager_state(run_dir).get("vms")
     managed: dict[str, Any] = vms_managed if isinstance(vms_managed, dict) else {}
     result: list[VmStatus] = []
@@ -173,6 +178,7 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
             memory = attrs.evolve(spec_memory, actual=balloon, guest_free=stats.get("stat-free-memory"),
                                   guest_available=stats.get("stat-available-memory"),
                                   ksm_merged=ksm_merging(pid))
+        nics = tuple(attrs.evolve(nic, link=link_of(faults, name, nic.index, pid)) for nic in nics)
         confined = Confinement.of(pid)
         result.append(VmStatus(name, state, pid, vm.accel, balloon, time.time() - vm.started, nics,
                                vm.ssh_port, memory, run_state=run_state, why=why, uid=confined.uid,

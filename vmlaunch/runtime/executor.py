@@ -737,6 +737,18 @@ def _release_unjournaled(run_dir: RunDir, journaled: Callable[[str, str], bool])
         log.warning("%s", exc)
 
 
+def _undo_wire(run_dir: RunDir, stopped: set[str], *, whole_lab: bool) -> list[str]:
+    """The faults on the wire of what went down: link records die with their QEMUs; the lab's
+    partition table goes with the lab (runtime/partition.py). Returns what failed."""
+    from vmlaunch.runtime import link, partition
+
+    try:
+        link.forget(run_dir, stopped)
+    except (VmlaunchError, OSError) as exc:  # a record only: never worth keeping a lab up for
+        log.debug("the link records of %s: %s", ", ".join(sorted(stopped)), exc)
+    return partition.remove_table(run_dir) if whole_lab else []
+
+
 def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, force: bool = False,
          spec: str | os.PathLike[str] | None = None) -> bool:
     """Stop the lab's VMs (or those named) and undo what `up` did; False when nothing was up.
@@ -773,6 +785,7 @@ def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, fo
 
             failures += netem.undo_at_down(run_dir, run_dir.lab, list(stopped) if journal.vms else None)
         remaining_vms = set(journal.vms)
+        failures += _undo_wire(run_dir, set(stopped), whole_lab=not remaining_vms)
         ctx = Context(lab=run_dir.lab)
         for entry in reversed(list(journal.resources)):
             if remaining_vms and (entry.vm is None or entry.vm in remaining_vms):

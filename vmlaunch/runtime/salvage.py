@@ -8,7 +8,8 @@ version): everything that can be found without the journal.
 - its taps and the IFBs of their netem: the links whose mark (ifalias) names the lab;
 - its bridges and its KSM claim: through the host-wide registries, as for an `up` killed before it
   journaled them (`resources/registry.py`);
-- its placed VMs' cpuset cgroups (`vmlaunch.LAB.VM`).
+- its placed VMs' cpuset cgroups (`vmlaunch.LAB.VM`);
+- its partition's nftables table (`vmlaunch-LAB`), by its name.
 
 What is still there afterwards is returned, a running QEMU first, so `down --force` can say it and
 exit non-zero rather than report a lab down that is not.
@@ -143,6 +144,7 @@ def take_down(run_dir: RunDir, known: Collection[str], timeout: float) -> list[s
     from vmlaunch.layout import lastrun
     from vmlaunch.resources.base import Context
     from vmlaunch.resources.registry import release_unjournaled
+    from vmlaunch.runtime import partition
 
     lab = run_dir.lab
     found = running_qemus(run_dir, skip=known)
@@ -153,6 +155,7 @@ def take_down(run_dir: RunDir, known: Collection[str], timeout: float) -> list[s
             log.info("%s: %s (found by its pidfile or command line)", name, how)
     stop_managers(run_dir)
     problems = remove_marked_taps(lab)
+    problems += partition.remove_table(run_dir)  # by its name: the record may be gone too
     problems += remove_cgroups(lab)
     try:  # the lab holds nothing the registries know of any more: its claims are stale
         problems += release_unjournaled(Context(lab=lab), lambda kind, key: False)
