@@ -9,6 +9,7 @@ booted for the whole module (a boot under TCG is a minute or two) and the tests 
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import json
 import os
@@ -97,6 +98,7 @@ image = "debian"
 [[vm.b.nic]]
 network = "lan"
 ip = "10.10.0.12"
+netem = { duplicate = "0.1%" }   # set in the guest at `up` (this host's kernel has no netem)
 """
 
 
@@ -365,3 +367,128 @@ def test_a_panic_reaches_qemu_through_pvpanic(lab: tuple[Netns, Path]) -> None:
 
     row = wait_until(panicked, 120)
     assert row["state"] == "guest-panicked" and "Kernel panic - not syncing" in str(row["why"]), row
+
+
+# ---------------------------------------------------------------- test rigs: the command channel
+
+
+def run_in(netns: Netns, spec: Path, vm: str, *command: str,
+           timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return netns.vmlaunch("exec", "--timeout", str(timeout), str(spec), vm, "--", *command, env=netns.env,
+                          timeout=timeout + 60)
+
+
+def round_trip_ms(netns: Netns, spec: Path, source: str, address: str, count: int = 10) -> float:
+    done = run_in(netns, spec, source, "ping", "-c", str(count), "-i", "0.2", "-q", address)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return float(done.stdout.strip().splitlines()[-1].split("=")[1].split("/")[1])  # rtt min/AVG/max
+
+
+def pings(netns: Netns, spec: Path, source: str, address: str) -> bool:
+    return run_in(netns, spec, source, "ping", "-c", "2", "-W", "2", address).returncode == 0
+
+
+def test_exec_works_with_every_nic_down_and_through_either_agent(lab: tuple[Netns, Path]) -> None:
+    """Every NIC of a loses its carrier (the lab's with `vmlaunch link`, the SSH one through QMP):
+    the channel still runs commands, through either agent."""
+    netns, spec = lab
+    mgmt_down = netns.vmlaunch("qmp", str(spec), "a", "set_link", '{"name": "mgmt", "up": false}',
+                               env=netns.env)
+    assert mgmt_down.returncode == 0, mgmt_down.stderr
+    try:
+        assert netns.vmlaunch("link", str(spec), "a", "lan", "down", env=netns.env).returncode == 0
+        carriers = "for i in /sys/class/net/*; do [ ${i##*/} = lo ] || cat $i/carrier; done; hostname; exit 5"
+        said = run_in(netns, spec, "a", "sh", "-c", carriers)
+        assert (said.returncode, said.stdout) == (5, "0\n0\na\n"), said.stderr  # both NICs without carrier
+        status = json.loads(netns.vmlaunch("status", str(spec), "--json", env=netns.env).stdout)
+        assert status["a"]["nics"][0]["link"] == "down"
+        via_qga = netns.vmlaunch("exec", "--via", "qga", str(spec), "a", "--", "id", "-un", env=netns.env)
+        assert (via_qga.returncode, via_qga.stdout) == (0, "root\n")  # QEMU's guest agent, in the image
+    finally:
+        netns.vmlaunch("qmp", str(spec), "a", "set_link", '{"name": "mgmt", "up": true}', env=netns.env)
+        netns.vmlaunch("link", str(spec), "a", "lan", "up", env=netns.env)
+    assert wait_until(lambda: pings(netns, spec, "a", "10.10.0.12"), 120, interval=2)
+    assert wait_until(lambda: ssh(netns, spec, "a", "true").returncode == 0, 120, interval=2)
+
+
+def test_netem_delays_and_loses_in_the_guest_and_clears(lab: tuple[Netns, Path]) -> None:
+    netns, spec = lab
+    before = round_trip_ms(netns, spec, "a", "10.10.0.12")
+    host = netns.vmlaunch("netem", str(spec), "a", "lan", "--where", "host", "--delay", "100", env=netns.env)
+    assert host.returncode == 3 and "CONFIG_NET_SCH_NETEM" in host.stderr, host.stderr  # no netem here
+    assert netns.vmlaunch("netem", str(spec), "a", "lan", "--delay", "100", env=netns.env).returncode == 0
+    listed = json.loads(netns.vmlaunch("netem", str(spec), "--json", env=netns.env).stdout)
+    assert [(row["vm"], row["where"], row.get("delay"), row.get("duplicate")) for row in listed] == [
+        ("a", "guest", "100ms", None), ("b", "guest", None, "0.1%")]  # b's from the spec, set at `up`
+    assert "duplicate 0.1%" in run_in(netns, spec, "b", "tc", "qdisc", "show").stdout
+    delayed = round_trip_ms(netns, spec, "a", "10.10.0.12")
+    assert 100 <= delayed - before <= 130, (before, delayed)
+    assert netns.vmlaunch("netem", str(spec), "a", "lan", "--clear", env=netns.env).returncode == 0
+    assert round_trip_ms(netns, spec, "a", "10.10.0.12") < before + 30
+    assert netns.vmlaunch("netem", str(spec), "a", "lan", "--loss", "30", env=netns.env).returncode == 0
+    lossy = run_in(netns, spec, "a", "ping", "-c", "200", "-i", "0.05", "-W", "1", "-q", "10.10.0.12")
+    received = int(lossy.stdout.split(" received")[0].rsplit(",", 1)[1])
+    assert 15 <= 100 - received / 2 <= 45, lossy.stdout
+    assert netns.vmlaunch("netem", str(spec), "a", "lan", "--clear", env=netns.env).returncode == 0
+
+
+def test_link_and_partition_cut_and_heal(lab: tuple[Netns, Path]) -> None:
+    netns, spec = lab
+    assert pings(netns, spec, "a", "10.10.0.12")
+    assert netns.vmlaunch("link", str(spec), "b", "0", "down", env=netns.env).returncode == 0
+    assert not pings(netns, spec, "a", "10.10.0.12")
+    assert netns.vmlaunch("link", str(spec), "b", "0", "up", env=netns.env).returncode == 0
+    assert wait_until(lambda: pings(netns, spec, "a", "10.10.0.12"), 60, interval=1)
+    assert netns.vmlaunch("partition", str(spec), "b", env=netns.env).returncode == 0
+    assert not pings(netns, spec, "a", "10.10.0.12") and not pings(netns, spec, "b", "10.10.0.11")
+    assert netns.vmlaunch("partition", str(spec), "--heal", env=netns.env).returncode == 0
+    assert wait_until(lambda: pings(netns, spec, "a", "10.10.0.12"), 60, interval=1)
+
+
+def test_cp_round_trips_ten_mib_and_a_screenshot_and_evidence(lab: tuple[Netns, Path],
+                                                             tmp_path: Path) -> None:
+    netns, spec = lab
+    data = os.urandom(10 << 20)
+    (tmp_path / "blob").write_bytes(data)
+    put = netns.vmlaunch("cp", str(spec), str(tmp_path / "blob"), "b:/var/tmp/blob", env=netns.env)
+    assert put.returncode == 0, put.stderr
+    summed = run_in(netns, spec, "b", "sha256sum", "/var/tmp/blob").stdout.split()[0]
+    assert summed == hashlib.sha256(data).hexdigest()
+    back = netns.vmlaunch("cp", str(spec), "b:/var/tmp/blob", str(tmp_path / "back"), env=netns.env)
+    assert back.returncode == 0, back.stderr
+    assert (tmp_path / "back").read_bytes() == data
+    shot = netns.vmlaunch("screenshot", str(spec), "b", str(tmp_path / "b.png"), env=netns.env)
+    assert shot.returncode == 0, shot.stderr
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = netns.vmlaunch("evidence", str(spec), str(tmp_path / "evidence"), env=netns.env)
+    assert saved.returncode == 0, saved.stderr
+    for name in ("status.json", "wire.json", "a/serial.log", "a/qemu.log", "a/screen.png", "b/serial.log"):
+        assert (tmp_path / "evidence" / name).stat().st_size > 0, name
+
+
+RIG_SCRIPT = """
+import sys
+import vmlaunch
+
+lab = vmlaunch.Lab(sys.argv[1])
+b = lab.vm("b")
+b.wait_for_unit("ssh.service", timeout=60)
+b.succeed("systemd-run --unit=vl-broken --property=Type=oneshot sh -c 'echo broken-unit-says-so; exit 3' "
+          "|| true")
+try:
+    b.wait_for_unit("vl-broken.service", timeout=60)
+except vmlaunch.CommandFailed as failed:
+    print("failed:", "broken-unit-says-so" in failed.result.stdout.decode())
+b.wait_for_port(22, timeout=30)
+print(b.run(["printf", "%s|", "two words", "it's"]).stdout.decode())
+print(b.succeed("echo ok", via="ssh").strip())
+"""
+
+
+def test_the_python_api_drives_the_guest_through_the_channel(lab: tuple[Netns, Path]) -> None:
+    netns, spec = lab
+    done = subprocess.run(["ip", "netns", "exec", netns.name, sys.executable, "-c", RIG_SCRIPT, str(spec)],
+                          capture_output=True, text=True, timeout=300, check=False,
+                          env={**_environ(), "VMLAUNCH_RUN_DIR": str(netns.run_root), **netns.env})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["failed: True", "two words|it's|", "ok"]

@@ -308,7 +308,7 @@ def test_guest_script_runs_in_a_shell(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("code", "stderr", "error", "words"), [
-    (netem.NO_TC, b"", HostError, "the guest has no tc command"),
+    (netem.NO_TC, b"", HostError, "the guest has no tc of iproute2"),
     (netem.NO_NETEM, b"Error: Specified qdisc kind is unknown.", HostError,
      "the guest's kernel has no netem (sch_netem): Error: Specified qdisc kind is unknown."),
     (netem.NO_IFB, b"RTNETLINK answers: Operation not supported", HostError, "cannot make an IFB"),

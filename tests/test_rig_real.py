@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from vmlaunch.api import Lab
-from vmlaunch.errors import EXIT_AGENT, EXIT_TIMED_OUT, EXIT_USAGE, AgentError, CommandTimedOut
+from vmlaunch.errors import EXIT_AGENT, EXIT_HOST, EXIT_TIMED_OUT, EXIT_USAGE, AgentError, CommandTimedOut
 from vmlaunch.runtime import agent
 from vmlaunch.runtime.rig import CommandFailed
 
@@ -189,6 +189,9 @@ def test_bad_requests_are_one_line_errors(rig: Lab, tmp_path: Path) -> None:
         (["cp", spec, "a:relative", str(tmp_path)], EXIT_USAGE, b"must be absolute"),
         (["cp", spec, str(tmp_path / "missing"), "a:/tmp/"], EXIT_USAGE, b"no such file or folder"),
         (["exec", "--timeout", "0", spec, "a", "--", "true"], EXIT_USAGE, b"more than 0"),
+        # busybox's tc has no netem: the guest path says what is missing
+        (["netem", spec, "a", "wire", "--delay", "10"], EXIT_HOST, b"no tc of iproute2"),
+        (["netem", spec, "a", "wire", "--where", "host", "--delay", "10"], EXIT_USAGE, b"host"),
     ]
     for argv, code, message in cases:
         done = vmlaunch(rig, *argv)

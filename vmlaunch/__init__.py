@@ -14,14 +14,28 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
     from vmlaunch.api import Lab, Vm
-    from vmlaunch.errors import HostError, RuntimeFailure, SpecError, UsageError, VmlaunchError
+    from vmlaunch.errors import (
+        AgentError,
+        CommandTimedOut,
+        HostError,
+        RuntimeFailure,
+        SpecError,
+        UsageError,
+        VmlaunchError,
+    )
+    from vmlaunch.runtime.agent import Result
     from vmlaunch.runtime.control import VmStatus
+    from vmlaunch.runtime.rig import CommandFailed
 
 from vmlaunch.core.version import __version__
 
 __all__ = [
+    "AgentError",
+    "CommandFailed",
+    "CommandTimedOut",
     "HostError",
     "Lab",
+    "Result",
     "RuntimeFailure",
     "SpecError",
     "UsageError",
@@ -41,6 +55,10 @@ _LAZY = {
     "HostError": "vmlaunch.errors",
     "RuntimeFailure": "vmlaunch.errors",
     "UsageError": "vmlaunch.errors",
+    "AgentError": "vmlaunch.errors",
+    "CommandTimedOut": "vmlaunch.errors",
+    "CommandFailed": "vmlaunch.runtime.rig",
+    "Result": "vmlaunch.runtime.agent",
 }
 
 

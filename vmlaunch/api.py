@@ -148,8 +148,8 @@ class Lab:
 
     def collect(self, folder: str | os.PathLike[str], *, screenshots: bool = True) -> Path:
         """Save the evidence of this Lab's VMs into `folder` (made when missing) and return it: each
-        VM's console log, QEMU's logs and a screenshot (`VM/serial.log`, `VM/qemu.log`,
-        `VM/stderr.log`, `VM/screen.png`), `status.json` (as `vmlaunch status --json`), `wire.json`
+        VM's console log, QEMU's command line and messages, and a screenshot (`VM/serial.log`,
+        `VM/qemu.log`, `VM/screen.png`), `status.json` (as `vmlaunch status --json`), `wire.json`
         (the faults set on the wire), `manager.log` when the lab has a manager, and `README.txt`
         listing what was saved and what could not be, and why. Never raises for a missing piece:
         after `down` it saves the logs of the last run. The pytest fixture calls it when a test

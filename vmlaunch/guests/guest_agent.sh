@@ -90,9 +90,9 @@ serve() {  # until the host side closes (a read ends) or a request goes wrong
     done
 }
 
-W=${TMPDIR:-/tmp}/vmlaunch-agent
+W=/var/lib/vmlaunch-agent/work  # root's: no other user of the guest can plant anything there
+mkdir -p -m 0700 /var/lib/vmlaunch-agent || exit 1
 rm -rf "$W"
-mkdir -p "$W" || exit 1
 port=''
 idle=0
 while :; do

@@ -43,6 +43,7 @@ DEFAULT_LIMIT = 64 << 20  # bytes kept of each output stream
 GRACE = 15.0  # seconds past a command's timeout before the channel counts as hung
 PREFER = 0.3  # seconds vmlaunch's agent gets to answer after QEMU's guest agent did
 CHUNK = 1 << 16
+QGA_LONGEST = 64 << 20  # bytes of one reply of QEMU's guest agent (it caps each output at 16 MiB)
 
 Command = str | bytes | Sequence[str | bytes]
 
@@ -119,7 +120,7 @@ def run(run_dir: RunDir, vm: str, cmd: Command, *, timeout: float | None = DEFAU
 def _queued(files: VmFiles, vm: str, wait: float) -> Iterator[None]:
     """One client per channel: wait (up to `wait` seconds) for the one before to finish."""
     if not files.dir.is_dir():
-        raise AgentError(f"VM {vm} is not running (its lab is not up)", "`vmlaunch up` it first")
+        raise RuntimeFailure(f"VM {vm} is not running (its lab is not up)", "`vmlaunch up` it first")
     fd = open_in_run_dir(files.agent_lock, os.O_RDWR | os.O_CREAT)
     try:
         deadline = time.monotonic() + wait
@@ -164,7 +165,7 @@ def _connect(files: VmFiles, vm: str, deadline: float, via: str | None) -> Chann
         candidates.append(QgaChannel(conn, vm))
     if not candidates:
         if not files.pidfile.exists():
-            raise AgentError(f"VM {vm} is not running", "`vmlaunch up` it first")
+            raise RuntimeFailure(f"VM {vm} is not running", "`vmlaunch up` it first")
         raise AgentError(f"VM {vm} has no command channel", "set agent = true on the VM in the spec and "
                          "`up` it again (see the manual's Test rigs guide)")
     try:
@@ -332,6 +333,9 @@ class VlaChannel(Channel):
         if words[2] != "done" or len(words) != 8 or not all(w.isdigit() for w in words[3:]):
             raise AgentError(f"{self.vm}: the agent answered garbage: {' '.join(words)[:200]!r}")
         status, timed_out, out_size, err_size, truncated = (int(w) for w in words[3:])
+        if out_size > limit or err_size > limit:  # the agent keeps `limit` of each: a guest lying
+            raise AgentError(f"{self.vm}: the agent announced {max(out_size, err_size)} bytes of output, "
+                             f"more than the {limit} asked for: refused")
         transfer = GRACE + (out_size + err_size) / (1 << 20)
         out = self._copy(out_size, stdout, time.monotonic() + transfer, "reading the output")
         err = self._copy(err_size, None, time.monotonic() + transfer, "reading the output")
@@ -368,7 +372,7 @@ class QgaChannel(Channel):
         self._send(json.dumps({"execute": command, "arguments": arguments}).encode() + b"\n", deadline,
                    f"sending {command}")
         while True:
-            line = self._line(deadline, f"waiting for {command}", longest=1 << 30).strip()
+            line = self._line(deadline, f"waiting for {command}", longest=QGA_LONGEST).strip()
             try:
                 reply = json.loads(line)
             except ValueError:

@@ -80,6 +80,8 @@ def guest_script(mac: str, index: int, netem: Netem | None) -> str:
         '  [ "$(cat "$d/address" 2>/dev/null)" = "$mac" ] && { dev=${d##*/}; break; }; done',
         f'[ -n "$dev" ] || {{ echo "no interface with MAC $mac" >&2; exit {NO_INTERFACE}; }}',
         f'command -v tc >/dev/null 2>&1 || {{ echo "no tc command (iproute2)" >&2; exit {NO_TC}; }}',
+        # busybox's tc has no netem: only iproute2's will do
+        f'tc -V 2>&1 | grep -q iproute2 || {{ echo "tc is not iproute2\'s" >&2; exit {NO_TC}; }}',
         'tc qdisc del dev "$dev" root 2>/dev/null; tc qdisc del dev "$dev" ingress 2>/dev/null',
         'ip link del "$ifb" 2>/dev/null',
     ]
@@ -119,7 +121,8 @@ def run_in_guest(run_dir: RunDir, vm: str, mac: str, index: int, netem: Netem | 
     detail = f": {said[-1]}" if said else ""
     where = f"{vm} (NIC {index}, MAC {mac})"
     if result.exit_code == NO_TC:
-        raise HostError(f"{where}: the guest has no tc command", "install iproute2 in the guest")
+        raise HostError(f"{where}: the guest has no tc of iproute2 (busybox's tc cannot set netem)",
+                        "install iproute2 in the guest")
     if result.exit_code == NO_NETEM:
         raise HostError(f"{where}: the guest's kernel has no netem (sch_netem){detail}",
                         "a guest kernel with CONFIG_NET_SCH_NETEM, or --where host on a bridge network")
