@@ -98,7 +98,7 @@ image = "debian"
 [[vm.b.nic]]
 network = "lan"
 ip = "10.10.0.12"
-netem = { duplicate = "0.1%" }   # set in the guest at `up` (this host's kernel has no netem)
+netem = {{ duplicate = "0.1%" }}   # set in the guest at `up` (this host's kernel has no netem)
 """
 
 
