@@ -379,9 +379,10 @@ def run_in(netns: Netns, spec: Path, vm: str, *command: str,
 
 
 def round_trip_ms(netns: Netns, spec: Path, source: str, address: str, count: int = 10) -> float:
+    """The least round trip of `count` pings: the delay added shows there without the noise of TCG."""
     done = run_in(netns, spec, source, "ping", "-c", str(count), "-i", "0.2", "-q", address)
     assert done.returncode == 0, done.stdout + done.stderr
-    return float(done.stdout.strip().splitlines()[-1].split("=")[1].split("/")[1])  # rtt min/AVG/max
+    return float(done.stdout.strip().splitlines()[-1].split("=")[1].split("/")[0])  # rtt MIN/avg/max
 
 
 def pings(netns: Netns, spec: Path, source: str, address: str) -> bool:
@@ -422,7 +423,7 @@ def test_netem_delays_and_loses_in_the_guest_and_clears(lab: tuple[Netns, Path])
         ("a", "guest", "100ms", None), ("b", "guest", None, "0.1%")]  # b's from the spec, set at `up`
     assert "duplicate 0.1%" in run_in(netns, spec, "b", "tc", "qdisc", "show").stdout
     delayed = round_trip_ms(netns, spec, "a", "10.10.0.12")
-    assert 100 <= delayed - before <= 130, (before, delayed)
+    assert delayed >= 100 and 98 <= delayed - before <= 130, (before, delayed)
     assert netns.vmlaunch("netem", str(spec), "a", "lan", "--clear", env=netns.env).returncode == 0
     assert round_trip_ms(netns, spec, "a", "10.10.0.12") < before + 30
     assert netns.vmlaunch("netem", str(spec), "a", "lan", "--loss", "30", env=netns.env).returncode == 0
