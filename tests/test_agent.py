@@ -108,6 +108,23 @@ def test_the_python_agent_bounds_output_and_kills_on_timeout(python_agent: RunDi
     assert not marker.exists()  # the whole process group was killed, its background child too
 
 
+def test_a_command_whose_host_side_goes_away_is_killed(python_agent: RunDir, tmp_path: Path) -> None:
+    """What `exec` interrupted (Ctrl-C) leaves: the connection closes mid-command; the agent kills the
+    command's process group, and serves the next client."""
+    marker = tmp_path / "survived"
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(str(python_agent.vm("a").agent))
+    conn.sendall(b"VLA1 hello n1\n")
+    assert conn.recv(100) == b"VLA1 n1 ready 1 py\n"
+    command = f"sleep 2; touch {marker}".encode()
+    conn.sendall(b"VLA1 exec r1 %d 0 0 100\n" % len(command) + command + b"VLA1 end r1\n")
+    time.sleep(0.5)
+    conn.close()
+    time.sleep(3)
+    assert not marker.exists()
+    assert agent.run(python_agent, "a", "echo next").stdout == b"next\n"
+
+
 def test_the_rig_on_the_python_agent(python_agent: RunDir, tmp_path: Path) -> None:
     guest = Guest(python_agent, "a")
     assert guest.succeed("echo hi") == "hi\n"
@@ -184,7 +201,7 @@ def test_no_channel_or_no_lab(run_dir: RunDir, tmp_path: Path) -> None:
     assert caught.value.exit_code == 5
     with pytest.raises(RuntimeFailure, match="not running"):
         agent.run(RunDir(tmp_path / "gone"), "a", "true", wait=1)
-    with pytest.raises(AgentError, match="give a number of seconds above 0"):
+    with pytest.raises(UsageError, match="give a number of seconds above 0"):
         agent.run(run_dir, "a", "true", timeout=0)
     with pytest.raises(AgentError, match="NUL"):
         agent.run(run_dir, "a", ["printf", "a\0b"])

@@ -261,6 +261,43 @@ def test_a_guest_without_a_channel_or_tc_is_a_clear_error(
     with pytest.raises(RuntimeFailure, match=r"cannot cut its socket network in the guest: no tc") as caught:
         partition.partition(run_dir, lab, ["d"])
     assert "install iproute2" in str(caught.value)
+    assert wire.load(run_dir)["partition"] == {"groups": [], "where": {}}  # a cut that failed: not kept
+
+
+def test_a_failed_heal_keeps_the_partition(lab: LabSpec, up: tuple[RunDir, list[Any], list[tuple[str, str]]],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir, applied, _ = up
+    partition.partition(run_dir, lab, ["b"])
+    kept = wire.load(run_dir)["partition"]
+    monkeypatch.setattr(agent, "run", lambda *a, **k: Result(4, b"", b"RTNETLINK answers: busy\n"))
+    with pytest.raises(RuntimeFailure, match="RTNETLINK answers: busy"):
+        partition.heal(run_dir, lab)
+    assert wire.load(run_dir)["partition"] == kept  # still cut, as recorded
+    assert applied[-1] == ("vmlaunch-cut", partition.plan(lab, [["b"]]).host)  # the table put back
+
+
+def test_a_guest_cut_needs_every_guest_on_the_network_to_have_a_channel(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = tmp_path / "off.toml"
+    spec.write_text('[lab]\nname = "cut"\n[network.mc]\ntype = "socket"\n'
+                    + "".join(f'[vm.{vm}]\nmemory = 64\nkernel = "k"\n{extra}'
+                              f'[[vm.{vm}.nic]]\nnetwork = "mc"\n'
+                              for vm, extra in (("a", ""), ("b", "agent = false\n"))))
+    (tmp_path / "k").write_bytes(b"")
+    off = load_lab(spec)
+    run_dir = RunDir.of(tmp_path / "run", "cut")
+    run_dir.create()
+    Journal(run_dir, spec=str(spec), vms={vm.name: VmEntry(1, 0.0, "tcg") for vm in off.vms}).save()
+    asked: list[str] = []
+
+    def run(run_dir: RunDir, vm: str, *args: Any, **kwargs: Any) -> Result:
+        asked.append(vm)
+        return Result(0, b"", b"")
+
+    monkeypatch.setattr(agent, "run", run)
+    with pytest.raises(AgentError, match="VM b has no command channel"):
+        partition.partition(run_dir, off, ["a"])
+    assert asked == [] and wire.load(run_dir)["partition"]["groups"] == []
 
 
 def test_a_lab_that_is_not_up_is_refused(lab: LabSpec, tmp_path: Path) -> None:

@@ -112,6 +112,20 @@ def test_a_command_that_never_ends_is_killed_in_the_guest(rig: Lab) -> None:
     assert b"did not end within 1 s" in timed_out.stderr and b"Traceback" not in timed_out.stderr
 
 
+def test_an_interrupted_exec_kills_its_command_in_the_guest(rig: Lab) -> None:
+    import signal
+
+    running = subprocess.Popen([sys.executable, "-m", "vmlaunch", "exec", "--no-timeout", str(rig.spec), "a",
+                                "--", "echo exec-started >/dev/console; sleep 1000"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    a = rig.vm("a")
+    a.wait_for_console("exec-started", timeout=30)  # the command runs in a's guest
+    running.send_signal(signal.SIGINT)
+    assert running.wait(30) == 130
+    gone = a.wait_until_succeeds("! ps | grep -v grep | grep -q 'sleep 1000' && echo gone", timeout=30)
+    assert gone == "gone\n"
+
+
 def test_output_is_bounded_and_says_so(rig: Lab) -> None:
     a = rig.vm("a")
     result = agent.run(rig.run_dir, "a", "yes | head -c 5000000; echo done >&2", limit=1000)

@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         "QEMU command lines that follow KVM best practice.",
         epilog="`vmlaunch help COMMAND` (or `vmlaunch COMMAND --help`) shows a command's options. "
         "Exit status: 0 ok, 2 the spec is wrong, 3 the host cannot do it (or, for export --strict, the "
-        "engine), 4 a run-time failure, "
-        "64 bad usage, 130 interrupted, 141 the reader of the output went away.",
+        "engine), 4 a run-time failure, 5 the command channel into a guest failed, 64 bad usage, "
+        "124 a command in a guest timed out, 130 interrupted, 141 the reader of the output went away; "
+        "`exec` exits with the guest command's own status.",
     )
     parser.add_argument("--version", action="version", version=f"vmlaunch {__version__}")
     verbosity = parser.add_mutually_exclusive_group()

@@ -8,10 +8,11 @@ socket is 0600, like QMP.
     host:  VLA1 exec ID CMDLEN INLEN TIMEOUT LIMIT\\n CMD INPUT VLA1 end ID\\n
     guest: VLA1 ID done STATUS TIMEDOUT OUTLEN ERRLEN TRUNCATED\\n OUT ERR
 
-CMD runs through `/bin/sh -c` in a session of its own (its process group is what a timeout kills),
-stdin from INPUT, in /. Each output stream keeps its first LIMIT bytes; the rest is read and dropped
-(TRUNCATED=1). While the host side is closed, reads of the port end at once and poll() says POLLHUP;
-the agent then sleeps until the kernel signals (SIGIO) that the host connected.
+CMD runs through `/bin/sh -c` in a session of its own (its process group is what a timeout kills, and
+what is killed when the host side closes before it ends), stdin from INPUT, in /, umask 022. Each
+output stream keeps its first LIMIT bytes; the rest is read and dropped (TRUNCATED=1). While the host
+side is closed, reads of the port end at once and poll() says POLLHUP (and POLLIN): the agent then
+sleeps until the kernel signals (SIGIO) that the host connected.
 
 Standard library only, Python 3.6 and later (the guests' own interpreters). vmlaunch installs it from
 the cloud-init seed and runs it as root; it is never imported by vmlaunch itself.
@@ -68,13 +69,15 @@ class Channel:
 
     def wait_for_host(self) -> None:
         """Sleep until the host connects (a SIGIO, or once a second to be sure)."""
+        while self.host_gone():
+            signal.sigtimedwait([signal.SIGIO], 1.0)
+
+    def host_gone(self) -> bool:
+        """POLLHUP: no host side (the port then also says POLLIN: a read would end at once)."""
         poller = select.poll()
         poller.register(self.fd, select.POLLIN)
-        while True:
-            events = poller.poll(0)
-            if not events or events[0][1] & (select.POLLIN | select.POLLHUP) != select.POLLHUP:
-                return  # connected (nothing to read yet, or something), or data left from before
-            signal.sigtimedwait([signal.SIGIO], 1.0)
+        events = poller.poll(0)
+        return bool(events and events[0][1] & select.POLLHUP)
 
     def _fill(self) -> None:
         """Read what there is; HostGone when the host side is closed."""
@@ -130,11 +133,14 @@ class Channel:
 
 
 def run(command: bytes, stdin: IO[bytes], outputs: Tuple[IO[bytes], IO[bytes]], timeout: int,
-        limit: int) -> Tuple[int, int, int]:
-    """Run the command, its output into `outputs`; (status, timed out, truncated)."""
+        limit: int, channel: Optional["Channel"] = None) -> Tuple[int, int, int]:
+    """Run the command, its output into `outputs`; (status, timed out, truncated). When the host side
+    of `channel` goes away meanwhile (the host's command was interrupted), the command is killed with
+    its process group, as at a timeout."""
     stdin.seek(0)
     proc = subprocess.Popen(["/bin/sh", "-c", command], stdin=stdin, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd="/", start_new_session=True, close_fds=True)
+                            stderr=subprocess.PIPE, cwd="/", start_new_session=True, close_fds=True,
+                            preexec_fn=lambda: os.umask(0o022))
     kept = [0, 0]
     streams = {proc.stdout.fileno(): 0, proc.stderr.fileno(): 1}  # type: ignore[union-attr]
     for fd in streams:
@@ -146,7 +152,16 @@ def run(command: bytes, stdin: IO[bytes], outputs: Tuple[IO[bytes], IO[bytes]], 
         wait = 1.0
         if deadline is not None and not timed_out:
             wait = max(0.0, min(wait, deadline - time.monotonic()))
-        ready, _, _ = select.select(list(streams), [], [], wait)
+        watched = list(streams) + ([channel.fd] if channel is not None and killed_at is None else [])
+        ready, _, _ = select.select(watched, [], [], wait)
+        if channel is not None and channel.fd in ready:
+            if channel.host_gone():  # interrupted on the host: nobody waits for the result
+                timed_out = 1
+                killed_at = time.monotonic()
+                kill_group(proc.pid)
+            ready.remove(channel.fd)
+            if killed_at is None:
+                time.sleep(0.05)  # bytes while a command runs: left for the next request
         for fd in ready:
             try:
                 data = os.read(fd, CHUNK)
@@ -214,7 +229,7 @@ def execute(channel: Channel, request: str, command_size: int, input_size: int, 
             raise HostGone()
         command.seek(0)
         try:
-            status, timed_out, truncated = run(command.read(), stdin, (out, err), timeout, limit)
+            status, timed_out, truncated = run(command.read(), stdin, (out, err), timeout, limit, channel)
         except OSError as exc:
             channel.write(("VLA1 %s error cannot run the command: %s\n" % (request, exc)).encode())
             return

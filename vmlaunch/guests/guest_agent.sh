@@ -8,8 +8,8 @@
 #   host:  VLA1 exec ID CMDLEN INLEN TIMEOUT LIMIT\n CMD INPUT VLA1 end ID\n
 #   guest: VLA1 ID done STATUS TIMEDOUT OUTLEN ERRLEN TRUNCATED\n OUT ERR
 #
-# CMD runs as a shell script in a session of its own (its process group is what a timeout kills),
-# stdin from INPUT, in /. Each output stream keeps its first LIMIT bytes; the rest is read and
+# CMD runs as `sh -c CMD` in a session of its own (its process group is what a timeout kills, and
+# what is killed when the host side closes before it ends), stdin from INPUT, in /, umask 022. Each output stream keeps its first LIMIT bytes; the rest is read and
 # dropped (TRUNCATED=1). While the host side is closed the port reads end at once: the agent polls,
 # quickly for a while after each command, then slowly (a shell cannot wait for the SIGIO the Python
 # agent sleeps on).
@@ -43,7 +43,7 @@ bounded() {  # bounded LIMIT FILE < STREAM: keep LIMIT bytes in FILE; FILE.over 
 
 run_exec() {  # run_exec ID CMDLEN INLEN TIMEOUT LIMIT
     id=$1
-    rm -rf "$W" && mkdir "$W" || { printf 'VLA1 %s error cannot make %s\n' "$id" "$W" >&3; return 1; }
+    rm -rf "$W" && mkdir -m 0700 "$W" || { printf 'VLA1 %s error cannot make %s\n' "$id" "$W" >&3; return 1; }
     take "$2" "$W/cmd" && take "$3" "$W/in" || return 1
     IFS= read -r trailer <&3 || return 1
     if [ "$trailer" != "VLA1 end $id" ]; then
@@ -55,8 +55,16 @@ run_exec() {  # run_exec ID CMDLEN INLEN TIMEOUT LIMIT
     reader_out=$!
     bounded "$5" "$W/err" <"$W/e" &
     reader_err=$!
-    (cd / && exec setsid sh "$W/cmd" <"$W/in" >"$W/o" 2>"$W/e") &
+    if [ "$2" -le 100000 ]; then  # as `sh -c` (a command line's arguments hold 128 KiB at most)
+        (cd / && umask 022 && exec setsid sh -c "$(cat "$W/cmd")" sh <"$W/in" >"$W/o" 2>"$W/e") &
+    else
+        (cd / && umask 022 && exec setsid sh "$W/cmd" <"$W/in" >"$W/o" 2>"$W/e") &
+    fi
     pid=$!
+    # the host gone (its command interrupted): a read of the port ends; then the command is killed
+    (exec setsid sh -c 'dd bs=1 count=1 of=/dev/null 2>/dev/null; : >"$2"; kill -KILL -"$1"' \
+        hangup "$pid" "$W/hungup" <&3) &
+    hangup=$!
     watchdog=''
     if [ "$4" -gt 0 ]; then
         (exec setsid sh -c 'sleep "$1"; : >"$3"; kill -KILL -"$2"' watchdog "$4" "$pid" "$W/timedout") &
@@ -66,8 +74,9 @@ run_exec() {  # run_exec ID CMDLEN INLEN TIMEOUT LIMIT
     status=$?
     wait "$reader_out" "$reader_err"
     [ -n "$watchdog" ] && kill -KILL -"$watchdog" 2>/dev/null
+    kill -KILL -"$hangup" 2>/dev/null
     timedout=0
-    [ -e "$W/timedout" ] && [ "$status" -ge 128 ] && timedout=1
+    [ -e "$W/timedout" ] || [ -e "$W/hungup" ] && [ "$status" -ge 128 ] && timedout=1
     truncated=0
     [ -e "$W/out.over" ] || [ -e "$W/err.over" ] && truncated=1
     printf 'VLA1 %s done %s %s %s %s %s\n' "$id" "$status" "$timedout" \

@@ -34,7 +34,7 @@ from typing import IO, Any
 
 import attrs
 
-from vmlaunch.errors import AgentError, CommandTimedOut, RuntimeFailure
+from vmlaunch.errors import AgentError, CommandTimedOut, RuntimeFailure, UsageError
 from vmlaunch.layout.rundir import RunDir, VmFiles, open_in_run_dir
 
 DEFAULT_TIMEOUT = 60.0  # seconds a command may run
@@ -97,13 +97,13 @@ def run(run_dir: RunDir, vm: str, cmd: Command, *, timeout: float | None = DEFAU
     Raises AgentError when the VM has no channel, no agent answers within `wait` seconds, or the
     channel closes or stops answering; CommandTimedOut (carrying the Result so far as `.result`) when
     the command outlives `timeout` (None: no limit) — the agent killed it and its process group."""
-    if timeout is not None and timeout <= 0:
-        raise AgentError(f"timeout {timeout:g}: give a number of seconds above 0")
+    if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+        raise UsageError(f"timeout {timeout!r}: give a number of seconds above 0 (or None: no limit)")
     text = command_line(cmd)
     files = run_dir.vm(vm)
     with _queued(files, vm, wait):
         deadline = time.monotonic() + wait
-        channel = _connect(files, vm, deadline, via)
+        channel = _connect(files, vm, deadline, via, wait)
         try:
             result = channel.exec(text, input or b"", timeout, limit, stdout)
         finally:
@@ -153,7 +153,7 @@ def _open(path: Path) -> socket.socket | None:
     return conn
 
 
-def _connect(files: VmFiles, vm: str, deadline: float, via: str | None) -> Channel:
+def _connect(files: VmFiles, vm: str, deadline: float, via: str | None, wait: float) -> Channel:
     """The first agent that answers: vmlaunch's, or QEMU's guest agent (vmlaunch's is preferred when
     both answer within PREFER seconds)."""
     if via not in (None, "agent", "qga"):
@@ -197,8 +197,7 @@ def _connect(files: VmFiles, vm: str, deadline: float, via: str | None) -> Chann
             channel.close()
     if chosen is None:
         which = " or ".join(c.what for c in candidates)
-        raise AgentError(f"{vm}: no agent answered on its command channel ({which}) within "
-                         f"{max(0.0, deadline - time.monotonic() + 0.0):.0f} s of waiting",
+        raise AgentError(f"{vm}: no agent answered on its command channel ({which}) within {wait:g} s",
                          "is the guest up? vmlaunch's agent starts with the test guest and from the "
                          "cloud-init seed; another guest needs qemu-guest-agent running")
     return chosen

@@ -48,7 +48,7 @@ def set_link(run_dir: RunDir, lab: LabSpec, vm: str, nic: str | int, up: bool) -
             del state["nics"][key]
 
     wire.update(run_dir, record)
-    log.info("%s: nic%d link %s", vm, index, UP if up else DOWN)
+    log.debug("%s: nic%d link %s", vm, index, UP if up else DOWN)
     return index
 
 

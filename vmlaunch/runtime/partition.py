@@ -32,12 +32,12 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from vmlaunch.core.naming import nft_table_name, tap_name
-from vmlaunch.errors import RuntimeFailure, UsageError, VmlaunchError
+from vmlaunch.errors import AgentError, RuntimeFailure, UsageError, VmlaunchError
 from vmlaunch.host import nftables
 from vmlaunch.host.nftables import BridgeCut
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.runtime import wire
-from vmlaunch.spec.model import BridgeNetwork, LabSpec, SocketNetwork, TapNetwork
+from vmlaunch.spec.model import BridgeNetwork, LabSpec, SocketNetwork, TapNetwork, agent_on
 
 log = logging.getLogger(__name__)
 
@@ -165,13 +165,41 @@ def _change(run_dir: RunDir, lab: LabSpec, vms: Sequence[str], *, heal: bool) ->
                 state["partition"] = {"groups": groups, "where": where}
             return change
 
-        wire.update(run_dir, record({**old_where, **cuts.where}))  # what may exist while changing
-        if cuts.host or "host" in old_where.values():
-            nftables.apply(nft_table_name(lab.name), cuts.host)
         guest_nets = {net for net, kind in {**old_where, **cuts.where}.items() if kind == "guest"}
-        _apply_guests(run_dir, lab, cuts, guest_nets, up)
+        _check_channels(lab, guest_nets, up)  # before anything changes
+        wire.update(run_dir, record({**old_where, **cuts.where}))  # what may exist while changing
+        try:
+            if cuts.host or "host" in old_where.values():
+                nftables.apply(nft_table_name(lab.name), cuts.host)
+            _apply_guests(run_dir, lab, cuts, guest_nets, up)
+        except BaseException:
+            _restore(run_dir, lab, before, old_where, guest_nets, up)
+            wire.update(run_dir, lambda state: state.update(partition={"groups": before, "where": old_where}))
+            raise
         wire.update(run_dir, record(cuts.where))
         return groups
+
+
+def _check_channels(lab: LabSpec, networks: set[str], up: set[str]) -> None:
+    """A network cut in the guests needs the channel of every running VM on it."""
+    for spec in lab.vms:
+        if spec.name in up and not agent_on(spec) and any(nic.network in networks for nic in spec.nics):
+            net = next(nic.network for nic in spec.nics if nic.network in networks)
+            raise AgentError(f"VM {spec.name} has no command channel (agent = false): network {net} has no "
+                             "host side, and is cut in the guests through it", "set agent = true on it")
+
+
+def _restore(run_dir: RunDir, lab: LabSpec, groups: Groups, where: dict[str, str], guest_nets: set[str],
+             up: set[str]) -> None:
+    """Put back the partition as it was before a change that failed half-way (best effort: the error
+    of the change is the one the user sees)."""
+    try:
+        cuts = plan(lab, groups)
+        if "host" in where.values() or cuts.host:
+            nftables.apply(nft_table_name(lab.name), cuts.host)
+        _apply_guests(run_dir, lab, cuts, guest_nets, up)
+    except (VmlaunchError, OSError) as exc:
+        log.warning("putting the partition back as it was failed too: %s", exc)
 
 
 def _apply_guests(run_dir: RunDir, lab: LabSpec, cuts: Cuts, networks: set[str], up: set[str]) -> None:

@@ -240,6 +240,9 @@ class Guest:
             raise UsageError(f"{src}: no such file or folder on the host")
         _check_guest_path(target)
         place = self.succeed(["sh", "-c", PLACE, "place", target], timeout=30).split()
+        if place[:1] != ["dir"] and place[1:2] == ["parent-missing"]:
+            raise UsageError(f"{self.vm}:{os.path.dirname(target.rstrip('/')) or '/'}: no such folder in the "
+                             "guest", "make it first, e.g. vmlaunch exec SPEC VM -- mkdir -p FOLDER")
         if place and place[0] == "dir":
             parent, name = target.rstrip("/") or "/", src.name
         else:
@@ -302,10 +305,15 @@ class Guest:
             got = unpacked / name
             if not os.path.lexists(got):
                 raise RuntimeFailure(f"{self.vm}: the copy of {source} holds no {name}")
-            if final.is_dir() and not final.is_symlink() and got.is_dir():
-                shutil.copytree(got, final, symlinks=True, dirs_exist_ok=True)  # cp -r into a folder: merge
-            else:
-                os.replace(got, final)
+            if got.is_dir() and not got.is_symlink() and os.path.lexists(final) and not final.is_dir():
+                raise UsageError(f"{final} is not a folder: cannot put the folder {source} there")
+            try:
+                if final.is_dir() and not final.is_symlink() and got.is_dir():
+                    shutil.copytree(got, final, symlinks=True, dirs_exist_ok=True)  # cp -r: merge
+                else:
+                    os.replace(got, final)
+            except OSError as exc:
+                raise RuntimeFailure(f"cannot write {final}: {exc.strerror or exc}") from None
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return final

@@ -136,9 +136,14 @@ def screenshot(run_dir: RunDir, name: str, path: Path) -> Path:
     path = Path(os.path.abspath(path))
     if path.is_dir():
         raise UsageError(f"{path} is a folder", "name the PNG file to write, or leave it out")
+    if not path.parent.is_dir():
+        raise UsageError(f"{path.parent}: no such folder")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     # write-only: QEMU's /dev/fdset/N open for writing matches only a descriptor opened O_WRONLY
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        raise RuntimeFailure(f"cannot write {path}: {exc.strerror or exc}") from None
     try:
         try:
             _dump(run_dir, name, fd)

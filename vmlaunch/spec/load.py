@@ -909,7 +909,8 @@ class _Builder:
     def vm(self, path: KeyPath, name: str, networks: set[str], broken: set[str]) -> VmSpec | None:
         raw = self.table(path)
         disks = tuple(self.disks(path, self.tables(raw, "disk")))
-        nics = tuple(self.nics(path, name, self.tables(raw, "nic"), networks, broken))
+        nics = tuple(self.nics(path, name, self.tables(raw, "nic"), networks, broken,
+                               agent_off=raw.get("agent") is False))
         pci = tuple(self.pci(path, self.tables(raw, "pci")))
         queries = [key for key in ("machine", "cpu_model")
                    if self.is_valid((*path, key)) and self.is_qemu_query((*path, key), raw.get(key))]
@@ -1269,7 +1270,8 @@ class _Builder:
         return size
 
     def nics(
-        self, vm_path: KeyPath, vm: str, items: Iterable[Doc], networks: set[str], broken: set[str]
+        self, vm_path: KeyPath, vm: str, items: Iterable[Doc], networks: set[str], broken: set[str],
+        *, agent_off: bool = False,
     ) -> Iterator[Nic]:
         for index, raw in enumerate(items):
             path = (*vm_path, "nic", index)
@@ -1297,7 +1299,7 @@ class _Builder:
             if "dns" in raw:
                 given["dns"] = tuple(raw["dns"])
             if "netem" in raw:
-                netem = self.netem((*path, "netem"), raw["netem"], network)
+                netem = self.netem((*path, "netem"), raw["netem"], network, agent_off=agent_off)
                 if netem is None:
                     continue
                 given["netem"] = netem
@@ -1308,9 +1310,10 @@ class _Builder:
             if mac is not None:
                 yield nic
 
-    def netem(self, path: KeyPath, raw: Doc, network: str) -> Netem | None:
+    def netem(self, path: KeyPath, raw: Doc, network: str, *, agent_off: bool = False) -> Netem | None:
         """A NIC's `netem = { ... }`: every figure checked (spec/netem.py, the CLI's parser too);
-        `where = "host"` needs a NIC with a host interface (a bridge or tap network's)."""
+        `where = "host"` needs a NIC with a host interface (a bridge or tap network's), netem in the
+        guest (`where = "guest"`, or any on a network without a host side) the VM's command channel."""
         from vmlaunch.spec.netem import parse_netem
 
         netem, problems = parse_netem(raw, bare_ms=False)
@@ -1322,6 +1325,12 @@ class _Builder:
                                                or network in self.socket_networks):
             self.problems.add((*path, "where"), f"network {network!r} has no host interface to shape "
                               "(QEMU's user and socket networks)", 'use where = "guest" (or "auto")')
+            return None
+        no_host_side = network in self.forwarding_or_user or network in self.socket_networks
+        if agent_off and (netem.where is NetemWhere.GUEST or no_host_side):
+            self.problems.add(path, "netem in the guest is set through its command channel, and the VM has "
+                              "agent = false", "turn the agent on" + ("" if no_host_side else
+                                                                       ', or use where = "host"'))
             return None
         return netem
 
