@@ -105,6 +105,7 @@ DIFFERENCES = {
     "panics": "`pvpanic`",
     "firmware log": "`isa-debugcon`",
     "kernel command line": "`no_timer_check`",
+    "command channel": "`virtserialport`",
 }
 DEVICE_PLUMBING = {"id", "bus", "addr", "drive", "netdev", "chardev", "fsdev", "multifunction", "port",
                    "chassis", "index", "channel", "scsi-id", "lun", "device_id", "bootindex"}
@@ -258,7 +259,8 @@ def read_argv(argv: list[str]) -> Guest:
         if backend_type != "socket":
             guest.differences.append(("serial backend", backend_type))
     for name, (backend_type, _) in chardevs.items():
-        category = "firmware log" if name == "firmware" else "monitor"
+        category = {"firmware": "firmware log", "agent": "command channel",
+                    "qga": "command channel"}.get(name, "monitor")
         guest.differences.append((category, f"chardev {name} ({backend_type})"))
     return guest
 
@@ -309,6 +311,8 @@ def _read_device(guest: Guest, device: dict[str, Any], nodes: dict[str, dict[str
         guest.differences.append(("panics", driver))
     elif driver == "isa-debugcon":
         guest.differences.append(("firmware log", driver))
+    elif driver in ("virtio-serial-pci", "virtserialport"):
+        guest.differences.append(("command channel", driver))
     else:
         guest.devices.append(driver)
 

@@ -25,7 +25,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.test_e2e import Netns, netns_named
-from vmlaunch.core.wait import wait_until
+from vmlaunch.core.wait import TimedOut, wait_until
 
 pytestmark = [pytest.mark.qemu, pytest.mark.guest]
 BOOT_TIMEOUT = "420"
@@ -353,22 +353,6 @@ def test_an_edited_lab_comes_back_and_a_snapshot_takes_it_back_in_time(lab: tupl
     assert clock.returncode == 0 and abs(int(clock.stdout) - int(time.time())) < 60
 
 
-def test_a_panic_reaches_qemu_through_pvpanic(lab: tuple[Netns, Path]) -> None:
-    """Debian's kernel loads the pvpanic driver for QEMU's device: a panic pauses the VM in QEMU's
-    run state guest-panicked (-action panic=pause), which `status` shows with the panic line."""
-    netns, spec = lab
-    # in the background, every stream let go: ssh returns before the guest stops answering
-    ssh(netns, spec, "b", "sudo", "sh", "-c",
-        "(sleep 1; echo c > /proc/sysrq-trigger) </dev/null >/dev/null 2>&1 &")
-
-    def panicked() -> dict[str, object] | None:
-        rows = json.loads(netns.vmlaunch("status", str(spec), "--json", env=netns.env).stdout)
-        return rows["b"] if rows["b"]["run_state"] == "guest-panicked" else None
-
-    row = wait_until(panicked, 120)
-    assert row["state"] == "guest-panicked" and "Kernel panic - not syncing" in str(row["why"]), row
-
-
 # ---------------------------------------------------------------- test rigs: the command channel
 
 
@@ -387,6 +371,15 @@ def round_trip_ms(netns: Netns, spec: Path, source: str, address: str, count: in
 
 def pings(netns: Netns, spec: Path, source: str, address: str) -> bool:
     return run_in(netns, spec, source, "ping", "-c", "2", "-W", "2", address).returncode == 0
+
+
+def lab_state(netns: Netns, spec: Path) -> str:
+    """What `status` says, and the tail of each console: for the message of a wait that failed."""
+    said = netns.vmlaunch("status", str(spec), env=netns.env).stdout
+    for vm in ("a", "b"):
+        console = netns.vmlaunch("logs", str(spec), vm, env=netns.env).stdout
+        said += f"\n--- {vm}'s console:\n{console[-1500:]}"
+    return said
 
 
 def test_exec_works_with_every_nic_down_and_through_either_agent(lab: tuple[Netns, Path]) -> None:
@@ -408,8 +401,11 @@ def test_exec_works_with_every_nic_down_and_through_either_agent(lab: tuple[Netn
     finally:
         netns.vmlaunch("qmp", str(spec), "a", "set_link", '{"name": "mgmt", "up": true}', env=netns.env)
         netns.vmlaunch("link", str(spec), "a", "lan", "up", env=netns.env)
-    assert wait_until(lambda: pings(netns, spec, "a", "10.10.0.12"), 120, interval=2)
-    assert wait_until(lambda: ssh(netns, spec, "a", "true").returncode == 0, 120, interval=2)
+    try:
+        wait_until(lambda: pings(netns, spec, "a", "10.10.0.12"), 120, interval=2)
+        wait_until(lambda: ssh(netns, spec, "a", "true").returncode == 0, 120, interval=2)
+    except TimedOut:
+        pytest.fail(f"a does not reach b again after its links came back:\n{lab_state(netns, spec)}")
 
 
 def test_netem_delays_and_loses_in_the_guest_and_clears(lab: tuple[Netns, Path]) -> None:
@@ -493,3 +489,22 @@ def test_the_python_api_drives_the_guest_through_the_channel(lab: tuple[Netns, P
                           env={**_environ(), "VMLAUNCH_RUN_DIR": str(netns.run_root), **netns.env})
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["failed: True", "two words|it's|", "ok"]
+
+
+# The last test of the module: it leaves b panicked.
+
+
+def test_a_panic_reaches_qemu_through_pvpanic(lab: tuple[Netns, Path]) -> None:
+    """Debian's kernel loads the pvpanic driver for QEMU's device: a panic pauses the VM in QEMU's
+    run state guest-panicked (-action panic=pause), which `status` shows with the panic line."""
+    netns, spec = lab
+    # in the background, every stream let go: ssh returns before the guest stops answering
+    ssh(netns, spec, "b", "sudo", "sh", "-c",
+        "(sleep 1; echo c > /proc/sysrq-trigger) </dev/null >/dev/null 2>&1 &")
+
+    def panicked() -> dict[str, object] | None:
+        rows = json.loads(netns.vmlaunch("status", str(spec), "--json", env=netns.env).stdout)
+        return rows["b"] if rows["b"]["run_state"] == "guest-panicked" else None
+
+    row = wait_until(panicked, 120)
+    assert row["state"] == "guest-panicked" and "Kernel panic - not syncing" in str(row["why"]), row

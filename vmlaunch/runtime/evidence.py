@@ -115,7 +115,7 @@ def _vm(out: _Collector, run_dir: RunDir, name: str, row: VmStatus | None, scree
     files = run_dir.vm(name)
     never = "the VM is not up, and no earlier run of it was kept"
     if is_up(run_dir, name):
-        out.attempt(f"{name}/serial.log", partial(_read_bytes, files.serial_log), "QEMU has not written it")
+        out.attempt(f"{name}/serial.log", partial(_console, files.serial_log), "QEMU has not written it")
         out.attempt(f"{name}/qemu.log", partial(_qemu_log, files, row), "")
     else:
         out.attempt(f"{name}/serial.log", lambda: lastrun.read(run_dir.lab, name, "serial"), never)
@@ -148,6 +148,16 @@ def _qemu_log(files: VmFiles, row: VmStatus | None) -> str:
     started, then = process.read_text(files.stderr_log), process.read_text(files.qemu_log)
     return "\n".join([*head, f"# while starting ({files.stderr_log.name}):", started.rstrip("\n"),
                       f"# then ({files.qemu_log.name}):", then.rstrip("\n")]) + "\n"
+
+
+def _console(path: Path) -> bytes | None:
+    """The console's log; when it is empty, a line saying so (a VM started from a snapshot, or a guest
+    that prints nothing on its serial console, leaves it so)."""
+    data = _read_bytes(path)
+    if data == b"":
+        return (b"# vmlaunch: the serial console printed nothing since this QEMU started (a VM started "
+                b"from a snapshot prints only what it prints after it)\n")
+    return data
 
 
 def _read_bytes(path: Path) -> bytes | None:
