@@ -228,6 +228,14 @@ class Channel:
              stdout: IO[bytes] | None) -> Result:
         raise NotImplementedError
 
+    def _take(self) -> None:
+        """What there is to read now, into the buffer; AgentError when the channel closed."""
+        with contextlib.suppress(BlockingIOError):
+            data = self.conn.recv(CHUNK)
+            if not data:
+                raise AgentError(f"{self.vm}: the command channel ({self.what}) closed before it answered")
+            self.buffer += data
+
     # ---- blocking reads and writes against a deadline
 
     def _receive(self, deadline: float | None, doing: str) -> bytes:
@@ -298,11 +306,7 @@ class VlaChannel(Channel):
         self._send(f"VLA1 hello {self.nonce}\n".encode(), time.monotonic() + 5.0, "greeting")
 
     def answered(self) -> bool:
-        with contextlib.suppress(BlockingIOError):
-            data = self.conn.recv(CHUNK)
-            if not data:
-                raise AgentError(f"{self.vm}: the command channel closed before the agent answered")
-            self.buffer += data
+        self._take()
         while b"\n" in self.buffer:
             line, _, self.buffer = self.buffer.partition(b"\n")
             words = line.split()
@@ -354,11 +358,7 @@ class QgaChannel(Channel):
                    time.monotonic() + 5.0, "greeting")
 
     def answered(self) -> bool:
-        with contextlib.suppress(BlockingIOError):
-            data = self.conn.recv(CHUNK)
-            if not data:
-                raise AgentError(f"{self.vm}: the QEMU guest agent channel closed before it answered")
-            self.buffer += data
+        self._take()
         while b"\n" in self.buffer:
             line, _, self.buffer = self.buffer.partition(b"\n")
             line = line.rpartition(b"\xff")[2].strip()
