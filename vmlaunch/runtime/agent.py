@@ -415,12 +415,3 @@ class QgaChannel(Channel):
             stdout.write(out)
             out = b""
         return Result(code, out, err, truncated, timed_out, "qga")
-
-
-def channel_of(files: VmFiles) -> list[str]:
-    """The channels a running VM has (its sockets): "agent", "qga"."""
-    return [name for name, path in (("agent", files.agent), ("qga", files.qga)) if path.exists()]
-
-
-__all__ = ["DEFAULT_LIMIT", "DEFAULT_TIMEOUT", "DEFAULT_WAIT", "Result", "RuntimeFailure", "command_line",
-           "run"]

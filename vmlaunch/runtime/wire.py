@@ -80,13 +80,6 @@ def update(run_dir: RunDir, change: Callable[[State], None]) -> State:
         return state
 
 
-def forget(run_dir: RunDir) -> None:
-    """Remove the record (`down`, once what it names is undone)."""
-    for path in (run_dir.wire, run_dir.wire_lock):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-
 def resolve_nic(lab: LabSpec, vm: str, text: str) -> int:
     """The index of the NIC `text` names on VM `vm`: its index (`0`), `nicN`/`netN` (QEMU's ids) or
     the name of the network it is on when the VM has one NIC there. UsageError otherwise, naming the
