@@ -22,6 +22,7 @@ from typing import IO, Any
 
 import attrs
 
+from vmlaunch.core.wait import TimedOut, wait_until
 from vmlaunch.errors import AgentError, CommandTimedOut, RuntimeFailure, UsageError
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.runtime.agent import (
@@ -63,15 +64,18 @@ def text_of(data: bytes) -> str:
 
 
 def _poll(attempt: Callable[[float], str | None], timeout: float) -> str | None:
+    """`attempt(seconds left)` every POLL seconds (the project's one wait loop) until it returns
+    something other than None; None when `timeout` passes first."""
     deadline = time.monotonic() + timeout
-    while True:
+
+    def check() -> str | None:
         left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        found = attempt(left)
-        if found is not None:
-            return found
-        time.sleep(min(POLL, max(0.0, deadline - time.monotonic())))
+        return attempt(left) if left > 0 else None
+
+    try:
+        return wait_until(check, timeout, interval=POLL)
+    except TimedOut:
+        return None
 
 
 UNIT_STATE = """command -v systemctl >/dev/null 2>&1 || { echo no-systemd; exit 0; }
