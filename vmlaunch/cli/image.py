@@ -37,6 +37,18 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
         "no minimum) over VMLAUNCH_PULL_SPEED_TIME (60 s).",
         spec=True)
     pull.add_argument("images", metavar="IMAGE", nargs="*", default=[], help="only these images")
+    pull.add_argument("--update", action="store_true",
+                      help="resolve catalog images anew (the build their distribution has now) and move "
+                      "their pins in the lock file (SPEC.lock)")
+
+    command(
+        sub, "catalog", cmd_catalog, help="list the image catalog",
+        description="The images `[image.NAME] catalog = \"...\"` can name: each distribution's cloud image, "
+        "its build (a moving name such as latest, or a release), whether its checksum file is signed, and "
+        "what it needs of a VM (UEFI firmware; a CPU newer than QEMU's base models, which vmlaunch's "
+        "defaults give). URLs are the distributions' own, or VMLAUNCH_IMAGE_MIRROR's.",
+        json="print JSON keyed by catalog name: url, checksum_url (as `image pull` fetches them now, the "
+        "mirror applied), format, signed, firmware, cpu_model, version, arch")
 
     command(
         sub, "list", cmd_list, help="list the cached images",
@@ -75,12 +87,45 @@ def cmd_pull(args: argparse.Namespace) -> int:
     if unknown:
         raise UsageError(f"{args.spec}: no image named {', '.join(map(repr, unknown))}",
                          f"images in this lab: {', '.join(known) or 'none'}")
-    chosen = [image for image in lab.images
-              if image.name in args.images or (not args.images and image.url is not None)]
+    chosen = [image for image in lab.images if image.name in args.images
+              or (not args.images and (image.url is not None or image.catalog is not None))]
     if not chosen:
-        log.info("%s: no image to pull (none has a url)", args.spec)
+        log.info("%s: no image to pull (none has a url or a catalog entry)", args.spec)
     for image in chosen:
-        print(f"{image.name}: {images.ensure(image)}")
+        print(f"{image.name}: {images.ensure_updated(image) if args.update else images.ensure(image)}")
+    catalogued = [image for image in lab.images if image.catalog is not None and image.lock is not None]
+    if catalogued and not args.images:
+        from vmlaunch.guests import catalog_images
+
+        assert catalogued[0].lock is not None
+        catalog_images.prune(catalogued[0].lock, {image.name for image in catalogued})
+    return 0
+
+
+def cmd_catalog(args: argparse.Namespace) -> int:
+    import json
+
+    from vmlaunch.guests import catalog_images
+    from vmlaunch.spec import catalog
+
+    shown = {}
+    for name, entry in catalog.entries().items():
+        if catalog.host_arch() not in entry.builds:
+            continue
+        url, checksum_url = entry.locations()
+        shown[name] = entry.to_json(catalog_images.fetched(url), catalog_images.fetched(checksum_url))
+    if args.json:
+        print(json.dumps(shown, indent=2))
+        return 0
+    print(f"{'NAME':<20} {'BUILD':<8} {'SIGNED':<7} {'NEEDS':<30} IMAGE")
+    for name, entry in catalog.entries().items():
+        if name not in shown:
+            continue
+        needs = entry.needs or "-"
+        signed = "yes" if entry.signature else "no"
+        print(f"{name:<20} {entry.version:<8} {signed:<7} {needs:<30} {entry.title}")
+    log.info("use one: [image.NAME] catalog = \"%s\" (and `version` for a dated build); `vmlaunch init "
+             "--image NAME` writes a lab of it", next(iter(shown), "debian-12"))
     return 0
 
 

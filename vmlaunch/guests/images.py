@@ -99,6 +99,10 @@ class Cached:
                 "fetched": _iso(self.fetched) if self.fetched is not None else None}
 
 
+class NotFound(RuntimeFailure):
+    """The server (or the file system, for file://) has no such file: HTTP 404 or 410, or ENOENT."""
+
+
 class UnsafeImage(RuntimeFailure):
     """A qcow2 image that would make QEMU open another file: a backing file or an external data file."""
 
@@ -201,6 +205,8 @@ def ensure(image: Image, *, progress: bool | None = None) -> Path:
     standard error, False lines every PROGRESS_EVERY seconds through logging, None the bar when
     standard error is a terminal.
     """
+    if image.catalog is not None and image.url is None:
+        return _ensure_catalog(image, progress, update=False)
     if image.url is None:
         return _ensure_file(image, progress)
     algo, digest = _checksum(image)
@@ -212,6 +218,25 @@ def ensure(image: Image, *, progress: bool | None = None) -> Path:
     _make_read_only(final)
     _note_name(top, algo, digest, image)
     return final
+
+
+def _ensure_catalog(image: Image, progress: bool | None, *, update: bool) -> Path:
+    """A catalog image: pinned (`catalog_images.pin`: the lock file's pin, or resolved now), then
+    fetched and checked as a URL image of that digest."""
+    from vmlaunch.guests import catalog_images
+
+    concrete = catalog_images.pinned(image, update=update)
+    try:
+        return ensure(concrete, progress=progress)
+    except RuntimeFailure as exc:
+        raise catalog_images.failed_pull(concrete, exc) from None
+
+
+def ensure_updated(image: Image, *, progress: bool | None = None) -> Path:
+    """`ensure`, but a catalog image is resolved anew first and its pin moved (`image pull --update`)."""
+    if image.catalog is None or image.url is not None:
+        return ensure(image, progress=progress)
+    return _ensure_catalog(image, progress, update=True)
 
 
 def pull(image: Image, *, progress: bool | None = None) -> Path:
@@ -723,6 +748,8 @@ def _open_file(url: str, offset: int) -> _Source:
     path = url2pathname(urlsplit(url).path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO cannot hang us
+    except FileNotFoundError as exc:
+        raise NotFound(f"cannot read {url}: {exc.strerror or exc}") from None
     except OSError as exc:
         raise RuntimeFailure(f"cannot read {url}: {exc.strerror or exc}") from None
     st = os.fstat(fd)
@@ -763,7 +790,8 @@ def _open_http(url: str, offset: int, timeout: float) -> _Source:
             return _restarted(url, timeout, f"it answered {said} to a request from byte {offset}")
         if offset and _refuses_range(exc.code):  # it may still send the whole file
             return _restarted(url, timeout, f"it answered {said} to a request from byte {offset}")
-        raise RuntimeFailure(f"downloading {url} failed: {said}", _http_hint(exc.code)) from None
+        failure = NotFound if exc.code in (404, 410) else RuntimeFailure
+        raise failure(f"downloading {url} failed: {said}", _http_hint(exc.code)) from None
     except urllib.error.URLError as exc:
         raise RuntimeFailure(f"downloading {url} failed: {_reason(exc.reason, timeout)}",
                              network_hint) from None
@@ -784,6 +812,29 @@ def _open_http(url: str, offset: int, timeout: float) -> _Source:
         return source
     response.close()
     raise RuntimeFailure(f"downloading {url} failed: unexpected HTTP {response.status}", network_hint)
+
+
+def fetch_small(url: str, limit: int) -> bytes:
+    """The whole of a small file (a checksum file, a signature) at `url`: http(s):// or file://, with
+    the redirect rules and time-outs of image downloads. NotFound when there is none; RuntimeFailure
+    when it fails or holds more than `limit` bytes."""
+    source = _open(url, 0, PullLimits.from_env().timeout)
+    try:
+        if source.total is not None and source.total > limit:
+            raise RuntimeFailure(f"{url}: {human_size(source.total)}, more than the {human_size(limit)} a "
+                                 "checksum file or signature may be", "check the URL or the mirror")
+        data = bytearray()
+        while len(data) <= limit and (chunk := source.read(min(CHUNK, limit + 1 - len(data)))):
+            data += chunk
+    except (OSError, ValueError, _http_errors()) as exc:
+        raise RuntimeFailure(f"downloading {url} failed: {_reason(exc, TIMEOUT)}",
+                             "check the URL and this host's network (or proxy)") from None
+    finally:
+        source.close()
+    if len(data) > limit:
+        raise RuntimeFailure(f"{url}: more than the {human_size(limit)} a checksum file or signature may be",
+                             "check the URL or the mirror")
+    return bytes(data)
 
 
 def _restarted(url: str, timeout: float, why: str) -> _Source:

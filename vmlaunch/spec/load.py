@@ -641,6 +641,7 @@ class _Builder:
         self.macs: dict[str, KeyPath] = {}
         self.named: list[Named] = []  # each file the spec names, for the checks of its files
         self.vm_images: dict[str, str] = {}
+        self.catalog_entries: dict[str, Any] = {}  # image name -> its catalog Entry
         self.host_ports: dict[tuple[str, str, int], KeyPath] = {}
         self.writable_images: dict[Path, KeyPath] = {}
         self.pci_hosts: dict[str, KeyPath] = {}
@@ -704,9 +705,22 @@ class _Builder:
             path: KeyPath = ("image", image_name)
             if not self.is_valid(path):
                 continue
-            if ("url" in raw) == ("file" in raw):
-                self.problems.add(path, "an image needs url = \"...\" or file = \"...\"" if "url" not in raw
-                                  else "an image has url or file, not both")
+            sources = [key for key in ("url", "file", "catalog") if key in raw]
+            if len(sources) != 1:
+                self.problems.add(path, "an image needs url = \"...\", file = \"...\" or catalog = \"...\""
+                                  if not sources else f"an image has one of url, file and catalog, not "
+                                  f"{' and '.join(sources)}",
+                                  "see `vmlaunch image catalog` for the images catalog can name"
+                                  if not sources else None)
+                continue
+            if "version" in raw and "catalog" not in raw:
+                self.problems.add((*path, "version"), "version names a build of a catalog image",
+                                  "add catalog = \"...\", or leave version out")
+                continue
+            if "catalog" in raw:
+                image = self.catalog_image(path, raw)
+                if image is not None:
+                    yield image
                 continue
             if "url" in raw and "sha256" not in raw and "sha512" not in raw:
                 self.problems.add((*path, "url"), "a downloaded image needs a checksum",
@@ -732,6 +746,37 @@ class _Builder:
             yield Image(name=image_name, url=url, file=self.path_of(given), format=fmt,
                         sha256=raw["sha256"].lower() if "sha256" in raw else None,
                         sha512=raw["sha512"].lower() if "sha512" in raw else None)
+
+    def catalog_image(self, path: KeyPath, raw: Doc) -> Image | None:
+        """An image of the catalog: known there, with no checksum of its own (its distribution's is
+        read and pinned in SPEC.lock at `image pull`)."""
+        from vmlaunch.spec import catalog
+
+        name = raw["catalog"]
+        entry = catalog.entries().get(name)
+        if entry is None:
+            near = catalog.closest(name)
+            self.problems.add((*path, "catalog"), f"{_shown(name)} is not in the image catalog",
+                              (f"did you mean {' or '.join(near)}? " if near else "")
+                              + "`vmlaunch image catalog` lists the images")
+            return None
+        arch = catalog.host_arch()
+        if arch not in entry.builds:
+            self.problems.add((*path, "catalog"), f"{name} has no {arch} build",
+                              f"{name} is built for {', '.join(sorted(entry.builds))}")
+            return None
+        for key in ("sha256", "sha512"):
+            if key in raw:
+                self.problems.add((*path, key), "a catalog image's checksum is its distribution's, read "
+                                  "from the checksum file they publish and pinned in the lock file beside "
+                                  "the spec", f"leave {key} out (or give url and {key} instead of catalog)")
+                return None
+        self.catalog_entries[str(path[-1])] = entry
+        url, _ = entry.locations(raw.get("version"), arch)
+        fmt = DiskFormat(raw["format"]) if "format" in raw else (
+            DiskFormat(entry.format) if entry.format else _format_by_suffix(url))
+        return Image(name=str(path[-1]), catalog=name, version=raw.get("version"), format=fmt,
+                     lock=self.file.with_name(self.file.name + ".lock"))
 
     def with_addresses(self, vms: tuple[VmSpec, ...]) -> tuple[VmSpec, ...]:
         """Each NIC's static address: given (checked against its network) or derived from the subnet."""
@@ -1065,6 +1110,23 @@ class _Builder:
                 self.named.append(Named((*where, "source"),
                                         self.base / os.path.expanduser(share["source"]), "folder"))
 
+    def catalog_needs(self, path: KeyPath, raw: Doc, entry: Any, given: dict[str, Any]) -> None:
+        """What a catalog image needs of its VM: UEFI firmware by default where it boots only so (said
+        where the spec asks for BIOS), and no CPU model older than it runs on."""
+        from vmlaunch.spec.catalog import BASE_CPU_MODELS
+
+        if entry.firmware == "uefi":
+            if "firmware" not in raw:
+                given["firmware"] = Firmware.UEFI
+            elif given.get("firmware") is not Firmware.UEFI:
+                self.problems.add((*path, "firmware"), f"image {raw['image']} ({entry.name}) boots only with "
+                                  "UEFI firmware", "set firmware = \"uefi\", or leave firmware out")
+        model = raw.get("cpu_model")
+        if entry.cpu_model and isinstance(model, str) and model in BASE_CPU_MODELS:
+            self.problems.add((*path, "cpu_model"), f"image {raw['image']} ({entry.name}) needs a "
+                              f"{entry.cpu_level or 'newer'} CPU, which {model!r} is not",
+                              "leave cpu_model out (\"host\" under KVM, \"max\" under TCG), or set \"max\"")
+
     def guest(self, path: KeyPath, raw: Doc) -> dict[str, Any]:
         """The keys of a real guest: its image, firmware, cloud-init seed, shares and SSH."""
         given: dict[str, Any] = {}
@@ -1083,6 +1145,9 @@ class _Builder:
                 given["disk_size"] = size
         if self.value(path, raw, "firmware") is not None:
             given["firmware"] = Firmware(raw["firmware"])
+        entry = self.catalog_entries.get(image) if image is not None else None
+        if entry is not None:
+            self.catalog_needs(path, raw, entry, given)
         shares = tuple(self.shares(path, self.tables(raw, "share")))
         if shares:
             given["shares"] = shares

@@ -225,6 +225,9 @@ class Image:
     sha256: str | None = None  # lower-case hex; a URL needs one of the two
     sha512: str | None = None
     format: DiskFormat | None = None  # None: by suffix (.qcow2, .raw), else found from the file itself
+    catalog: str | None = None  # an entry of the image catalog (spec/catalog.py): url and digest come
+    version: str | None = None  # from its checksum file at `image pull`, pinned in `lock`
+    lock: Path | None = None  # SPEC.lock, beside the spec: where a catalog image's URL and digest are kept
 
     @property
     def checksum(self) -> tuple[str, str] | None:
