@@ -78,7 +78,7 @@ def _print_help(parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from vmlaunch.guests import images
+    from vmlaunch.guests import catalog_images
     from vmlaunch.spec.load import load_lab
 
     lab = load_lab(args.spec)
@@ -92,11 +92,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
     if not chosen:
         log.info("%s: no image to pull (none has a url or a catalog entry)", args.spec)
     for image in chosen:
-        print(f"{image.name}: {images.ensure_updated(image) if args.update else images.ensure(image)}")
+        print(f"{image.name}: {catalog_images.ensure(image, update=args.update)}")
     catalogued = [image for image in lab.images if image.catalog is not None and image.lock is not None]
     if catalogued and not args.images:
-        from vmlaunch.guests import catalog_images
-
         assert catalogued[0].lock is not None
         catalog_images.prune(catalogued[0].lock, {image.name for image in catalogued})
     return 0

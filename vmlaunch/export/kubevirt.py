@@ -434,6 +434,12 @@ class _Exporter:
                                  "registry:IMAGE")
             source = (self.clone_source(value) if kind == "pvc"
                       else {"registry": {"url": f"docker://{value}"}})
+        elif image.catalog is not None:
+            url, pinned = _catalog_url(image)
+            source = {"http": {"url": url}}
+            if not pinned:
+                self.findings.add((*path, "catalog"), "exported with the catalog entry's moving URL: "
+                                  "`vmlaunch image pull` pins the build (SPEC.lock) that export then names")
         elif image.url is not None:
             source = {"http": {"url": image.url}}
             if image.checksum is not None:
@@ -569,3 +575,15 @@ def dump(document: Mapping[str, Any]) -> str:
     return str(yaml.dump(dict(document), Dumper=Dumper, sort_keys=False, default_flow_style=False,
                          allow_unicode=False, width=100))
 
+
+def _catalog_url(image: Image) -> tuple[str, bool]:
+    """A catalog image's URL: the pinned build's when the lock file has one, else the entry's own
+    (the distribution's server: a cluster fetches it, not this host's mirror). Reads no network."""
+    from vmlaunch.guests import catalog_images
+
+    pins = catalog_images.read_lock(image.lock) if image.lock is not None else {}
+    held = pins.get(image.name)
+    if held is not None and held.catalog == image.catalog:
+        return held.url, True
+    url, _ = catalog_images.entry_of(image).locations(image.version)
+    return url, False

@@ -450,6 +450,21 @@ def pinned(image: Image, *, update: bool = False) -> Image:
     return attrs.evolve(image, url=url, sha256=held.digest, sha512=None)
 
 
+def ensure(image: Image, *, update: bool = False, progress: bool | None = None) -> Path:
+    """The verified local file of any image (`images.ensure`); a catalog image is pinned first (the
+    lock file's pin, or resolved now; `update`: resolved anew) and then fetched and checked as a URL
+    image of that digest."""
+    from vmlaunch.guests import images
+
+    if image.catalog is None or image.url is not None:
+        return images.ensure(image, progress=progress)
+    concrete = pinned(image, update=update)
+    try:
+        return images.ensure(concrete, progress=progress)
+    except RuntimeFailure as exc:
+        raise failed_pull(concrete, exc) from None
+
+
 def prune(lock: Path, names: set[str]) -> None:
     """Drop the pins of images the spec no longer has."""
     with _holding_lock_of(lock):

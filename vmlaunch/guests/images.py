@@ -206,7 +206,7 @@ def ensure(image: Image, *, progress: bool | None = None) -> Path:
     standard error is a terminal.
     """
     if image.catalog is not None and image.url is None:
-        return _ensure_catalog(image, progress, update=False)
+        raise UsageError(f"image {image.name} is a catalog image: it is pinned first (catalog_images.ensure)")
     if image.url is None:
         return _ensure_file(image, progress)
     algo, digest = _checksum(image)
@@ -218,25 +218,6 @@ def ensure(image: Image, *, progress: bool | None = None) -> Path:
     _make_read_only(final)
     _note_name(top, algo, digest, image)
     return final
-
-
-def _ensure_catalog(image: Image, progress: bool | None, *, update: bool) -> Path:
-    """A catalog image: pinned (`catalog_images.pin`: the lock file's pin, or resolved now), then
-    fetched and checked as a URL image of that digest."""
-    from vmlaunch.guests import catalog_images
-
-    concrete = catalog_images.pinned(image, update=update)
-    try:
-        return ensure(concrete, progress=progress)
-    except RuntimeFailure as exc:
-        raise catalog_images.failed_pull(concrete, exc) from None
-
-
-def ensure_updated(image: Image, *, progress: bool | None = None) -> Path:
-    """`ensure`, but a catalog image is resolved anew first and its pin moved (`image pull --update`)."""
-    if image.catalog is None or image.url is not None:
-        return ensure(image, progress=progress)
-    return _ensure_catalog(image, progress, update=True)
 
 
 def pull(image: Image, *, progress: bool | None = None) -> Path:

@@ -167,9 +167,9 @@ class Overlay(_GuestFile):
         return "exists: the VM resumes from it" if self.path.exists() else None
 
     def _write(self, ctx: Context) -> None:
-        from vmlaunch.guests import images
+        from vmlaunch.guests import catalog_images, images
 
-        base = images.ensure(self.image)
+        base = catalog_images.ensure(self.image)
         info = images.image_info(base, self.image.format)
         if self.size is not None and self.size < info.virtual_size:
             from vmlaunch.core.units import format_size
