@@ -106,7 +106,8 @@ def test_a_derived_address_never_takes_one_a_nic_names(tmp_path: Path) -> None:
      "lab.toml:4: image.x.url: a downloaded image needs a checksum (add sha512 = \"...\" or sha256 = "
      "\"...\" (the distro publishes them beside the image, e.g. SHA512SUMS))"),
     (HEAD + '[image.x]\nsha256 = "' + "a" * 64 + '"\n[vm.a]\nmemory = 64\nimage = "x"\n',
-     "lab.toml:3: image.x: an image needs url = \"...\" or file = \"...\""),
+     "lab.toml:3: image.x: an image needs url = \"...\", file = \"...\" or catalog = \"...\" "
+     "(`vmlaunch image catalog` lists the images catalog can name)"),
     (HEAD + '[image.x]\nurl = "ftp://example.org/x"\nsha256 = "' + "a" * 64 + '"\n' + VM,
      "lab.toml:4: image.x.url: 'ftp://example.org/x' must be an http://, https:// or file:// URL "
      "(a path on this host: use file = \"...\")"),

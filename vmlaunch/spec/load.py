@@ -710,7 +710,7 @@ class _Builder:
                 self.problems.add(path, "an image needs url = \"...\", file = \"...\" or catalog = \"...\""
                                   if not sources else f"an image has one of url, file and catalog, not "
                                   f"{' and '.join(sources)}",
-                                  "see `vmlaunch image catalog` for the images catalog can name"
+                                  "`vmlaunch image catalog` lists the images catalog can name"
                                   if not sources else None)
                 continue
             if "version" in raw and "catalog" not in raw:
