@@ -1112,7 +1112,8 @@ class _Builder:
 
     def catalog_needs(self, path: KeyPath, raw: Doc, entry: Any, given: dict[str, Any]) -> None:
         """What a catalog image needs of its VM: UEFI firmware by default where it boots only so (said
-        where the spec asks for BIOS), and no CPU model older than it runs on."""
+        where the spec asks for BIOS), cpu_model "max" by default for an x86-64-v3 image (vmlaunch's
+        own default under TCG is v2), and no CPU model older than it runs on."""
         from vmlaunch.spec.catalog import BASE_CPU_MODELS
 
         if entry.firmware == "uefi":
@@ -1122,7 +1123,9 @@ class _Builder:
                 self.problems.add((*path, "firmware"), f"image {raw['image']} ({entry.name}) boots only with "
                                   "UEFI firmware", "set firmware = \"uefi\", or leave firmware out")
         model = raw.get("cpu_model")
-        if entry.cpu_model and isinstance(model, str) and model in BASE_CPU_MODELS:
+        if entry.cpu_model and "cpu_model" not in raw:
+            given["cpu_model"] = entry.cpu_model
+        if entry.cpu_level and isinstance(model, str) and model in BASE_CPU_MODELS:
             self.problems.add((*path, "cpu_model"), f"image {raw['image']} ({entry.name}) needs a "
                               f"{entry.cpu_level or 'newer'} CPU, which {model!r} is not",
                               "leave cpu_model out (\"host\" under KVM, \"max\" under TCG), or set \"max\"")
