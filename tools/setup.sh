@@ -21,9 +21,10 @@ PYTHON=${PYTHON:-python3}
 # libvirtd (tools/private_libvirt.py). Installing them starts no daemon. zstd and lz4: the programs
 # that decompress a kernel of those compressions for a fast boot under TCG (guests/kernels.py).
 # nftables: `nft`, which `vmlaunch partition` cuts bridge networks with (the lab's own table).
+# graphviz: `dot`, which draws `vmlaunch graph --format svg|png` (and the manual's picture of the demo lab).
 DEB_PACKAGES=(qemu-system-x86 qemu-utils iproute2 util-linux ovmf openssh-client zsh ethtool fdisk e2fsprogs
               libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients libxml2-utils iptables zstd lz4
-              nftables)
+              nftables graphviz)
 # Debian's own Python makes a venv only with python3-venv (ensurepip).
 if [ ! -x .venv/bin/python ]; then
     case $(readlink -f "$(command -v "$PYTHON" || echo "$PYTHON")") in
