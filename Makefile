@@ -43,15 +43,18 @@ lint: setup
 # The manual (docs/, mkdocs.yml) built into site/ with MkDocs and its Material theme; --strict fails on
 # a broken link or anchor and on a page left out of nav. The reference pages (docs/reference/spec-keys.md
 # and commands.md) are written anew first from the schema, the model's defaults and the argument parser
-# (tests/test_reference.py fails when they drift). docs-serve serves it while it is edited.
+# (tests/test_reference.py fails when they drift), and the picture of the demo lab drawn by `vmlaunch
+# graph` (docs/assets/demo-lab.svg). docs-serve serves it while it is edited.
 docs: setup
 	$(VENV)/bin/python -m pip install -q -e '.[docs]' --config-settings editable_mode=compat
 	$(VENV)/bin/python tools/gen_reference.py --write
+	$(VENV)/bin/vmlaunch graph examples/lab.toml --format svg --out docs/assets/demo-lab.svg
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 docs-serve: setup
 	$(VENV)/bin/python -m pip install -q -e '.[docs]' --config-settings editable_mode=compat
 	$(VENV)/bin/python tools/gen_reference.py --write
+	$(VENV)/bin/vmlaunch graph examples/lab.toml --format svg --out docs/assets/demo-lab.svg
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 bench: setup

@@ -156,6 +156,18 @@ def test_bash_completes_folders_for_a_dir(bash_script: Path, tmp_path: Path) -> 
     assert offered == ["libvirt", "kubevirt"]
 
 
+def test_bash_completes_any_file_for_a_file(bash_script: Path, tmp_path: Path) -> None:
+    for name in ("lab.toml", "lab.svg", "pics/old.png"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("")
+    offered = complete(bash_script, "vmlaunch", "graph", "lab.toml", "--out", "", cwd=tmp_path)
+    assert sorted(offered) == ["lab.svg", "lab.toml", "pics"]
+    assert complete(bash_script, "vmlaunch", "graph", "lab.toml", "--out", "pics/", cwd=tmp_path) == [
+        "pics/old.png"]
+    offered = complete(bash_script, "vmlaunch", "graph", "lab.toml", "--format", "", cwd=tmp_path)
+    assert offered == ["svg", "png", "dot", "mermaid"]
+
+
 def test_bash_completes_the_vms_of_the_spec_on_the_line(bash_script: Path, tmp_path: Path) -> None:
     spec = write_spec(tmp_path, TWO_VMS)  # its kernel "k" need not exist for this
     assert complete(bash_script, "vmlaunch", "up", str(spec), "") == ["alpha", "beta"]
@@ -334,6 +346,8 @@ def zsh_complete(script_file: Path, line: str, cwd: Path) -> list[str]:
     ("vmlaunch ssh lab.toml a", ["alpha"]),
     ("vmlaunch export lab.toml --to ", ["libvirt", "kubevirt"]),
     ("vmlaunch export lab.toml ", ["alpha", "beta"]),
+    ("vmlaunch graph lab.toml --format ", ["svg", "png", "dot", "mermaid"]),
+    ("vmlaunch graph lab.toml --out l", ["lab.toml"]),
     ("vmlaunch ssh lab.toml alpha -- ", []),
     ("vmlaunch ssh lab.toml alpha -- -", []),
     ("vmlaunch pictures ", ["pull", "list", "rm"]),

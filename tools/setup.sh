@@ -22,10 +22,12 @@ PYTHON=${PYTHON:-python3}
 # that decompress a kernel of those compressions for a fast boot under TCG (guests/kernels.py).
 # nftables: `nft`, which `vmlaunch partition` cuts bridge networks with (the lab's own table).
 # gpgv and debian-keyring: `image pull` checks the signature of Debian's checksum files with Debian's
-# role keys (guests/catalog_images.py); gpg and gpg-agent: the tests sign a mirror's checksum files with a key of their own.
+# role keys (guests/catalog_images.py); gpg and gpg-agent: the tests sign a mirror's checksum files
+# with a key of their own. graphviz: `dot`, which draws `vmlaunch graph --format svg|png` (and the
+# manual's picture of the demo lab).
 DEB_PACKAGES=(qemu-system-x86 qemu-utils iproute2 util-linux ovmf openssh-client zsh ethtool fdisk e2fsprogs
               libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients libxml2-utils iptables zstd lz4
-              nftables gpgv gpg gpg-agent debian-keyring)
+              nftables gpgv gpg gpg-agent debian-keyring graphviz)
 # Debian's own Python makes a venv only with python3-venv (ensurepip).
 if [ ! -x .venv/bin/python ]; then
     case $(readlink -f "$(command -v "$PYTHON" || echo "$PYTHON")") in

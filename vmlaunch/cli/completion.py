@@ -3,9 +3,9 @@
 The parser is read into a small description (commands, their options, their positional arguments,
 their own sub-commands) and each shell's script is written from it, so a new command or option is
 completed without touching this module. What a positional argument completes comes from its metavar:
-SPEC completes `*.toml` files (and folders), DIR folders, VM the VM names of the spec already on the
-line (which the scripts get from `vmlaunch completion --vms SPEC`) less those already given, an
-argument with `choices` those choices, the COMMAND of a command named `help` the names of the
+SPEC completes `*.toml` files (and folders), DIR folders, FILE any file, VM the VM names of the spec
+already on the line (which the scripts get from `vmlaunch completion --vms SPEC`) less those already
+given, an argument with `choices` those choices, the COMMAND of a command named `help` the names of the
 commands beside it; anything else nothing, and nothing at all once an argparse.REMAINDER argument
 is reached (after `ssh SPEC VM` and its `--`, the words are the guest's). A command with sub-parsers
 of its own (`image pull SPEC`, `image list`) takes one of their names as its first word, and goes on
@@ -33,12 +33,13 @@ class Kind(enum.Enum):
     TEXT = "text"  # anything: nothing to offer
     SPEC = "spec"  # a lab's TOML file
     DIR = "dir"  # a folder
+    FILE = "file"  # any file (one to write: `screenshot`, `graph --out`)
     VM = "vm"  # a VM of the spec on the line
     CHOICE = "choice"  # one of a fixed set
 
 
 # The metavars the CLI gives its arguments, and what they complete.
-_KIND_OF_METAVAR = {"SPEC": Kind.SPEC, "VM": Kind.VM, "DIR": Kind.DIR}
+_KIND_OF_METAVAR = {"SPEC": Kind.SPEC, "VM": Kind.VM, "DIR": Kind.DIR, "FILE": Kind.FILE}
 # A command named HELP completes its COMMAND argument with the names of the commands beside it.
 HELP, COMMAND = "help", "COMMAND"
 # Options that cannot go with their command's positional arguments although the parser does not say
@@ -289,6 +290,11 @@ _vmlaunch_complete() {
         dir)
             compopt -o filenames 2>/dev/null
             mapfile -t reply < <(compgen -d -- "$2")
+            COMPREPLY+=("${reply[@]}")
+            ;;
+        file)
+            compopt -o filenames 2>/dev/null
+            mapfile -t reply < <(compgen -f -- "$2")
             COMPREPLY+=("${reply[@]}")
             ;;
         vm)
@@ -593,6 +599,8 @@ def _zsh_value(value: Value, arguments: Sequence[Value]) -> str:
         action = "_vmlaunch_spec_files"
     elif value.kind is Kind.DIR:
         action = "_path_files -/"
+    elif value.kind is Kind.FILE:
+        action = "_files"
     elif value.kind is Kind.VM:
         specs = [i for i, argument in enumerate(arguments, 1) if argument.kind is Kind.SPEC]
         action = f"{{_vmlaunch_vm_names {specs[0]}}}" if specs else " "
