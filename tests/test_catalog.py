@@ -241,6 +241,7 @@ def test_a_lock_edited_into_nonsense(mirror: Mirror, env: dict[str, str], tmp_pa
     done = run(env, "image", "pull", str(lab))
     assert done.returncode == 2
     assert f"{lock}:" in done.stderr and "sha512" in done.stderr and "--update" in done.stderr
+    assert run(env, "validate", str(lab)).returncode == 2
     lock.write_text("this is [not toml")
     assert run(env, "image", "pull", str(lab)).returncode == 2
     fixed = run(env, "image", "pull", "--update", str(lab))

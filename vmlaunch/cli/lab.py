@@ -107,6 +107,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from vmlaunch.spec.model import BridgeNetwork
 
     lab = load_checked(args.spec, up_refusals=True)
+    locks = {image.lock for image in lab.images if image.catalog is not None and image.lock is not None}
+    if locks:  # what `image pull` and `up` would refuse of a lock file, read without the network
+        from vmlaunch.guests.catalog_images import read_lock
+
+        for lock in locks:
+            read_lock(lock)
     nets = ", ".join(
         f"{net.name} (bridge {net.bridge})" if isinstance(net, BridgeNetwork)
         else f"{net.name} ({net.type.value})"

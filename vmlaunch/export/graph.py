@@ -219,7 +219,9 @@ def lab_graph(lab: LabSpec, live: LiveLab | None = None) -> Graph:
 def _vm_node(lab: LabSpec, vm: VmSpec, vm_id: str, state: LiveVm | None) -> Node:
     lines = [f"{vm.cpus} vCPU{'s' if vm.cpus != 1 else ''}, {format_size(vm.memory_mib << 20)} memory"]
     if vm.image is not None:
-        lines.append(f"image {vm.image}")
+        image = lab.image(vm.image)
+        built = f"{image.catalog}{f' {image.version}' if image.version else ''}" if image.catalog else None
+        lines.append(f"image {vm.image}" + (f" ({built})" if built else ""))
     elif vm.kernel is not None:
         lines.append(f"kernel {_shown_path(lab, vm.kernel)}")
     elif vm.disks:
