@@ -362,3 +362,22 @@ def test_every_comment_points_to_a_page_of_the_manual(tmp_path: Path) -> None:
     for where in starter.MANUAL.values():
         page = where.split("(", 1)[1].rstrip(")").split("#")[0]
         assert (root / page).is_file() or page == "docs/guides/catalog.md", page
+
+
+def test_the_first_real_guest_shows_what_init_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tutorial's spec is the file `vmlaunch init --image debian-12 --vms 2 --ssh` writes in `web`,
+    and the README's tour starts from the same command."""
+    root = Path(__file__).resolve().parent.parent
+    page = (root / "docs" / "getting-started" / "first-real-guest.md").read_text()
+    command = "vmlaunch init --image debian-12 --vms 2 --ssh"
+    assert f"mkdir web && cd web\n{command}\n" in page
+    folder = tmp_path / "web"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    assert main(command.split()[1:]) == 0
+    written = (folder / "lab.toml").read_text()
+    assert f"```toml\n{written}```\n" in page
+    tour = (root / "README.md").read_text().split("## A 60-second tour", 1)[1]
+    block = tour.split("```sh\n", 1)[1].split("```")[0]
+    commands = [line.split("#")[0].strip() for line in block.splitlines()]
+    assert commands == [command, "vmlaunch up lab.toml --wait ssh", "vmlaunch ssh lab.toml vm1"]

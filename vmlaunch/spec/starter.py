@@ -191,11 +191,11 @@ def lab_text(starter: Starter) -> str:
 def _header(starter: Starter) -> list[str]:
     what = starter.image.title if starter.image is not None else "the tiny test guest"
     count = f"{starter.vms} VM" + ("s" if starter.vms != 1 else "")
-    return _prose(f"A lab written by `vmlaunch init`: {count} of {what}, on a {starter.network.value} "
-                  "network.") + _prose(
-        "`vmlaunch validate lab.toml` checks it. Relative paths are relative to this file.",
-        f"Every key: {MANUAL['keys']}.",
-        see="first-real-guest" if starter.image is not None else "first-lab")
+    return [*_prose(f"A lab written by `vmlaunch init`: {count} of {what}, on a {starter.network.value} "
+                    "network."),
+            *_prose("`vmlaunch validate lab.toml` checks it. Relative paths are relative to this file."),
+            *_prose(f"Every key: {MANUAL['keys']}",
+                    see="first-real-guest" if starter.image is not None else "first-lab")]
 
 
 def _lab_table(starter: Starter) -> list[str]:
