@@ -43,7 +43,7 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
                       "built by tools/build_guest.py into the checkout's examples/guest/")
     init.add_argument("--vms", metavar="N", type=_vms, default=1,
                       help=f"how many VMs, 1 to {MAX_VMS} (default 1)")
-    init.add_argument("--network", choices=NETWORKS, default=NETWORKS[0],
+    init.add_argument("--network", metavar="TYPE", choices=NETWORKS, default=NETWORKS[0],
                       help="socket (default): a LAN between the VMs over multicast on loopback, no root; "
                       "user: QEMU's NAT, no root, the VMs do not see each other; bridge: a host bridge, "
                       "`up` needs root")
