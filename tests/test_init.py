@@ -191,6 +191,11 @@ def test_another_spec_in_the_folder_is_left_alone(tmp_path: Path, capsys: pytest
 
 
 def test_a_dir_that_cannot_be_a_lab_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    odd = tmp_path / "two\nlines"
+    odd.write_text("")
+    assert init(str(odd), "--image", "debian-12") == 64
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first == f'vmlaunch: error: "{tmp_path}/two\\nlines" is not a folder'
     afile = tmp_path / "a-file"
     afile.write_text("")
     assert init(str(afile), "--image", "debian-12") == 64

@@ -119,29 +119,39 @@ def _target(folder: Path, force: bool) -> Path:
     from vmlaunch.spec.starter import SPEC_FILE
 
     if folder.exists() and not folder.is_dir():
-        raise UsageError(f"{folder} is not a folder", "give the folder the lab is to be written in")
+        raise UsageError(f"{_shown(folder)} is not a folder", "give the folder the lab is to be written in")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UsageError(f"cannot make the folder {folder}: {exc.strerror or exc}",
+        raise UsageError(f"cannot make the folder {_shown(folder)}: {exc.strerror or exc}",
                          "give a folder you can write in") from None
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise UsageError(f"cannot write in {folder}: permission denied", "give a folder you can write in")
+        raise UsageError(f"cannot write in {_shown(folder)}: permission denied",
+                         "give a folder you can write in")
     target = folder / SPEC_FILE
     if os.path.lexists(target):
         if target.is_dir() and not target.is_symlink():
-            raise UsageError(f"{target} is a folder", "give another DIR, or move that folder away")
+            raise UsageError(f"{_shown(target)} is a folder", "give another DIR, or move that folder away")
         if not force:
             kind = "a symlink" if target.is_symlink() else "a file"
-            raise UsageError(f"{target} exists ({kind}): init writes a new lab and replaces nothing",
+            raise UsageError(f"{_shown(target)} exists ({kind}): init writes a new lab and replaces nothing",
                              "--force overwrites it (a symlink is replaced, not followed)")
         return target
     other = _other_spec(folder, SPEC_FILE)
     if other is not None and not force:
-        raise UsageError(f"{folder} already holds a vmlaunch spec, {other.name}",
+        raise UsageError(f"{_shown(folder)} already holds a vmlaunch spec, {_shown(other.name)}",
                          "give another DIR; --force writes lab.toml beside it (two labs of one name "
                          "share a run dir: rename one)")
     return target
+
+
+def _shown(path: Path | str) -> str:
+    """A path in a message, JSON-quoted when it holds a control character (a newline in DIR would
+    otherwise split the one-line message)."""
+    import json
+
+    text = str(path)
+    return json.dumps(text) if any(ord(char) < 32 or ord(char) == 127 for char in text) else text
 
 
 def _other_spec(folder: Path, skip: str) -> Path | None:
@@ -198,7 +208,7 @@ def _write(target: Path, text: str) -> None:
         # A rename into place: a symlink at `target` is replaced, never written through.
         write_atomic(target, text, 0o644)
     except OSError as exc:
-        raise RuntimeFailure(f"cannot write {target}: {exc.strerror or exc}") from None
+        raise RuntimeFailure(f"cannot write {_shown(target)}: {exc.strerror or exc}") from None
 
 
 def _log_next(target: Path, plan: Starter) -> None:
