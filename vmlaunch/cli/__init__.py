@@ -1,11 +1,11 @@
 """The `vmlaunch` command: a thin layer that turns arguments into calls and errors into exit codes.
 
 One module per command group, each with `register(commands, root)` adding its commands the one way
-(`common.command`): `lab` (validate, cmdline, up, down, pause, resume, reset), `vms` (ls, status,
-logs, console, ssh, balloon, qmp, numa), `rig` (exec, cp), `wire` (link, partition), `netem`, `screen`
-(screenshot, send-keys, evidence), `image`, `snapshot`, `export`, `graph`, `doctor`, `help` (help,
-completion). This module builds the parser from them and owns what every command shares: the exit
-codes, the log lines on standard error, signals and a closed pipe.
+(`common.command`): `init` (a starter lab.toml), `lab` (validate, cmdline, up, down, pause, resume,
+reset), `vms` (ls, status, logs, console, ssh, balloon, qmp, numa), `rig` (exec, cp), `wire` (link,
+partition), `netem`, `screen` (screenshot, send-keys, evidence), `image`, `snapshot`, `export`,
+`graph`, `doctor`, `help` (help, completion). This module builds the parser from them and owns what
+every command shares: the exit codes, the log lines on standard error, signals and a closed pipe.
 
 Start-up is kept light: a group imports argparse only; each command imports what it needs when it runs.
 """
@@ -18,7 +18,21 @@ import os
 import sys
 from collections.abc import Sequence
 
-from vmlaunch.cli import doctor, export, graph, help, image, lab, netem, rig, screen, snapshot, vms, wire
+from vmlaunch.cli import (
+    doctor,
+    export,
+    graph,
+    help,
+    image,
+    init,
+    lab,
+    netem,
+    rig,
+    screen,
+    snapshot,
+    vms,
+    wire,
+)
 from vmlaunch.cli.common import Parser
 from vmlaunch.core.version import __version__
 from vmlaunch.errors import (
@@ -32,7 +46,7 @@ from vmlaunch.errors import (
 log = logging.getLogger("vmlaunch")
 
 # The command groups, in the order `vmlaunch --help` lists their commands.
-GROUPS = (lab, vms, rig, wire, netem, screen, image, snapshot, export, graph, doctor, help)
+GROUPS = (init, lab, vms, rig, wire, netem, screen, image, snapshot, export, graph, doctor, help)
 
 
 def build_parser() -> argparse.ArgumentParser:
