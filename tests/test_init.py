@@ -56,7 +56,7 @@ def test_every_catalog_image_validates_on_every_network(tmp_path: Path, image: s
     written = tomllib.loads((folder / "lab.toml").read_text())
     for index, vm in enumerate(lab.vms):
         assert vm.image == starter.image_name(entry)
-        assert vm.ssh is ssh
+        assert vm.ssh  # an image's VMs always have SSH; --ssh says it (the tour)
         assert vm.cloud_init is not None
         assert [nic.network for nic in vm.nics] == [net.name]
         if network != "user":
@@ -100,9 +100,9 @@ def test_defaults_one_vm_on_a_socket_network_in_the_current_folder(
     assert lab.name == "web-lab"
     assert [vm.name for vm in lab.vms] == ["vm1"]
     assert lab.networks[0].type.value == "socket"
-    assert not lab.vms[0].ssh
-    assert "vmlaunch: next: vmlaunch up lab.toml\n" in err
-    assert "vmlaunch exec lab.toml vm1" in err
+    assert lab.vms[0].ssh  # with cloud-init, SSH and a network between them
+    assert "vmlaunch: next: vmlaunch up lab.toml --wait ssh\n" in err
+    assert "vmlaunch ssh lab.toml vm1" in err
 
 
 def test_next_commands_are_told_on_standard_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],

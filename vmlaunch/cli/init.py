@@ -49,7 +49,8 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
                       "`up` needs root")
     init.add_argument("--ssh", action="store_true",
                       help="give each VM a management NIC with a forwarded port, for `vmlaunch ssh` and "
-                      "`up --wait ssh` (needs --image: the test guest has no SSH server)")
+                      "`up --wait ssh`: the VMs of an --image always have it (the test guest has no SSH "
+                      "server)")
     init.add_argument("--force", action="store_true",
                       help="overwrite DIR/lab.toml (replaced whole; a symlink there is replaced, never "
                       "followed), and write it beside another spec in DIR")
@@ -82,7 +83,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     # the name the user gave DIR (or the current folder's), not where a symlink leads
     lab = starter.lab_name(Path(os.path.abspath(folder)).name)
     plan = starter.Starter(lab=lab, vms=args.vms, network=starter.NetworkKind(args.network), image=entry,
-                           ssh=args.ssh, guest=guest)
+                           ssh=args.ssh or entry is not None, guest=guest)
     try:
         text = starter.lab_text(plan)
     except ValueError as exc:  # the checkout's path is not UTF-8: TOML cannot hold it

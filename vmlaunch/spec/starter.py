@@ -269,7 +269,7 @@ def _image_vm(starter: Starter, vm: str, first: bool) -> list[str]:
     if entry.firmware == "uefi":
         lines.append(_first(first, 'firmware = "uefi"',
                             "it boots only with UEFI (OVMF; machine q35, the default)"))
-    if entry.cpu_model == "max":
+    if entry.cpu_model == "max" or entry.cpu_level:
         lines += _cpu_lines(entry, first)
     lines.append(_first(first, f"ssh = {'true' if starter.ssh else 'false'}", _ssh_comment(starter.ssh)))
     lines += ["", f"[vm.{vm}.cloud_init]",
