@@ -19,8 +19,9 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
     """The `image` command, with its sub-commands."""
     image = command(
         commands, "image", lambda args: _print_help(image),
-        help="pull, list and remove base images (the image cache)",
-        description="Base images ([image.NAME] with a url) are downloaded once into the cache "
+        help="pull, list and remove base images (the image cache); the image catalog",
+        description="Base images ([image.NAME] with a url, or a catalog entry) are downloaded once into "
+        "the cache "
         "($XDG_CACHE_HOME/vmlaunch/images), checked against their checksum, and never written: each VM "
         "boots a qcow2 overlay of its own. `up` pulls what is missing; these commands manage the cache.",
     )
@@ -28,8 +29,12 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
 
     pull = command(
         sub, "pull", cmd_pull, help="download the spec's images into the cache",
-        description="Download every image of the spec that has a url (or the images named) into the "
-        "cache, unless it is there already, and print where each is. A download is checked against its "
+        description="Download every image of the spec that has a url or a catalog entry (or the images "
+        "named) into the cache, unless it is there already, and print where each is. A catalog image is "
+        "first pinned: its URL and digest read from its distribution's checksum file (its signature "
+        "checked where the distribution signs it and gpgv and the keyring are here) and written to the "
+        "lock file beside the spec (SPEC.lock), whose pin every later pull takes. A download is checked "
+        "against its "
         "checksum before it is put in place; an interrupted one resumes; two pulls of one image wait for "
         "each other. A named image with a local file is checked against its checksum. A download stops "
         "past VMLAUNCH_IMAGE_MAX_SIZE (64G) received, before the cache's file system keeps less than 5 % "

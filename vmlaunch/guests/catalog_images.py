@@ -197,7 +197,7 @@ def _checked(entry: catalog.Entry, what: str, source: str, data: bytes) -> tuple
         return text, f"none: {entry.title.split(',')[0]} does not sign its checksum files"
     if entry.signed_inline and _CLEARSIGN_START not in text:
         _skipped(what, f"{source} is not signed")
-        return text, f"skipped: {source} is not signed"
+        return text, "skipped: the checksum file was not signed"
     gpgv = shutil.which("gpgv")
     keyring = _keyring(entry)
     why = ("gpgv is not installed (Debian package gpgv)" if gpgv is None else
@@ -221,7 +221,7 @@ def _checked(entry: catalog.Entry, what: str, source: str, data: bytes) -> tuple
         signature = images.fetch_small(signature_url, SIGNATURE_LIMIT)
     except images.NotFound:
         _skipped(what, f"there is no signature at {signature_url}")
-        return text, f"skipped: there was no signature at {signature_url}"
+        return text, f"skipped: no {signature_url.rsplit('/', 1)[-1]} was published beside the checksum file"
     assert gpgv is not None and keyring is not None
     _verify(gpgv, keyring, what, source, data, signature)
     return text, f"verified with {keyring}"
