@@ -4,6 +4,7 @@ checksum files are refused, signatures are checked with a key of the tests' own.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import subprocess
 import sys
@@ -297,3 +298,102 @@ def test_the_mirror_rule() -> None:
     assert catalog.check_mirror("http://h:notaport") is not None
     assert catalog.check_mirror("http:///x") is not None
     assert catalog.check_mirror("http://h:8080") is None
+
+
+def test_a_mirror_that_drops_the_signature(mirror: Mirror, env: dict[str, str], signer: Signer,
+                                           tmp_path: Path) -> None:
+    entry = catalog_json(env)["debian-13"]
+    publish(mirror, entry, "debian-13", tiny_qcow2(tmp_path, "d13-unsigned"))  # no SHA512SUMS.sign
+    lab = spec(tmp_path, {"d": "debian-13"})
+    keyed = run({**env, "VMLAUNCH_IMAGE_KEYRING": str(signer.keyring)}, "image", "pull", str(lab))
+    assert keyed.returncode == 3  # the mirror signs (its keyring was given): a missing signature is refused
+    assert "cannot be checked" in keyed.stderr
+    required = run({**env, "VMLAUNCH_REQUIRE_SIGNATURE": "1", "PATH": "/nonexistent"}, "image", "pull",
+                   str(lab))
+    assert required.returncode == 3
+    assert not Path(str(lab) + ".lock").exists()
+    assert run(env, "image", "pull", str(lab)).returncode == 0  # by default: a warning, said plainly
+
+
+def test_a_checksum_file_that_disagrees_with_its_image_pins_nothing(
+        mirror: Mirror, env: dict[str, str], tmp_path: Path) -> None:
+    entry = catalog_json(env)["almalinux-10"]
+    image = tiny_qcow2(tmp_path, "alma10")
+    publish(mirror, entry, "almalinux-10", image)
+    mirror.put(str(entry["url"]), image + b"changed on the mirror")
+    lab = spec(tmp_path, {"a": "almalinux-10"})
+    done = run(env, "image", "pull", str(lab))
+    assert done.returncode == 4
+    assert "nothing was pinned" in done.stderr
+    assert not Path(str(lab) + ".lock").exists()
+    mirror.put(str(entry["url"]), image)  # the mirror is put right: no --update needed
+    assert run(env, "image", "pull", str(lab)).returncode == 0
+
+
+def test_a_version_taken_out_of_the_spec_moves_the_pin_back(mirror: Mirror, env: dict[str, str],
+                                                             tmp_path: Path) -> None:
+    entry = catalog.entries()["arch"]
+    for version in ("20990101.1", None):
+        url, checksum_url = (catalog.apply_mirror(u, mirror.base) for u in entry.locations(version))
+        image = tiny_qcow2(tmp_path, f"a{version}")
+        publish(mirror, {"url": url, "checksum_url": checksum_url}, "arch", image)
+    lab = spec(tmp_path, {"arch": "arch"}, 'version = "20990101.1"\n')
+    assert run(env, "image", "pull", str(lab)).returncode == 0
+    assert lock_of(lab)["arch"].version == "20990101.1"
+    lab = spec(tmp_path, {"arch": "arch"})
+    assert run(env, "image", "pull", str(lab)).returncode == 0
+    assert lock_of(lab)["arch"].version == "latest"
+
+
+def test_a_lock_may_name_only_the_distributions_own_place(mirror: Mirror, env: dict[str, str],
+                                                           tmp_path: Path) -> None:
+    entry = catalog_json(env)["alpine-3.22"]
+    publish(mirror, entry, "alpine", tiny_qcow2(tmp_path, "alp-host"))
+    lab = spec(tmp_path, {"alp": "alpine-3.22"})
+    assert run(env, "image", "pull", str(lab)).returncode == 0
+    lock = Path(str(lab) + ".lock")
+    text = lock.read_text()
+    lock.write_text(text.replace("https://dl-cdn.alpinelinux.org/", "https://elsewhere.example/", 1))
+    done = run(env, "validate", str(lab))
+    assert done.returncode == 2
+    assert "is not where alpine-3.22 publishes" in done.stderr
+    lock.write_bytes(b"lock_version = 1\n\xff\xfe")
+    done = run(env, "image", "pull", str(lab))
+    assert done.returncode == 2 and "not UTF-8" in done.stderr
+    assert run(env, "image", "pull", "--update", str(lab)).returncode == 0
+    lock.write_text(lock.read_text().replace("lock_version = 1", "lock_version = true"))
+    assert run(env, "image", "pull", str(lab)).returncode == 2
+
+
+def test_a_mirror_with_a_password_is_refused_unsaid(env: dict[str, str]) -> None:
+    done = run({**env, "VMLAUNCH_IMAGE_MIRROR": "http://user:s3cret@127.0.0.1:1"}, "image", "catalog")
+    assert done.returncode == 64
+    assert "s3cret" not in done.stderr
+
+
+def test_a_checksum_file_that_drips_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+    import threading
+    import time
+
+    from vmlaunch.errors import RuntimeFailure
+    from vmlaunch.guests import images
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def drip() -> None:
+        conn, _ = server.accept()
+        conn.recv(4096)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n")
+        with contextlib.suppress(OSError):
+            for _ in range(100):
+                conn.sendall(b"a")
+                time.sleep(0.1)
+        conn.close()
+
+    thread = threading.Thread(target=drip, daemon=True)
+    thread.start()
+    monkeypatch.setattr(images, "SMALL_DEADLINE", 0.5)
+    with pytest.raises(RuntimeFailure, match="not done"):
+        images.fetch_small(f"http://127.0.0.1:{server.getsockname()[1]}/SHA512SUMS", 1 << 20)
+    server.close()

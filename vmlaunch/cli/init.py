@@ -215,7 +215,8 @@ def _write(target: Path, text: str) -> None:
 def _log_next(target: Path, plan: Starter) -> None:
     import shlex
 
-    spec = shlex.quote(str(target))
+    shown = str(target)
+    spec = shlex.quote(f"./{shown}" if shown.startswith("-") else shown)  # not read as an option
     what = plan.image.title if plan.image is not None else "the tiny test guest"
     log.info("lab %s: %s (%s) on a %s network", plan.lab, ", ".join(plan.vm_names), what, plan.network.value)
     root = " (as root: the bridge needs it)" if plan.network.value == "bridge" else ""

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 MIRROR_SETTING = "VMLAUNCH_IMAGE_MIRROR"
 KEYRING_SETTING = "VMLAUNCH_IMAGE_KEYRING"  # a keyring used for every signed entry (a mirror's own key)
+REQUIRE_SETTING = "VMLAUNCH_REQUIRE_SIGNATURE"  # 1: a signed entry whose signature is not checked is refused
 LOCK_FORMAT = 1
 CHECKSUM_LIMIT = 4 << 20  # bytes of a checksum file (Debian's SHA512SUMS: a few KiB)
 SIGNATURE_LIMIT = 64 << 10
@@ -89,7 +90,8 @@ def mirror() -> str | None:
         return None
     why = catalog.check_mirror(value)
     if why is not None:
-        raise UsageError(f"{MIRROR_SETTING}={value!r} {why}",
+        shown = "(a URL with a user name or password)" if "@" in value else repr(value)
+        raise UsageError(f"{MIRROR_SETTING}={shown} {why}",
                          f"e.g. {MIRROR_SETTING}=http://127.0.0.1:8080 (a server with the distributions' "
                          "layout), or unset it")
     return value
@@ -132,7 +134,7 @@ def resolve(image: Image) -> Pin:
             f"{what}: {'the mirror' if mirror() else 'the distribution'} has no build "
             f"{version!r} of {entry.name}: no checksum file at {source}",
             (f"check version (a build such as {entry.example_version!r}, as the distribution names it), "
-             "or leave it out for the entry's own build" if image.version else
+             "or leave it out for the entry's own build" if version != entry.version else
              f"check {MIRROR_SETTING}" if mirror() else "the distribution may have moved it: a newer "
              "vmlaunch knows where")) from None
     text, signature = _checked(entry, what, source, data)
@@ -196,7 +198,7 @@ def _checked(entry: catalog.Entry, what: str, source: str, data: bytes) -> tuple
     if entry.signature is None:
         return text, f"none: {entry.title.split(',')[0]} does not sign its checksum files"
     if entry.signed_inline and _CLEARSIGN_START not in text:
-        _skipped(what, f"{source} is not signed")
+        _skipped(what, f"{source} is not signed", missing=True)
         return text, "skipped: the checksum file was not signed"
     gpgv = shutil.which("gpgv")
     keyring = _keyring(entry)
@@ -220,14 +222,23 @@ def _checked(entry: catalog.Entry, what: str, source: str, data: bytes) -> tuple
     try:
         signature = images.fetch_small(signature_url, SIGNATURE_LIMIT)
     except images.NotFound:
-        _skipped(what, f"there is no signature at {signature_url}")
+        _skipped(what, f"there is no signature at {signature_url}", missing=True)
         return text, f"skipped: no {signature_url.rsplit('/', 1)[-1]} was published beside the checksum file"
     assert gpgv is not None and keyring is not None
     _verify(gpgv, keyring, what, source, data, signature)
     return text, f"verified with {keyring}"
 
 
-def _skipped(what: str, why: str) -> None:
+def _skipped(what: str, why: str, *, missing: bool = False) -> None:
+    """Say plainly that a signed entry's signature was not checked, or refuse the image where that is
+    asked for: VMLAUNCH_REQUIRE_SIGNATURE, or (for a signature the mirror does not have) a keyring of
+    the mirror's own, VMLAUNCH_IMAGE_KEYRING, which says that the mirror signs."""
+    required = os.environ.get(REQUIRE_SETTING, "").strip().lower() in ("1", "yes", "true", "on")
+    if required or (missing and os.environ.get(KEYRING_SETTING, "").strip()):
+        because = REQUIRE_SETTING if required else f"{KEYRING_SETTING} (the mirror signs)"
+        raise BadSignature(f"{what}: the checksum file's signature cannot be checked: {why}; with "
+                           f"{because} the image is not used",
+                           "fetch from a mirror that has the signature, or install what the check needs")
     log.warning("%s: the checksum file's signature was NOT checked: %s", what, why)
 
 
@@ -278,8 +289,9 @@ def _gpgv_said(status: str, stderr: str) -> str:
                           ("NODATA", "no signature in it")):
         if f"[GNUPG:] {word}" in status:
             return meaning
-    line = next((text for text in reversed(stderr.splitlines()) if text.strip()), "")
-    return f"gpgv: {line.strip()}" if line else "gpgv refused it"
+    line = next((text for text in reversed(stderr.splitlines()) if text.strip()), "").strip()
+    line = line.removeprefix("gpgv:").strip()
+    return f"gpgv: {line}" if line else "gpgv refused it"
 
 
 def _dearmored(key: bytes) -> bytes:
@@ -321,23 +333,26 @@ def read_lock(path: Path) -> dict[str, Pin]:
     from vmlaunch.core.sourcemap import SourceMap
     from vmlaunch.spec.load import _parse_toml
 
+    hint = ("vmlaunch writes this file: `vmlaunch image pull --update SPEC` writes it anew (or delete it, "
+            "and pull)")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return {}
-    except (OSError, UnicodeDecodeError) as exc:
-        why = getattr(exc, "strerror", None) or exc
-        raise RuntimeFailure(f"cannot read the lock file {path}: {why}") from None
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise SpecError([Problem(Location(path, line), "is not UTF-8 text", hint)]) from None
+    except OSError as exc:
+        raise RuntimeFailure(f"cannot read the lock file {path}: {exc.strerror or exc}") from None
     doc = _parse_toml(text, path)
     lines = SourceMap.from_text(text)
     problems: list[Problem] = []
 
     def wrong(key: tuple[str, ...], message: str) -> None:
-        problems.append(Problem(Location(path, lines.line_of(key), key), message,
-                                "vmlaunch writes this file: `vmlaunch image pull --update SPEC` writes it "
-                                "anew (or delete it, and pull)"))
+        problems.append(Problem(Location(path, lines.line_of(key), key), message, hint))
 
-    if doc.get("lock_version") != LOCK_FORMAT:
+    version = doc.get("lock_version")
+    if type(version) is not int or version != LOCK_FORMAT:
         wrong(("lock_version",), f"lock_version must be {LOCK_FORMAT}")
     pins: dict[str, Pin] = {}
     extra = set(doc) - {"lock_version", "image"}
@@ -386,6 +401,21 @@ def _pin_of(name: str, raw: Any, wrong: Any) -> Pin | None:
         ok = False
     if not ok:
         return None
+    entry = catalog.entries().get(raw["catalog"])
+    if entry is None:
+        wrong((*where, "catalog"), f"{raw['catalog'][:80]!r} is not in the image catalog")
+        return None
+    try:
+        expected = entry.locations(raw["version"])
+    except KeyError:
+        wrong((*where, "catalog"), f"{entry.name} has no {catalog.host_arch()} build")
+        return None
+    for key, want in zip(("url", "checksum_url"), expected):
+        if raw[key] != want:  # a lock names the distribution's own place for the build, nothing else
+            wrong((*where, key), f"is not where {entry.name} publishes build {raw['version']!r} ({want})")
+            ok = False
+    if not ok:
+        return None
     return Pin(algo=algo, digest=digest, **{key: raw[key] for key in _PIN_KEYS})
 
 
@@ -414,36 +444,48 @@ def _holding_lock_of(path: Path) -> Iterator[None]:
 # --- pinning ----------------------------------------------------------------------------------------
 
 
-def pin(image: Image, *, update: bool = False) -> Pin:
-    """The image's pin: the lock file's when it has one for this image (the same catalog entry and,
-    when the spec names one, build), else resolved now and written to the lock file. `update`
-    resolves anew whatever the lock file says (and replaces a lock file that cannot be read)."""
+def pin(image: Image, *, update: bool = False) -> tuple[Pin, bool]:
+    """The image's pin and whether it is new: the lock file's when it has one for this image (the same
+    catalog entry and build), else resolved now. A new pin is written to the lock file by `record`
+    once the image matches it (`ensure`). `update` resolves anew whatever the lock file says (and
+    does not read a lock file that cannot be read)."""
     assert image.lock is not None
+    entry = entry_of(image)
     with _holding_lock_of(image.lock):
         try:
             pins = read_lock(image.lock)
         except SpecError:
             if not update:
                 raise
-            log.warning("%s cannot be read: writing it anew", image.lock)
             pins = {}
-        held = pins.get(image.name)
-        if held is not None and not update and held.catalog == image.catalog and (
-                image.version is None or held.version == image.version):
-            return held
-        fresh = resolve(image)
-        if held is not None and (held.algo, held.digest) != (fresh.algo, fresh.digest):
-            log.info("%s: the pin moves from %s %s… to %s…", image.name, held.algo, held.digest[:16],
-                     fresh.digest[:16])
+    held = pins.get(image.name)
+    if held is not None and not update and held.catalog == image.catalog and \
+            held.version == (image.version or entry.version):
+        return held, False
+    fresh = resolve(image)
+    if held is not None and (held.algo, held.digest) != (fresh.algo, fresh.digest):
+        log.info("%s: the pin moves from %s %s… to %s…", image.name, held.algo, held.digest[:16],
+                 fresh.digest[:16])
+    return fresh, True
+
+
+def record(image: Image, fresh: Pin) -> None:
+    """Write a new pin into the lock file (a lock file that cannot be read is written anew: only
+    `--update` gets here with one)."""
+    assert image.lock is not None
+    with _holding_lock_of(image.lock):
+        try:
+            pins = read_lock(image.lock)
+        except SpecError:
+            log.warning("%s could not be read: writing it anew", image.lock)
+            pins = {}
         pins[image.name] = fresh
         write_lock(image.lock, pins, image.lock.name[: -len(".lock")])
-        log.info("%s: pinned in %s", image.name, image.lock)
-        return fresh
+    log.info("%s: pinned in %s", image.name, image.lock)
 
 
-def pinned(image: Image, *, update: bool = False) -> Image:
-    """`image` as a URL image with its digest: what `images.ensure` fetches and checks."""
-    held = pin(image, update=update)
+def concrete(image: Image, held: Pin) -> Image:
+    """`image` as a URL image with the pin's digest: what `images.ensure` fetches and checks."""
     url = fetched(held.url)
     if held.algo == "sha512":
         return attrs.evolve(image, url=url, sha512=held.digest, sha256=None)
@@ -452,17 +494,21 @@ def pinned(image: Image, *, update: bool = False) -> Image:
 
 def ensure(image: Image, *, update: bool = False, progress: bool | None = None) -> Path:
     """The verified local file of any image (`images.ensure`); a catalog image is pinned first (the
-    lock file's pin, or resolved now; `update`: resolved anew) and then fetched and checked as a URL
-    image of that digest."""
+    lock file's pin, or resolved now; `update`: resolved anew), then fetched and checked as a URL
+    image of that digest. A new pin reaches the lock file only once the image matched it."""
     from vmlaunch.guests import images
 
     if image.catalog is None or image.url is not None:
         return images.ensure(image, progress=progress)
-    concrete = pinned(image, update=update)
+    held, fresh = pin(image, update=update)
+    target = concrete(image, held)
     try:
-        return images.ensure(concrete, progress=progress)
+        path = images.ensure(target, progress=progress)
     except RuntimeFailure as exc:
-        raise failed_pull(concrete, exc) from None
+        raise (_disagrees(target, held, exc) if fresh else failed_pull(target, exc)) from None
+    if fresh:
+        record(image, held)
+    return path
 
 
 def prune(lock: Path, names: set[str]) -> None:
@@ -480,7 +526,7 @@ def failed_pull(image: Image, exc: VmlaunchError) -> VmlaunchError:
     from vmlaunch.guests import images
 
     assert image.lock is not None
-    spec = image.lock.name[: -len(".lock")]
+    spec = str(image.lock)[: -len(".lock")]
     if isinstance(exc, images.NotFound):
         return RuntimeFailure(
             f"image {image.name} ({image.catalog}): {'the mirror' if mirror() else 'the distribution'} no "
@@ -492,4 +538,24 @@ def failed_pull(image: Image, exc: VmlaunchError) -> VmlaunchError:
             f"{image.lock.name} pins (the download was deleted): the build there has moved on, or the file "
             "was damaged or changed on the way",
             f"`vmlaunch image pull --update {spec}` pins the build there now, once you trust it")
+    return exc
+
+
+def _disagrees(image: Image, fresh: Pin, exc: VmlaunchError) -> VmlaunchError:
+    """What to say when a build just resolved cannot be fetched or does not match its checksum file:
+    nothing was pinned."""
+    from vmlaunch.guests import images
+
+    source = fetched(fresh.checksum_url)
+    if isinstance(exc, images.NotFound):
+        return RuntimeFailure(
+            f"image {image.name} ({image.catalog}): the checksum file {source} lists "
+            f"{fresh.url.rsplit('/', 1)[-1]}, but there is no such image at {image.url}: nothing was pinned",
+            "the mirror is incomplete or being updated: pull again later, or from another mirror")
+    if "does not match its checksum" in exc.message:
+        return RuntimeFailure(
+            f"image {image.name} ({image.catalog}): {image.url} does not match the {fresh.algo} its "
+            f"checksum file gives ({source}): the image or the checksum file was damaged or changed; the "
+            "download was deleted and nothing was pinned",
+            "pull again (from another mirror, if it happens again)")
     return exc

@@ -56,6 +56,7 @@ ROOM_EVERY = 16 << 20  # bytes written between two looks at the free space (othe
 PROGRESS_EVERY = 5.0  # seconds between progress lines when standard error is not a terminal
 BAR_EVERY = 0.1  # seconds between redraws of the progress bar
 RATE_SHOWN = 5.0  # seconds over which the progress line's rate is measured
+SMALL_DEADLINE = 120.0  # seconds a checksum file or signature may take in all (a server that drips)
 TIMEOUT = 30.0  # seconds without a byte (connecting, or between reads) before a download fails
 CHUNK = 1 << 20
 QCOW2_MAGIC = b"QFI\xfb"
@@ -799,7 +800,14 @@ def fetch_small(url: str, limit: int) -> bytes:
     """The whole of a small file (a checksum file, a signature) at `url`: http(s):// or file://, with
     the redirect rules and time-outs of image downloads. NotFound when there is none; RuntimeFailure
     when it fails or holds more than `limit` bytes."""
-    source = _open(url, 0, PullLimits.from_env().timeout)
+    hint = "check the URL and this host's network (or proxy), then pull again"
+    start = time.monotonic()
+    try:
+        source = _open(url, 0, PullLimits.from_env().timeout)
+    except NotFound:
+        raise
+    except RuntimeFailure as exc:
+        raise RuntimeFailure(exc.message, hint) from None
     try:
         if source.total is not None and source.total > limit:
             raise RuntimeFailure(f"{url}: {human_size(source.total)}, more than the {human_size(limit)} a "
@@ -807,9 +815,12 @@ def fetch_small(url: str, limit: int) -> bytes:
         data = bytearray()
         while len(data) <= limit and (chunk := source.read(min(CHUNK, limit + 1 - len(data)))):
             data += chunk
+            if time.monotonic() - start > SMALL_DEADLINE:
+                raise RuntimeFailure(f"downloading {url} failed: {human_size(len(data))} in "
+                                     f"{SMALL_DEADLINE:.0f} s, and not done (a file of at most "
+                                     f"{human_size(limit)})", hint)
     except (OSError, ValueError, _http_errors()) as exc:
-        raise RuntimeFailure(f"downloading {url} failed: {_reason(exc, TIMEOUT)}",
-                             "check the URL and this host's network (or proxy)") from None
+        raise RuntimeFailure(f"downloading {url} failed: {_reason(exc, TIMEOUT)}", hint) from None
     finally:
         source.close()
     if len(data) > limit:

@@ -197,10 +197,12 @@ def check_mirror(mirror: str) -> str | None:
         return "names no host"
     if parts.query or parts.fragment:
         return "has a query or fragment: a mirror is a scheme, a host and at most a path"
+    if parts.username is not None or parts.password is not None:
+        return "holds a user name or password: a mirror is a scheme, a host and at most a path"
     try:
         parts.port  # noqa: B018 - a port that is not a number raises here
-    except ValueError as exc:
-        return str(exc)
+    except ValueError:
+        return "has a port that is not a number from 0 to 65535"
     return None
 
 
