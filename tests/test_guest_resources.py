@@ -4,6 +4,7 @@ with an image's overlay as its disk and a NoCloud seed it does not read, which i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -41,9 +42,19 @@ runcmd = ["true"]
 
 
 def files(tmp_path: Path) -> dict[str, int]:
-    """Each file of VM a in the lab dir, by name, with its inode (a file made anew has another)."""
+    """Each file of VM a in the lab dir, by name, with its inode. Each is also hard-linked into
+    tmp_path/held, so that its inode stays taken: a file made anew then has another (a freed inode
+    number is soon used again)."""
     folder = tmp_path / ".vmlaunch" / "gr" / "a"
-    return {entry.name: entry.stat().st_ino for entry in os.scandir(folder)}
+    held = tmp_path / "held"
+    held.mkdir(exist_ok=True)
+    found = {}
+    for entry in os.scandir(folder):
+        found[entry.name] = entry.stat().st_ino
+        if entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(FileExistsError):
+                os.link(entry.path, held / f"{entry.name}-{found[entry.name]}")
+    return found
 
 
 def test_the_lab_dir_lives_across_down_and_fresh(tmp_path: Path, run_dir: Path, test_guest: Path,

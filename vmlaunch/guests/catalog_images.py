@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 
 from vmlaunch.errors import EXIT_HOST, Location, Problem, RuntimeFailure, SpecError, UsageError, VmlaunchError
+from vmlaunch.layout.labdir import spec_of_lock
 from vmlaunch.spec import catalog
 from vmlaunch.spec.model import Image
 
@@ -437,7 +438,7 @@ def _holding_lock_of(path: Path) -> Iterator[None]:
     from vmlaunch.guests import images
 
     key = hashlib.sha256(os.fsencode(os.path.abspath(path))).hexdigest()[:24]
-    with images._holding(images._partial_dir() / f"lockfile-{key}.lock", path.name):
+    with images.holding(f"lockfile-{key}", path.name):
         yield
 
 
@@ -480,7 +481,7 @@ def record(image: Image, fresh: Pin) -> None:
             log.warning("%s could not be read: writing it anew", image.lock)
             pins = {}
         pins[image.name] = fresh
-        write_lock(image.lock, pins, image.lock.name[: -len(".lock")])
+        write_lock(image.lock, pins, spec_of_lock(image.lock).name)
     log.info("%s: pinned in %s", image.name, image.lock)
 
 
@@ -517,7 +518,7 @@ def prune(lock: Path, names: set[str]) -> None:
         pins = read_lock(lock)
         if set(pins) - names:
             kept = {name: pin for name, pin in pins.items() if name in names}
-            write_lock(lock, kept, lock.name[: -len(".lock")])
+            write_lock(lock, kept, spec_of_lock(lock).name)
 
 
 def failed_pull(image: Image, exc: VmlaunchError) -> VmlaunchError:
@@ -526,7 +527,7 @@ def failed_pull(image: Image, exc: VmlaunchError) -> VmlaunchError:
     from vmlaunch.guests import images
 
     assert image.lock is not None
-    spec = str(image.lock)[: -len(".lock")]
+    spec = str(spec_of_lock(image.lock))
     if isinstance(exc, images.NotFound):
         return RuntimeFailure(
             f"image {image.name} ({image.catalog}): {'the mirror' if mirror() else 'the distribution'} no "

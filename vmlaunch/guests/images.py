@@ -455,6 +455,14 @@ def _holding(lock: Path, name: str) -> Iterator[None]:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def holding(key: str, name: str) -> Iterator[None]:
+    """Hold one of the cache's locks, `key` (a file name's stem, in .partial/), as `_holding` does:
+    what others than a pull serialise on (a spec's lock file, guests/catalog_images.py)."""
+    with _holding(_partial_dir() / f"{key}.lock", name):
+        yield
+
+
 def _try_lock_file(lock: Path) -> int | None:
     fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     return lock_if_current(fd, lock)

@@ -11,6 +11,8 @@
         VM/instance-id                 its cloud-init instance-id: made with the overlay, kept with it
         VM/ssh_host_ed25519_key{,.pub} its SSH host key pair, given to the guest by cloud-init
 
+Beside the spec too, SPEC.lock (`lab.toml.lock`): the catalog images pinned (`lock_file`).
+
 `down` keeps all of it: the next `up` resumes the same machines. `up --fresh` and `vmlaunch reset`
 recreate a VM's overlay, seed, NVRAM and instance-id (so cloud-init sets the new disk up); the keys
 stay, so known_hosts stays true.
@@ -24,6 +26,17 @@ import attrs
 
 TOP = ".vmlaunch"
 MARK = ".vmlaunch-lab-dir"
+LOCK_SUFFIX = ".lock"
+
+
+def lock_file(spec: Path) -> Path:
+    """The lock file of a spec: its name and `.lock`, beside it (guests/catalog_images.py)."""
+    return spec.with_name(spec.name + LOCK_SUFFIX)
+
+
+def spec_of_lock(lock: Path) -> Path:
+    """The spec a lock file is of."""
+    return lock.with_name(lock.name.removesuffix(LOCK_SUFFIX))
 
 
 @attrs.frozen

@@ -750,6 +750,7 @@ class _Builder:
     def catalog_image(self, path: KeyPath, raw: Doc) -> Image | None:
         """An image of the catalog: known there, with no checksum of its own (its distribution's is
         read and pinned in SPEC.lock at `image pull`)."""
+        from vmlaunch.layout.labdir import lock_file
         from vmlaunch.spec import catalog
 
         name = raw["catalog"]
@@ -776,7 +777,7 @@ class _Builder:
         fmt = DiskFormat(raw["format"]) if "format" in raw else (
             DiskFormat(entry.format) if entry.format else _format_by_suffix(url))
         return Image(name=str(path[-1]), catalog=name, version=raw.get("version"), format=fmt,
-                     lock=self.file.with_name(self.file.name + ".lock"))
+                     lock=lock_file(self.file))
 
     def with_addresses(self, vms: tuple[VmSpec, ...]) -> tuple[VmSpec, ...]:
         """Each NIC's static address: given (checked against its network) or derived from the subnet."""
