@@ -159,17 +159,17 @@ def test_a_dated_build_and_one_the_mirror_lacks(mirror: Mirror, env: dict[str, s
 
 def test_a_checksum_file_without_the_image_and_a_tampered_image(
         mirror: Mirror, env: dict[str, str], tmp_path: Path) -> None:
-    entry = catalog_json(env)["opensuse-leap-15.6"]
-    image = tiny_qcow2(tmp_path, "suse")
+    entry = catalog_json(env)["ubuntu-24.04"]
+    image = tiny_qcow2(tmp_path, "noble")
     mirror.put(str(entry["url"]), image)
-    text = checksum_text("opensuse", {"other.qcow2": image}, "sha256")
+    text = checksum_text("ubuntu-24.04", {"other.img": image}, "sha256")
     mirror.put(str(entry["checksum_url"]), text.encode())
-    lab = spec(tmp_path, {"suse": "opensuse-leap-15.6"})
+    lab = spec(tmp_path, {"noble": "ubuntu-24.04"})
     done = run(env, "image", "pull", str(lab))
     assert done.returncode == 4
     assert "has no line for" in done.stderr
 
-    publish(mirror, entry, "opensuse", image)
+    publish(mirror, entry, "ubuntu-24.04", image)
     mirror.put(str(entry["url"]), image + b"tampered")
     tampered = run(env, "image", "pull", str(lab))
     assert tampered.returncode == 4
@@ -397,3 +397,26 @@ def test_a_checksum_file_that_drips_ends(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(RuntimeFailure, match="not done"):
         images.fetch_small(f"http://127.0.0.1:{server.getsockname()[1]}/SHA512SUMS", 1 << 20)
     server.close()
+
+
+def test_a_checksum_file_of_the_image_alone() -> None:
+    digest = "d" * 128
+    assert catalog_images.digest_for(f"{digest}\n", "x.qcow2", own=True) == ("sha512", digest)
+    assert catalog_images.digest_for(f"{digest}\n", "x.qcow2") is None  # a SUMS file names its files
+    dated = f"SHA256 (x-9.8-20260525.0.qcow2) = {'e' * 64}\n"  # the moving name's file names the build
+    assert catalog_images.digest_for(dated, "x.latest.qcow2", own=True) == ("sha256", "e" * 64)
+    assert catalog_images.digest_for(dated, "x.latest.qcow2") is None
+    from vmlaunch.errors import RuntimeFailure
+
+    with pytest.raises(RuntimeFailure, match="2 different"):
+        catalog_images.digest_for(f"{'e' * 64}  a.qcow2\n{'f' * 64}  b.qcow2\n", "x.qcow2", own=True)
+
+
+def test_dated_builds_of_a_minor_release() -> None:
+    url, checksum_url = catalog.entries()["rocky-9"].locations("9.8-20260525.0")
+    assert url == ("https://dl.rockylinux.org/pub/rocky/9.8/images/x86_64/"
+                   "Rocky-9-GenericCloud-Base-9.8-20260525.0.x86_64.qcow2")
+    assert checksum_url == url + ".CHECKSUM"
+    url, checksum_url = catalog.entries()["almalinux-9"].locations("9.8-20260526")
+    assert "/almalinux/9.8/cloud/x86_64/images/" in url
+    assert checksum_url.endswith("/9.8/cloud/x86_64/images/CHECKSUM")

@@ -140,7 +140,7 @@ def resolve(image: Image) -> Pin:
              "vmlaunch knows where")) from None
     text, signature = _checked(entry, what, source, data)
     filename = url.rsplit("/", 1)[-1]
-    found = digest_for(text, filename, source)
+    found = digest_for(text, filename, source, own=checksum_url.startswith(url))
     if found is None:
         raise RuntimeFailure(f"{what}: the checksum file {source} has no line for {filename}",
                              "the build may not hold this image: check version, or the mirror's copy of "
@@ -153,11 +153,16 @@ def resolve(image: Image) -> Pin:
                pinned=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
-def digest_for(text: str, filename: str, where: str = "the checksum file") -> tuple[str, str] | None:
+def digest_for(text: str, filename: str, where: str = "the checksum file", *,
+               own: bool = False) -> tuple[str, str] | None:
     """(algo, lower-case hex) of `filename` in a checksum file: GNU (`HEX  NAME`, `HEX *NAME`) or BSD
     (`SHA256 (NAME) = HEX`) lines, the strongest algorithm given; None when it has no line for it.
-    Two different digests of one algorithm for the file are refused: which would be right?"""
-    found: dict[str, set[str]] = {}
+    `own`: the file is the image's own (IMAGE.sha512 beside it): a digest alone on its line is the
+    image's, and so is the one digest it gives under another name (a dated build's name, where the
+    image's URL names the moving one). Two different digests of one algorithm for the file are
+    refused: which would be right?"""
+    named: dict[str, set[str]] = {}
+    anyhow: dict[str, set[str]] = {}  # every digest of the file, whatever it names
     for raw in text.splitlines():
         line = raw.strip()
         if not line or line.startswith("#"):
@@ -169,10 +174,14 @@ def digest_for(text: str, filename: str, where: str = "the checksum file") -> tu
             algo, name, hexdigest = bsd[1].lower(), bsd[2], bsd[3]
             if _HEX.get(len(hexdigest)) != algo:
                 continue
+        elif own and len(line) in _HEX and re.fullmatch(r"[0-9A-Fa-f]+", line):
+            hexdigest, name, algo = line, filename, _HEX[len(line)]
         else:
             continue
+        anyhow.setdefault(algo, set()).add(hexdigest.lower())
         if _names(name.strip(), filename):
-            found.setdefault(algo, set()).add(hexdigest.lower())
+            named.setdefault(algo, set()).add(hexdigest.lower())
+    found = named if named or not own else anyhow
     for algo in ("sha512", "sha256"):
         digests = found.get(algo)
         if digests is None:

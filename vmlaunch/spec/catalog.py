@@ -69,7 +69,9 @@ class Entry:
             url, checksum = build.url, build.checksum
         else:
             url, checksum = build.dated_url or build.url, build.dated_checksum or build.checksum
-        return url.replace("{version}", version), checksum.replace("{version}", version)
+        minor = version.split("-", 1)[0]
+        return (url.replace("{version}", version).replace("{minor}", minor),
+                checksum.replace("{version}", version).replace("{minor}", minor))
 
     def signature_url(self, checksum_url: str) -> str | None:
         """Where the detached signature of the checksum file is; None when the distribution publishes
@@ -91,6 +93,8 @@ class Entry:
         if self.cpu_model:
             level = f" ({self.cpu_level})" if self.cpu_level else ""
             said.append(f'cpu_model = "{self.cpu_model}"{level}')
+        elif self.cpu_level:
+            said.append(f"{self.cpu_level} (the default CPU)")
         return ", ".join(said)
 
     def to_json(self, url: str, checksum_url: str) -> dict[str, Any]:
@@ -154,7 +158,8 @@ def _build(where: str, raw: Mapping[str, Any]) -> Build:
             if key in ("url", "checksum"):
                 raise CatalogDataError(f"{where}: no {key}")
             continue
-        if not str(value).startswith("https://") or set(re.findall(r"\{[^}]*\}", value)) - {"{version}"}:
+        placeholders = set(re.findall(r"\{[^}]*\}", value))
+        if not str(value).startswith("https://") or placeholders - {"{version}", "{minor}"}:
             raise CatalogDataError(f"{where}.{key}: {value!r}")
     return Build(url=raw["url"], checksum=raw["checksum"], dated_url=raw.get("dated_url"),
                  dated_checksum=raw.get("dated_checksum"))
