@@ -302,3 +302,14 @@ def test_no_default_screen_where_there_is_no_vga(tmp_path: Path) -> None:
     asked = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\nkernel = "k"\nvideo = "virtio"\n', "asked.toml")
     with pytest.raises(HostError, match=r"asked.toml:6: vm.a.video: this QEMU \(.*\) has no virtio-vga"):
         argv_of(asked, devices=frozenset({"virtio-balloon-pci", "VGA"}))
+
+
+@pytest.mark.parametrize("bus", ["virtio", "scsi", "sata"])
+def test_on_error_becomes_the_devices_rerror_and_werror(tmp_path: Path, bus: str) -> None:
+    spec = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\nkernel = "k"\n'
+                      f'[[vm.a.disk]]\nfile = "d.img"\nbus = "{bus}"\n'
+                      'on_error = { read = "stop", write = "enospc" }\n'
+                      f'[[vm.a.disk]]\nfile = "e.img"\nbus = "{bus}"\n')
+    disks = [device for device in devices(argv_of(spec)) if device.get("drive")]
+    assert (disks[0]["rerror"], disks[0]["werror"]) == ("stop", "enospc")
+    assert "rerror" not in disks[1] and "werror" not in disks[1]  # QEMU's defaults when absent

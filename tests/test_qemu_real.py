@@ -146,3 +146,35 @@ def test_odd_file_names_open_that_file(tmp_path: Path, run_dir: Path, test_guest
     assert results["odd"]["ok"], results["odd"]
     files = {node["file"] for node in results["odd"]["replies"]["query-named-block-nodes"]}
     assert str(lab_dir / "a:b,c.img") in files
+
+
+def test_qemu_takes_the_disks_error_policies(tmp_path: Path, run_dir: Path, test_guest: Path) -> None:
+    lab_dir = tmp_path / "lab"
+    lab_dir.mkdir()
+    (lab_dir / "lab.toml").write_text(f"""
+[lab]
+name = "onerr"
+[vm.solo]
+memory = "128M"
+kernel = "{test_guest}/vmlinuz"
+initrd = "{test_guest}/initrd.gz"
+[[vm.solo.disk]]
+file = "a.img"
+size = "16M"
+on_error = {{ read = "stop", write = "stop" }}
+[[vm.solo.disk]]
+file = "b.img"
+size = "16M"
+bus = "scsi"
+on_error = {{ read = "ignore", write = "enospc" }}
+[[vm.solo.disk]]
+file = "c.img"
+size = "16M"
+bus = "sata"
+on_error = {{ write = "report" }}
+""")
+    plan = compile_lab(load_lab(lab_dir / "lab.toml"), detect_host())
+    make_images(plan, lab_dir)
+    results = drive(plan, tmp_path)
+    assert results["solo"]["ok"], results["solo"]
+    assert results["solo"]["replies"]["query-status"]["status"] == "prelaunch"

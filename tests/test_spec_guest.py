@@ -204,3 +204,22 @@ def test_uefi_without_ovmf_names_the_package(tmp_path: Path) -> None:
             as caught:
         compile_lab(load_lab(spec), fake_host())
     assert caught.value.hint == "apt-get install ovmf" and caught.value.exit_code == 3
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ('[[vm.a.disk]]\nfile = "d.img"\nreadonly = true\non_error = { write = "stop" }\n',
+     "lab.toml:9: vm.a.disk[0].on_error.write: a read-only disk has no writes to fail"),
+    ('[[vm.a.disk]]\nfile = "d.img"\non_error = { read = "enospc" }\n',
+     "lab.toml:8: vm.a.disk[0].on_error.read: 'enospc' is not one of report, stop, ignore"),
+    ('[[vm.a.disk]]\nfile = "d.img"\non_error = { writes = "stop" }\n',
+     "vm.a.disk[0].on_error.writes: unknown key 'writes'"),
+])
+def test_on_error_mistakes(tmp_path: Path, text: str, said: str) -> None:
+    from vmlaunch.errors import SpecError
+    from vmlaunch.spec.load import load_lab
+
+    spec = tmp_path / "lab.toml"
+    spec.write_text('[lab]\nname = "t"\n[vm.a]\nmemory = 64\nkernel = "k"\n' + text)
+    with pytest.raises(SpecError) as raised:
+        load_lab(spec)
+    assert said in str(raised.value)

@@ -57,6 +57,7 @@ MODELS: dict[str, type] = {
     "#/$defs/tapNetwork": model.TapNetwork,
     "#/$defs/vm": model.VmSpec,
     "#/$defs/disk": model.Disk,
+    "#/$defs/disk/properties/on_error": model.Disk,  # its keys are the disk's read_error and write_error
     "#/$defs/nic": model.Nic,
     "#/$defs/pci": model.PciDevice,
     "#/$defs/netem": model.Netem,
@@ -77,6 +78,9 @@ FIELDS: dict[tuple[type, str], str | None] = {
     (model.Balloon, "min"): "min_mib",
     (model.SocketNetwork, "mcast"): None,  # split into group and port
     (model.Disk, "accept_data_loss"): None,
+    (model.Disk, "on_error"): None,  # split into read_error and write_error
+    (model.Disk, "read"): "read_error",
+    (model.Disk, "write"): "write_error",
     (model.Netem, "delay"): "delay_ms",
     (model.Netem, "jitter"): "jitter_ms",
     (model.Netem, "rate"): "rate_bit",  # an opt-in the loader checks; the model keeps nothing of it

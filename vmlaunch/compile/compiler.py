@@ -813,6 +813,10 @@ class _Compiler:
                 sata_port += 1
             if vm.kernel is None and index == 0:
                 device["bootindex"] = 0
+            if disk.read_error is not None:
+                device["rerror"] = disk.read_error.value
+            if disk.write_error is not None:
+                device["werror"] = disk.write_error.value
             yield from ("-device", json_arg(device))
 
     def file_node(self, path: KeyPath, disk: Disk, name: str) -> dict[str, object]:

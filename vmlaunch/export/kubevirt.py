@@ -377,6 +377,9 @@ class _Exporter:
             else:
                 self.findings.add((*path, "aio"), "KubeVirt has no io_uring (only native and threads): "
                                   "left to KubeVirt")
+        if disk is not None and (disk.read_error is not None or disk.write_error is not None):
+            self.findings.add((*path, "on_error"), "KubeVirt has no per-disk error policy (it pauses the "
+                              "VM on an I/O error): left to KubeVirt")
         if disk is not None and not disk.discard:
             self.findings.add((*path, "discard"), "KubeVirt passes discards through on every disk its "
                               "storage allows: there is no turning it off per disk")

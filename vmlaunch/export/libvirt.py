@@ -333,6 +333,11 @@ def _disks(lab: LabSpec, vm: VmSpec, devices: ET.Element, findings: Findings) ->
                    "io": (disk.aio or DEFAULT_AIO).value}
         if disk.discard:
             options.update(discard="unmap", detect_zeroes="unmap")
+        if disk.write_error is not None:  # libvirt spells QEMU's enospc "enospace"
+            policy = disk.write_error.value
+            options["error_policy"] = "enospace" if policy == "enospc" else policy
+        if disk.read_error is not None:
+            options["rerror_policy"] = disk.read_error.value
         ET.SubElement(element, "driver", options)
         ET.SubElement(element, "source", file=str(disk.file))
         ET.SubElement(element, "target", dev=_disk_name(prefix, used[prefix]), bus=bus)

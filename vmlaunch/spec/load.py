@@ -61,6 +61,7 @@ from vmlaunch.spec.model import (
     Network,
     Nic,
     NicModel,
+    OnError,
     PciDevice,
     PciDriver,
     PlacementPolicy,
@@ -1300,6 +1301,14 @@ class _Builder:
                                  if key in raw}
         if "bus" in raw:
             given["bus"] = DiskBus(raw["bus"])
+        on_error = raw.get("on_error", {})
+        for operation, field in (("read", "read_error"), ("write", "write_error")):
+            if operation in on_error:
+                given[field] = OnError(on_error[operation])
+        if readonly and "write" in on_error:
+            self.problems.add((*path, "on_error", "write"), "a read-only disk has no writes to fail",
+                              "leave on_error.write out, or readonly")
+            return None
         return Disk(
             file=file,
             format=DiskFormat(raw["format"]) if "format" in raw else _format_from_name(raw["file"]),

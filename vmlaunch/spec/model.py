@@ -174,6 +174,17 @@ class Disk:
     # Opt-ins for disk files vmlaunch refuses by default (vmlaunch/guests/diskfiles.py has the rule):
     block_device: bool = False  # the file may be a block device, not only a regular file
     accept_other_owner: bool = False  # the file, or a folder on its path, may be another user's
+    read_error: OnError | None = None  # on_error.read; None: QEMU's default (report)
+    write_error: OnError | None = None  # on_error.write; None: QEMU's default (enospc)
+
+
+class OnError(enum.Enum):
+    """What QEMU does when a disk's read or write fails on the host (its `rerror`, `werror`)."""
+
+    REPORT = "report"  # the guest gets the error (EIO)
+    STOP = "stop"  # the VM pauses (run state io-error) until `resume`, which retries the request
+    IGNORE = "ignore"  # the guest is told the request succeeded
+    ENOSPC = "enospc"  # writes: pause on ENOSPC (a full host file system), report anything else
 
 
 class NetemWhere(enum.Enum):
