@@ -86,6 +86,20 @@ class LabMemoryStatus:
 
 
 @attrs.frozen
+class DiskStatus:
+    """One disk of a VM as the guest sees it, in order: its name (QEMU's node and device id, which
+    `vmlaunch fault` and `Vm.disk()` take), the spec key it comes from and what it is."""
+
+    name: str  # disk0, disk1, ...: the image's overlay first, then each [[disk]]
+    key: str  # "vm.a.image", "vm.a.disk[0]"
+    file: str
+    format: str
+    bus: str
+    readonly: bool
+    on_error: dict[str, str]  # {"read": "report", "write": "enospc"}: QEMU's defaults where unset
+
+
+@attrs.frozen
 class VmStatus:
     name: str
     state: str  # running | stopped (not up) | off (up, the guest powered itself off) | crashed |
@@ -105,9 +119,23 @@ class VmStatus:
     uid: int | None = None  # the uid its QEMU runs as (host/confine.py: a uid of its own, as root)
     sandbox: bool | None = None  # its QEMU runs in a seccomp sandbox
     boot: dict[str, float] | None = None  # where its last boot's time went, by phase (runtime/timeline.py)
+    disks: tuple[DiskStatus, ...] = ()  # when the lab's spec was given
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
+
+
+def disks_of(lab: LabSpec, vm: VmSpec) -> tuple[DiskStatus, ...]:
+    from vmlaunch.compile.compiler import boot_disks
+    from vmlaunch.errors import format_key_path
+    from vmlaunch.layout.labdir import LabDir
+
+    lab_dir = LabDir.of(lab.file, lab.name)
+    return tuple(
+        DiskStatus(f"disk{index}", format_key_path(key), str(disk.file), disk.format.value, disk.bus.value,
+                   disk.readonly, {"read": (disk.read_error.value if disk.read_error else "report"),
+                                   "write": (disk.write_error.value if disk.write_error else "enospc")})
+        for index, (key, disk) in enumerate(boot_disks(lab_dir, vm)))
 
 
 def nics_of(lab: LabSpec, vm: VmSpec) -> tuple[NicStatus, ...]:
@@ -185,7 +213,8 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
                                sandbox=confined.seccomp, boot=vm.boot))
     if lab is not None:
         lab_memory = lab_memory_status(run_dir, lab, result)
-        result = [attrs.evolve(row, lab_memory=lab_memory) for row in result]
+        result = [attrs.evolve(row, lab_memory=lab_memory, disks=disks_of(lab, lab.vm(row.name)))
+                  for row in result]
     return result
 
 
