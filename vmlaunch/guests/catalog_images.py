@@ -542,7 +542,7 @@ def failed_pull(image: Image, exc: VmlaunchError) -> VmlaunchError:
             f"image {image.name} ({image.catalog}): {'the mirror' if mirror() else 'the distribution'} no "
             f"longer has the build {image.lock.name} pins ({image.url}): {exc.message}",
             f"`vmlaunch image pull --update {spec}` pins the build it has now")
-    if "does not match its checksum" in exc.message:
+    if isinstance(exc, images.ChecksumMismatch):
         return RuntimeFailure(
             f"image {image.name} ({image.catalog}): what {image.url} serves now is not the image "
             f"{image.lock.name} pins (the download was deleted): the build there has moved on, or the file "
@@ -562,7 +562,7 @@ def _disagrees(image: Image, fresh: Pin, exc: VmlaunchError) -> VmlaunchError:
             f"image {image.name} ({image.catalog}): the checksum file {source} lists "
             f"{fresh.url.rsplit('/', 1)[-1]}, but there is no such image at {image.url}: nothing was pinned",
             "the mirror is incomplete or being updated: pull again later, or from another mirror")
-    if "does not match its checksum" in exc.message:
+    if isinstance(exc, images.ChecksumMismatch):
         return RuntimeFailure(
             f"image {image.name} ({image.catalog}): {image.url} does not match the {fresh.algo} its "
             f"checksum file gives ({source}): the image or the checksum file was damaged or changed; the "

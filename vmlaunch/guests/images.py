@@ -104,6 +104,10 @@ class NotFound(RuntimeFailure):
     """The server (or the file system, for file://) has no such file: HTTP 404 or 410, or ENOENT."""
 
 
+class ChecksumMismatch(RuntimeFailure):
+    """A download that is not the bytes its checksum names (deleted, never used)."""
+
+
 class UnsafeImage(RuntimeFailure):
     """A qcow2 image that would make QEMU open another file: a backing file or an external data file."""
 
@@ -251,7 +255,7 @@ def pull(image: Image, *, progress: bool | None = None) -> Path:
             raise
         if got != digest:
             _unlink(part)
-            raise RuntimeFailure(
+            raise ChecksumMismatch(
                 f"image {image.name}: the download from {image.url} does not match its checksum: "
                 f"expected {algo} {digest}, got {algo} {got}; the download was deleted",
                 "check the URL and the checksum in the spec (distributions publish them beside the "
