@@ -82,8 +82,10 @@ def test_best_practice_defaults(tmp_path: Path) -> None:
     assert option(argv, "-machine") == ["q35"]
     assert option(argv, "-cpu") == [TCG_CPU]  # TCG: -cpu host needs KVM
     assert option(argv, "-smp") == ["1"]
-    file_node, fmt_node = (json.loads(a) for a in option(argv, "-blockdev"))
+    file_node, fmt_node, slot = (json.loads(a) for a in option(argv, "-blockdev"))
     assert file_node["aio"] == "io_uring"
+    # the device reads and writes through its fault slot: raw over the format node, for disk faults
+    assert (slot["driver"], slot["node-name"], slot["file"]) == ("raw", "disk0-slot", "disk0")
     assert file_node["cache"] == {"direct": True, "no-flush": False}  # cache=none
     blk, nic, balloon, panic, channels, agent, qga, video = devices(argv)
     assert panic == {"driver": "pvpanic", "id": "pvpanic"}  # a panic is seen at once
@@ -91,7 +93,7 @@ def test_best_practice_defaults(tmp_path: Path) -> None:
     assert (agent["name"], qga["name"]) == ("org.vmlaunch.agent.0", "org.qemu.guest_agent.0")
     assert video == {"driver": "VGA", "id": "video0"}  # a screen for `screenshot`, last: slots stay
     assert option(argv, "-action") == ["panic=pause"]  # and kept, for status and logs
-    assert (blk["driver"], blk["write-cache"]) == ("virtio-blk-pci", "on")
+    assert (blk["driver"], blk["write-cache"], blk["drive"]) == ("virtio-blk-pci", "on", "disk0-slot")
     assert nic["driver"] == "virtio-net-pci"
     assert "vhost" not in json.loads(option(argv, "-netdev")[0])
     assert balloon["driver"] == "virtio-balloon-pci"

@@ -326,6 +326,24 @@ def boot_disks(lab_dir: LabDir, vm: VmSpec) -> tuple[tuple[KeyPath, Disk], ...]:
     return ((("vm", vm.name, "image"), overlay), *disks)
 
 
+def slot_name(node: str) -> str:
+    """The block node a disk's device reads and writes through: its fault slot."""
+    return f"{node}-slot"
+
+
+def fault_slot(node: str, disk: Disk) -> dict[str, object]:
+    """The options of the disk's fault slot: a `raw` node over the disk's format node `node`, as the
+    device's drive. It passes every request through unchanged at the guest's offsets; a disk fault
+    (`runtime/diskfault.py`) puts QEMU's blkdebug between it and `node` while the VM runs (blkdebug
+    injects only below a format node) and takes it out again. `bench/disk_slot.py` measures what the
+    slot costs. The runtime reopens the slot with these options and only `file` changed."""
+    slot: dict[str, object] = {"driver": "raw", "node-name": slot_name(node), "file": node,
+                               "read-only": disk.readonly}
+    if disk.discard:
+        slot.update({"discard": "unmap", "detect-zeroes": "unmap"})
+    return slot
+
+
 def reports_free_pages(vm: VmSpec) -> bool:
     """Free page reporting on the balloon: as the spec says, but never for RAM on hugepages (a freed
     4 KiB page cannot be given back out of a hugepage)."""
@@ -802,9 +820,10 @@ class _Compiler:
             if disk.discard:
                 fmt.update({"discard": "unmap", "detect-zeroes": "unmap"})
             yield from ("-blockdev", json_arg(fmt))
+            yield from ("-blockdev", json_arg(fault_slot(node, disk)))
             self.need_device(path, DISK_DEVICES[disk.bus])
             device: dict[str, object] = {"driver": DISK_DEVICES[disk.bus], "id": node,
-                                         "drive": node,
+                                         "drive": slot_name(node),
                                          "write-cache": "on" if disk.cache.write_cache else "off"}
             if disk.bus is DiskBus.SCSI:
                 device["bus"] = "scsi0.0"
