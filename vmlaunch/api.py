@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vmlaunch")
 
-__all__ = ["Lab", "Vm", "VmStatus"]
+__all__ = ["Disk", "Lab", "Vm", "VmStatus"]
 
 
 class Lab:
@@ -284,6 +284,15 @@ class Vm:
 
         return set_link(self.lab.run_dir, self.lab.model, self.name, nic, up)
 
+    def disk(self, name: str | int) -> Disk:
+        """One of the VM's disks, to break while it runs: `name` as `status --json` lists it ("disk0"
+        is the image's overlay, then each [[disk]]: "disk1", ...), or its index.
+
+            with lab.vm("db").disk("disk1").fail("write", sector=2048, once=True):
+                ...  # the fault is cleared when the block ends
+        """
+        return Disk(self, name)
+
     def qmp(self, command: str, **args: Any) -> Any:
         """Send one QMP command with `args` as its arguments; return QEMU's reply (`return`).
 
@@ -505,3 +514,86 @@ def _parallel(parallel: int | None) -> int | None:
     if parallel is not None and (isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1):
         raise UsageError(f"parallel: {parallel!r} is not a number of VMs (1 or more)")
     return parallel
+
+
+class Disk:
+    """A disk of a running VM, to break as `vmlaunch fault SPEC VM DISK ...` does (runtime/diskfault.py).
+    Each of `fail`, `hang`, `release` and `slow` returns the disk, which as a context manager clears
+    every fault of the disk when the block ends, whatever happened in it. UsageError for a disk the VM
+    does not have or a bad figure; RuntimeFailure (exit 3's) when the VM is not running."""
+
+    def __init__(self, vm: Vm, name: str | int) -> None:
+        self.vm = vm
+        self.name = f"disk{name}" if isinstance(name, int) and not isinstance(name, bool) else str(name)
+
+    def __repr__(self) -> str:
+        return f"Disk({self.vm.name!r}, {self.name!r})"
+
+    def _set(self, raw: dict[str, Any]) -> Disk:
+        from vmlaunch.runtime import diskfault
+        from vmlaunch.spec.diskfault import parse_fault
+
+        fault, problems = parse_fault({key: value for key, value in raw.items() if value is not None})
+        if fault is None:
+            key, message, hint = problems[0]
+            raise UsageError(f"{raw['type']}: {key + ': ' if key else ''}{message}", hint or None)
+        diskfault.set_fault(self.vm.lab.run_dir, self.vm.lab.model, self.vm.name, self.name, fault)
+        return self
+
+    @staticmethod
+    def _op(op: str | None, read: bool, write: bool, flush: bool) -> dict[str, Any]:
+        raw: dict[str, Any] = {"op": op}
+        for word, on in (("read", read), ("write", write), ("flush", flush)):
+            if on:
+                raw[word] = True
+        return raw
+
+    def fail(self, op: str | None = None, *, read: bool = False, write: bool = False, flush: bool = False,
+             sector: int | None = None, once: bool = False, errno: str = "EIO") -> Disk:
+        """Requests of kind `op` ("read", "write" or "flush"; or read=/write=/flush=True) fail with
+        `errno`, at `sector` (512 bytes, as the guest counts them) or every one; `once`: the first only."""
+        return self._set({"type": "error", **self._op(op, read, write, flush), "sector": sector,
+                          "once": once or None, "errno": errno})
+
+    def hang(self, op: str | None = None, *, read: bool = False, write: bool = False) -> Disk:
+        """Hold requests of kind `op` ("read" or "write") until `release`."""
+        return self._set({"type": "hang", **self._op(op, read, write, False)})
+
+    def slow(self, bps: str | None = None, *, iops: int | None = None,
+             latency: int | str | None = None) -> Disk:
+        """Throttle the disk: `bps` with a unit ("1M" is 1 MiB/s), `iops` requests a second, or one
+        request every `latency` ms."""
+        return self._set({"type": "slow", "bps": bps, "iops": iops, "latency": latency})
+
+    def release(self) -> Disk:
+        """Let the held requests go (UsageError when none is held)."""
+        from vmlaunch.runtime import diskfault
+
+        diskfault.release(self.vm.lab.run_dir, self.vm.lab.model, self.vm.name, self.name)
+        return self
+
+    def clear(self) -> None:
+        """Take every fault off the disk (holds released first)."""
+        from vmlaunch.runtime import diskfault
+
+        diskfault.clear(self.vm.lab.run_dir, self.vm.lab.model, self.vm.name, self.name)
+
+    def faults(self) -> list[dict[str, Any]]:
+        """What is set on the disk now, as `vmlaunch fault SPEC --json` lists it."""
+        from vmlaunch.runtime import diskfault
+        from vmlaunch.spec.diskfault import to_json
+
+        found = diskfault.listing(self.vm.lab.run_dir).get(self.vm.name, {})
+        return [to_json(fault) for fault in found.get(self.name, [])]
+
+    def __enter__(self) -> Disk:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        try:
+            self.clear()
+        except VmlaunchError as error:  # the VM went down in the block: nothing is left to clear
+            if exc is None and not isinstance(error, RuntimeFailure):
+                raise
+            log.debug("%s: not cleared: %s", self, error)

@@ -3,9 +3,10 @@
 One module per command group, each with `register(commands, root)` adding its commands the one way
 (`common.command`): `init` (a starter lab.toml), `lab` (validate, cmdline, up, down, pause, resume,
 reset), `vms` (ls, status, logs, console, ssh, balloon, qmp, numa), `rig` (exec, cp), `wire` (link,
-partition), `netem`, `screen` (screenshot, send-keys, evidence), `image`, `snapshot`, `export`,
-`graph`, `doctor`, `help` (help, completion). This module builds the parser from them and owns what
-every command shares: the exit codes, the log lines on standard error, signals and a closed pipe.
+partition), `netem`, `fault` (faults on the disks), `screen` (screenshot, send-keys, evidence),
+`image`, `snapshot`, `export`, `graph`, `doctor`, `help` (help, completion). This module builds the
+parser from them and owns what every command shares: the exit codes, the log lines on standard error,
+signals and a closed pipe.
 
 Start-up is kept light: a group imports argparse only; each command imports what it needs when it runs.
 """
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from vmlaunch.cli import (
     doctor,
     export,
+    fault,
     graph,
     help,
     image,
@@ -46,7 +48,7 @@ from vmlaunch.errors import (
 log = logging.getLogger("vmlaunch")
 
 # The command groups, in the order `vmlaunch --help` lists their commands.
-GROUPS = (init, lab, vms, rig, wire, netem, screen, image, snapshot, export, graph, doctor, help)
+GROUPS = (init, lab, vms, rig, wire, netem, fault, screen, image, snapshot, export, graph, doctor, help)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from vmlaunch.compile.plan import AccelChoice, Plan, VmPlan
+from vmlaunch.compile.plan import AccelChoice, Plan, StartFaults, VmPlan
 from vmlaunch.core.naming import cgroup_name, management_mac, netem_ifb_name, process_name, tap_name
 from vmlaunch.core.units import format_size, mib_words
-from vmlaunch.errors import HostError, KeyPath, Location
+from vmlaunch.errors import HostError, KeyPath, Location, format_key_path
 from vmlaunch.guests.channel import AGENT_PORT, QGA_PORT
 from vmlaunch.guests.diskfiles import DiskOrigin
 from vmlaunch.guests.kernels import KernelBoot, fast_boot_wanted
@@ -339,8 +339,8 @@ def fault_slot(node: str, disk: Disk) -> dict[str, object]:
     slot costs. The runtime reopens the slot with these options and only `file` changed."""
     slot: dict[str, object] = {"driver": "raw", "node-name": slot_name(node), "file": node,
                                "read-only": disk.readonly}
-    if disk.discard:
-        slot.update({"discard": "unmap", "detect-zeroes": "unmap"})
+    if disk.discard:  # each node passes a discard on only when it has this; zeroes are detected below
+        slot["discard"] = "unmap"
     return slot
 
 
@@ -605,6 +605,10 @@ class _Compiler:
                       guest_netem=tuple((index, nic.mac, nic.netem) for index, nic in enumerate(vm.nics)
                                         if nic.netem is not None
                                         and netem_side(self.lab, vm, index, self.host) is NetemWhere.GUEST),
+                      disk_faults=tuple(StartFaults(f"disk{index}", format_key_path(key), disk.bus,
+                                                    disk.readonly, disk.discard, disk.faults)
+                                        for index, (key, disk) in enumerate(self.boot_disks(vm))
+                                        if disk.faults),
                       ssh_user=(vm.cloud_init.user if vm.cloud_init else DEFAULT_CLOUD_USER) if vm.ssh
                       else None)
 
@@ -822,8 +826,10 @@ class _Compiler:
             yield from ("-blockdev", json_arg(fmt))
             yield from ("-blockdev", json_arg(fault_slot(node, disk)))
             self.need_device(path, DISK_DEVICES[disk.bus])
+            # serial: the guest finds the disk by the name `status` and `fault` give it
+            # (/dev/disk/by-id/virtio-disk1, ...-QEMU_HARDDISK_disk1)
             device: dict[str, object] = {"driver": DISK_DEVICES[disk.bus], "id": node,
-                                         "drive": slot_name(node),
+                                         "drive": slot_name(node), "serial": node,
                                          "write-cache": "on" if disk.cache.write_cache else "off"}
             if disk.bus is DiskBus.SCSI:
                 device["bus"] = "scsi0.0"

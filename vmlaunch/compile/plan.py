@@ -12,13 +12,26 @@ from vmlaunch.layout.rundir import RunDir, VmFiles
 from vmlaunch.policy.admission import Admission
 from vmlaunch.policy.placement import Placed
 from vmlaunch.resources.base import Resource
-from vmlaunch.spec.model import Accel, Netem
+from vmlaunch.spec.model import Accel, DiskBus, DiskFault, Netem
 
 
 @attrs.frozen
 class AccelChoice:
     accel: Accel  # KVM or TCG, never AUTO
     reason: str
+
+
+@attrs.frozen
+class StartFaults:
+    """The `[[fault]]`s of one disk, which `up` sets in the VM's QEMU before its guest runs
+    (runtime/diskfault.py)."""
+
+    disk: str  # diskN
+    key: str  # the disk's spec key
+    bus: DiskBus
+    readonly: bool
+    discard: bool
+    faults: tuple[DiskFault, ...]
 
 
 @attrs.frozen
@@ -34,6 +47,7 @@ class VmPlan:
     # (NIC index, its MAC, the figures) of the spec's netem that runs in the guest: `up` sets it through
     # the command channel once the guest answers (runtime/netem.py)
     guest_netem: tuple[tuple[int, str, Netem], ...] = ()
+    disk_faults: tuple[StartFaults, ...] = ()  # the spec's disk faults, set before the guest runs
 
 
 @attrs.frozen

@@ -15,6 +15,7 @@
         manager.json           the lab manager's settings, written by `up` (`resources/manager.py`)
         manager.state.json     what the lab manager saw and set last, read by `status`
         wire.json  wire.lock   faults on the wire set at runtime: link states, netem, partitions
+        disk-faults.json       faults on the VMs' disks set at runtime (`runtime/diskfault.py`)
     run_root/.LAB.lock         serialises `up` and `down` of the lab (beside the run dir: `down`
                                removes the run dir while holding it)
 """
@@ -40,8 +41,9 @@ MANAGER_CONFIG = "manager.json"
 MANAGER_STATE = "manager.state.json"
 WIRE = "wire.json"  # faults on the wire set at runtime (runtime/wire.py)
 WIRE_LOCK = "wire.lock"
+DISK_FAULTS = "disk-faults.json"  # faults on the disks set at runtime (runtime/diskfault.py)
 INTENT = "intent.json"  # an operation on the running lab under way, or interrupted (runtime/intent.py)
-LAB_FILES = (MANAGER_LOG, MANAGER_CONFIG, MANAGER_STATE, INTENT, WIRE, WIRE_LOCK)
+LAB_FILES = (MANAGER_LOG, MANAGER_CONFIG, MANAGER_STATE, INTENT, WIRE, WIRE_LOCK, DISK_FAULTS)
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -193,6 +195,10 @@ class RunDir:
     @property
     def wire_lock(self) -> Path:
         return self.path / WIRE_LOCK
+
+    @property
+    def disk_faults(self) -> Path:
+        return self.path / DISK_FAULTS
 
     @property
     def intent(self) -> Path:

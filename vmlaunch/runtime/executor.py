@@ -206,6 +206,11 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
             deadline = time.monotonic() + timeout
             if from_snapshot is not None:  # still paused: the guests resume at the snapshot's instant
                 from_snapshot.load(to_start, timeout)
+            if any(vm.disk_faults for vm in to_start):  # the spec's disk faults, before the guests run
+                from vmlaunch.runtime import diskfault
+
+                for vm in to_start:
+                    diskfault.apply_at_up(plan.run_dir, vm, pids[vm.name])
             waited = [vm for vm in to_start if vm.ssh_user] if wait_ssh else []
             signalled = to_start if wait_for is not None else waited  # the VMs with a ready signal
             waves = _waves(plan, to_start, timeout, parallel=parallel, signalled=signalled,
@@ -772,6 +777,10 @@ def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, fo
         names = [name for name in journal.vms if not only or name in only]
         targets = {name: (qemu.find_pid(run_dir.vm(name), journal.vms[name].pid), run_dir.vm(name))
                    for name in names}
+        if run_dir.disk_faults.exists():  # held requests go first: a guest waiting on one cannot power off
+            from vmlaunch.runtime import diskfault
+
+            diskfault.undo(run_dir, names, why="down", timeout=min(timeout, 5.0))
         stopped = qemu.stop_all(targets, timeout)
         lastrun.keep(run_dir, stopped)  # before the run dir, and the logs in it, go
         for name, how in stopped.items():

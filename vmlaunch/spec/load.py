@@ -49,7 +49,9 @@ from vmlaunch.spec.model import (
     CloudInit,
     Disk,
     DiskBus,
+    DiskFault,
     DiskFormat,
+    FaultKind,
     Firmware,
     HugepageSize,
     Image,
@@ -1309,6 +1311,12 @@ class _Builder:
             self.problems.add((*path, "on_error", "write"), "a read-only disk has no writes to fail",
                               "leave on_error.write out, or readonly")
             return None
+        faults = self.disk_faults(path, raw.get("fault") if self.is_valid((*path, "fault")) else None,
+                                  readonly)
+        if faults is None:
+            return None
+        if faults:
+            given["faults"] = faults
         return Disk(
             file=file,
             format=DiskFormat(raw["format"]) if "format" in raw else _format_from_name(raw["file"]),
@@ -1318,6 +1326,35 @@ class _Builder:
             readonly=readonly,
             **given,
         )
+
+    def disk_faults(self, path: KeyPath, items: Any, readonly: bool) -> tuple[DiskFault, ...] | None:
+        """The disk's [[fault]]s (spec/diskfault.py parses them as the CLI's), None after a problem."""
+        from vmlaunch.spec.diskfault import parse_fault
+
+        faults: list[DiskFault] = []
+        ok = True
+        for index, raw in enumerate(items or []):
+            where = (*path, "fault", index)
+            fault, problems = parse_fault(raw)
+            for key, message, hint in problems:
+                self.problems.add((*where, key) if key else where, message, hint or None)
+            if fault is None:
+                ok = False
+                continue
+            if readonly and fault.op in ("write", "flush"):
+                self.problems.add((*where, "op"), f"a read-only disk has no {fault.op}s to "
+                                  f"{fault.kind.value}", "leave the fault out, or readonly")
+                ok = False
+            kinds = [(old.kind, old.op) for old in faults]
+            if fault.kind is FaultKind.HANG and (fault.kind, fault.op) in kinds:
+                self.problems.add(where, f"a second hang of the {fault.op}s", "one is enough")
+                ok = False
+            if fault.kind is FaultKind.SLOW and any(kind is FaultKind.SLOW for kind, _ in kinds):
+                self.problems.add(where, "a second slow fault on the disk", "give bps, iops and "
+                                  "latency in one")
+                ok = False
+            faults.append(fault)
+        return tuple(faults) if ok else None
 
     def disk_bytes(self, path: KeyPath, value: str | int) -> int | None:
         """A disk's size in bytes (whole 512-byte sectors, up to MAX_DISK_SIZE), or a problem. A bare

@@ -176,6 +176,31 @@ class Disk:
     accept_other_owner: bool = False  # the file, or a folder on its path, may be another user's
     read_error: OnError | None = None  # on_error.read; None: QEMU's default (report)
     write_error: OnError | None = None  # on_error.write; None: QEMU's default (enospc)
+    faults: tuple[DiskFault, ...] = ()  # [[fault]]: set on the running VM before its guest runs
+
+
+class FaultKind(enum.Enum):
+    """A fault on a disk (spec/diskfault.py parses them, runtime/diskfault.py sets them)."""
+
+    ERROR = "error"  # requests fail with an errno (QEMU's blkdebug)
+    HANG = "hang"  # requests are held until `release`
+    SLOW = "slow"  # requests are throttled (QEMU's I/O limits)
+
+
+@attrs.frozen
+class DiskFault:
+    """One fault on one disk, as `vmlaunch fault SPEC VM DISK KIND ...` and `[[vm.V.disk.fault]]` give
+    it. `op`: "read", "write" or "flush" (errors), "read" or "write" (hangs), None (slow). `sector`: of
+    512 bytes as the guest counts them, None: every request. `errno`: the error's name ("EIO")."""
+
+    kind: FaultKind
+    op: str | None = None
+    sector: int | None = None
+    once: bool = False
+    errno: str = "EIO"
+    bps: int | None = None  # bytes per second
+    iops: int | None = None
+    latency_ms: int | None = None
 
 
 class OnError(enum.Enum):

@@ -1,0 +1,221 @@
+"""Disk faults on the project's test guest (busybox, vmlaunch's agent), with the real QEMU under TCG:
+errors at a sector of a raw and of a qcow2 disk (guest offsets both), a write that pauses the VM and
+is retried by `resume`, held writes and their release, a slow disk, faults from the spec, the API's
+context managers, bad input, and a `down` with a held request. One lab for the module; the guest reads
+and writes with O_DIRECT, so each request reaches the disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vmlaunch.api import Lab
+from vmlaunch.errors import EXIT_HOST, EXIT_USAGE, UsageError
+
+pytestmark = [pytest.mark.qemu, pytest.mark.guest]
+READY = "VMLAUNCH-GUEST-READY"
+BLOCK = 4096  # the guest reads and writes whole 4 KiB blocks: sector 8*K+j is in block K
+
+
+@pytest.fixture(scope="module")
+def rig(test_guest: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    import tempfile
+
+    folder = tmp_path_factory.mktemp("faults")
+    run_root = Path(tempfile.mkdtemp(prefix="vl-"))
+    os.environ["VMLAUNCH_RUN_DIR"] = str(run_root)
+    spec = folder / "lab.toml"
+    spec.write_text(f"""[lab]
+name = "faults"
+[lab.memory]
+ksm = false
+[vm.a]
+memory = "160M"
+accel = "tcg"
+kernel = "{test_guest}/vmlinuz"
+initrd = "{test_guest}/initrd.gz"
+[[vm.a.disk]]
+file = "raw.img"
+format = "raw"
+size = "16M"
+on_error = {{ write = "stop" }}
+[[vm.a.disk]]
+file = "data.qcow2"
+size = "16M"
+[[vm.a.disk]]
+file = "spec.qcow2"
+size = "8M"
+[[vm.a.disk.fault]]
+type = "error"
+read = true
+sector = 80
+""")
+    lab = Lab(spec, wait_for=READY, timeout=300)
+    try:
+        lab.up()
+        yield lab
+    finally:
+        lab.down(timeout=5)
+        del os.environ["VMLAUNCH_RUN_DIR"]
+        for leftover in run_root.iterdir():
+            pytest.fail(f"left in the run root: {leftover}")
+        os.rmdir(run_root)
+
+
+def vmlaunch(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vmlaunch", *args], capture_output=True, text=True,
+                          timeout=120, check=False, env=os.environ.copy())
+
+
+def read_block(lab: Lab, device: str, block: int) -> int:
+    """The exit status of the guest's direct read of one block."""
+    return lab.vm("a").run(f"dd if=/dev/{device} of=/dev/null bs={BLOCK} skip={block} count=1 "
+                           "iflag=direct", timeout=60).exit_code
+
+
+def test_an_error_at_a_sector_fails_reads_there_only_and_clear_heals(rig: Lab) -> None:
+    spec = str(rig.spec)
+    for disk, device in (("disk0", "vda"), ("disk1", "vdb")):  # raw, then qcow2: guest offsets both
+        set_ = vmlaunch("fault", spec, "a", disk, "error", "--read", "--sector", "1000")
+        assert set_.returncode == 0, set_.stderr
+        assert read_block(rig, device, 1000 // 8) != 0
+        assert read_block(rig, device, 1000 // 8 - 1) == 0 and read_block(rig, device, 1000 // 8 + 1) == 0
+        assert rig.vm("a").run(f"dd if=/dev/zero of=/dev/{device} bs={BLOCK} seek=125 count=1 "
+                               "oflag=direct").exit_code == 0  # a read fault: writes there go on
+        listed = json.loads(vmlaunch("fault", spec, "--json").stdout)
+        assert listed["a"][disk] == [{"type": "error", "op": "read", "sector": 1000, "once": False,
+                                      "errno": "EIO"}]
+        cleared = vmlaunch("fault", spec, "a", disk, "clear")
+        assert cleared.returncode == 0 and "cleared" in cleared.stdout
+        assert read_block(rig, device, 1000 // 8) == 0
+    assert "disk0" not in vmlaunch("fault", spec).stdout
+
+
+def test_a_fault_from_the_spec_is_there_from_the_start(rig: Lab) -> None:
+    assert read_block(rig, "vdc", 10) != 0 and read_block(rig, "vdc", 11) == 0
+    assert rig.vm("a").disk("disk2").faults() == [{"type": "error", "op": "read", "sector": 80,
+                                                    "once": False, "errno": "EIO"}]
+    rig.vm("a").disk(2).clear()
+    assert read_block(rig, "vdc", 10) == 0
+
+
+def test_a_failed_write_pauses_the_vm_and_resume_retries_it(rig: Lab) -> None:
+    spec, vm = str(rig.spec), rig.vm("a")
+    with vm.disk("disk0").fail("write", sector=2048 + 3, once=True):
+        vm.run("(printf kept | dd of=/dev/vda bs=4096 seek=256 conv=sync oflag=direct; echo $? > /tmp/wr) "
+               ">/dev/null 2>&1 &")
+        deadline = time.monotonic() + 60
+        while vm.status().state != "paused" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        status = json.loads(vmlaunch("status", spec, "--json").stdout)["a"]
+        assert status["state"] == "paused" and status["run_state"] == "io-error", status
+        assert "disk0" in status["why"] and "write" in status["why"], status["why"]
+        events = vmlaunch("logs", spec, "--events")
+        assert "BLOCK_IO_ERROR" in events.stdout and "disk0" in events.stdout, events.stdout
+        resumed = vmlaunch("resume", spec, "a")
+        assert resumed.returncode == 0, resumed.stderr
+    assert vm.succeed("cat /tmp/wr").strip() == "0"  # the write, retried, succeeded
+    assert vm.succeed("dd if=/dev/vda bs=4096 skip=256 count=1 iflag=direct 2>/dev/null | head -c 4") == "kept"
+    assert vm.disk("disk0").faults() == []  # the block's end cleared it
+
+
+def test_held_writes_wait_for_release_while_reads_go_on(rig: Lab) -> None:
+    spec, vm = str(rig.spec), rig.vm("a")
+    assert vmlaunch("fault", spec, "a", "disk1", "hang", "--write").returncode == 0
+    twice = vmlaunch("fault", spec, "a", "disk1", "hang", "--write")
+    assert twice.returncode == EXIT_USAGE and "already held" in twice.stderr
+    vm.run("rm -f /tmp/w1 /tmp/w2; (dd if=/dev/zero of=/dev/vdb bs=4096 seek=30 count=1 oflag=direct; "
+           "touch /tmp/w1; dd if=/dev/zero of=/dev/vdb bs=4096 seek=40 count=1 oflag=direct; touch /tmp/w2)"
+           " >/dev/null 2>&1 &")
+    time.sleep(3)
+    assert read_block(rig, "vdb", 3) == 0  # reads are not held
+    assert vm.run("test -e /tmp/w1").exit_code != 0  # the first write is held
+    refused = vmlaunch("fault", spec, "a", "disk1", "error", "--read")
+    assert refused.returncode == EXIT_USAGE and "release" in refused.stderr
+    released = vmlaunch("fault", spec, "a", "disk1", "release")
+    assert released.returncode == 0, released.stderr
+    vm.wait_until_succeeds("test -e /tmp/w1 && test -e /tmp/w2", timeout=30)  # and every later one
+    again = vmlaunch("fault", spec, "a", "disk1", "release")
+    assert again.returncode == EXIT_USAGE and "nothing is held" in again.stderr
+
+
+def test_a_slow_disk_is_slow_until_cleared(rig: Lab) -> None:
+    vm = rig.vm("a")
+    with vm.disk("disk1").slow("1M"):
+        started = time.monotonic()
+        vm.succeed("dd if=/dev/vdb of=/dev/null bs=1M count=4 iflag=direct", timeout=120)
+        slow = time.monotonic() - started
+    started = time.monotonic()
+    vm.succeed("dd if=/dev/vdb of=/dev/null bs=1M count=4 iflag=direct", timeout=120)
+    # 4 MiB at 1 MiB/s: about 3.5 s (the limits let a tenth of a second through at once)
+    assert slow >= 3.0 and time.monotonic() - started < slow, slow
+    assert vm.disk("disk1").faults() == []
+
+
+@pytest.mark.parametrize(("args", "code", "said"), [
+    (["a", "disk9", "clear"], EXIT_USAGE, "has no disk 'disk9'"),
+    (["nope", "disk0", "clear"], None, "no VM named 'nope'"),
+    (["a", "disk1", "error", "--read", "--sector", "32768"], EXIT_USAGE, "past the end"),
+    (["a", "disk1", "error", "--read", "--errno", "EWHAT"], EXIT_USAGE, "not an errno name"),
+    (["a", "disk1", "error"], EXIT_USAGE, "--read, --write or --flush"),
+    (["a", "disk1", "hang", "--flush"], EXIT_USAGE, "read or write"),
+    (["a", "disk1", "slow", "--bps", "1000"], EXIT_USAGE, "has no unit"),
+    (["a", "disk1", "slow"], EXIT_USAGE, "bps, iops or latency"),
+    (["a", "disk1", "release"], EXIT_USAGE, "nothing is held"),
+    (["a", "disk1", "clear", "--sector", "3"], EXIT_USAGE, "not for clear"),
+])
+def test_bad_input_is_one_line_and_changes_nothing(rig: Lab, args: list[str], code: int | None, said: str) -> None:
+    done = vmlaunch("fault", str(rig.spec), *args)
+    assert done.returncode != 0 and (code is None or done.returncode == code), done
+    assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert vmlaunch("fault", str(rig.spec)).stdout.strip() == "no disk faults set"
+
+
+def test_the_api_refuses_bad_figures(rig: Lab) -> None:
+    with pytest.raises(UsageError, match="no unit"):
+        rig.vm("a").disk("disk1").slow("100")
+    with pytest.raises(UsageError, match="has no disk"):
+        rig.vm("a").disk("disk7").fail("read")
+
+
+def test_down_with_a_held_request_succeeds_and_leaves_nothing(test_guest: Path, tmp_path: Path) -> None:
+    """A lab of its own (the module's goes on): a write held when `down` comes."""
+    spec = tmp_path / "lab.toml"
+    spec.write_text(f"""[lab]
+name = "held"
+[lab.memory]
+ksm = false
+[vm.h]
+memory = "128M"
+accel = "tcg"
+kernel = "{test_guest}/vmlinuz"
+initrd = "{test_guest}/initrd.gz"
+[[vm.h.disk]]
+file = "d.img"
+format = "raw"
+size = "8M"
+""")
+    lab = Lab(spec, wait_for=READY, timeout=300)
+    lab.up()
+    try:
+        lab.vm("h").disk("disk0").hang("write")
+        writer = threading.Thread(target=lambda: lab.vm("h").run(
+            "dd if=/dev/zero of=/dev/vda bs=4096 count=1 oflag=direct", timeout=120), daemon=True)
+        writer.start()
+        time.sleep(2)
+        assert writer.is_alive()
+    finally:
+        down = vmlaunch("down", str(spec), "--timeout", "20")
+    assert down.returncode == 0, down.stderr
+    assert "killed" not in down.stderr, down.stderr  # the guest powered off: nothing kept it waiting
+    assert not lab.run_dir.path.exists()
+    down_again = vmlaunch("fault", str(spec), "h", "disk0", "clear")
+    assert down_again.returncode == EXIT_HOST and "not running" in down_again.stderr

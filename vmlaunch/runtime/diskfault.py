@@ -1,0 +1,463 @@
+"""Faults on a running VM's disks: I/O errors, held requests, slow disks (`vmlaunch fault`, `Vm.disk`).
+
+Every disk's device reads and writes through its fault slot, a `raw` node over the disk's format node
+(`compile/compiler.py: fault_slot`): `diskN-slot` -> `diskN` (raw or qcow2) -> `diskN-file`. A fault
+uses three things of QEMU's, all in the running QEMU and none in an image:
+
+- errors: QEMU's blkdebug between the slot and `diskN` (`diskN-faultK`), with one `inject-error` rule
+  per fault. Offsets there are the guest's (the slot passes requests through unchanged). A rule always
+  names its `iotype`: without it, a rule armed by a read also fails a later write. The rules of an open
+  blkdebug node cannot change, so each change adds a new node over `diskN` with the new rules, reopens
+  the slot onto it (`blockdev-reopen`, the slot's compiled options with `file` changed) and deletes the
+  old one; the last fault cleared reopens the slot onto `diskN` again.
+- holds (`hang`): blkdebug's breakpoint (HMP `qemu-io NODE "break write_aio TAG"`) holds the next
+  request of its kind, and QEMU's I/O limits hold every later one (1 byte a second that way: the first
+  request of a leaky bucket always passes, the breakpoint has it). `release` removes the breakpoint,
+  resumes what it holds, then lifts the limit, which drains the rest. A held request keeps a drain
+  from ending (QMP `stop` did not answer within 8 s): holds are released before anything that drains
+  (a new set of rules, a snapshot, `down`).
+- slow: QEMU's I/O limits on the device (`block_set_io_throttle`, on the virtio-blk device's backend,
+  `/machine/peripheral/diskN/virtio-backend`).
+
+What is set lives in `disk-faults.json` in the run dir (`RunDir.disk_faults`), with the pid of the
+QEMU it was set in: a record of a QEMU that is gone (down, crashed, started again) is dropped when
+read, for a new QEMU starts without any of it. Changes are made under the lab's lock.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from vmlaunch.compile.plan import VmPlan
+from vmlaunch.errors import EXIT_HOST, RuntimeFailure, UsageError
+from vmlaunch.layout.rundir import RunDir, open_in_run_dir
+from vmlaunch.qemu.qmp import QmpError, QuickQmp
+from vmlaunch.spec.diskfault import SECTOR, describe, errno_number, from_json, iops_of, to_json
+from vmlaunch.spec.model import DiskBus, DiskFault, FaultKind, LabSpec
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+QMP_TIMEOUT = 10.0  # seconds QEMU gets to answer one command (a reopen drains the disk's requests)
+LOCK_TIMEOUT = 30.0  # seconds a fault command waits for another command on the lab to finish
+HOLD_BPS = 1  # bytes per second while requests are held: a 4 KiB request waits more than an hour
+EVENTS = {"read": "read_aio", "write": "write_aio", "flush": "flush_to_disk"}
+
+
+class VmDown(RuntimeFailure):
+    """A fault on a VM that is not running."""
+
+    exit_code = EXIT_HOST
+
+
+@attrs.frozen
+class Target:
+    """One disk of a running VM, as the compiler built it."""
+
+    vm: str
+    name: str  # diskN
+    key: str  # its spec key
+    bus: DiskBus
+    readonly: bool
+    discard: bool
+    pid: int
+
+    @property
+    def slot(self) -> str:
+        return f"{self.name}-slot"
+
+    @property
+    def backend(self) -> str:
+        """The device's block backend as QMP's I/O limits find it."""
+        if self.bus is DiskBus.VIRTIO:
+            return f"/machine/peripheral/{self.name}/virtio-backend"
+        return self.name
+
+    def slot_options(self, file: str) -> dict[str, Any]:
+        """The slot's options as compiled (`compiler.fault_slot`), over `file`."""
+        options: dict[str, Any] = {"driver": "raw", "node-name": self.slot, "file": file,
+                                   "read-only": self.readonly}
+        if self.discard:
+            options["discard"] = "unmap"
+        return options
+
+
+# --- the record ----------------------------------------------------------------------------------
+
+
+def load(run_dir: RunDir) -> dict[str, Any]:
+    """VM -> {"pid": QEMU pid, "disks": {diskN: {"node": blkdebug node or None, "serial": n,
+    "faults": [fault...]}}}; only VMs whose QEMU still runs that pid."""
+    from vmlaunch.runtime import process as qemu
+
+    try:
+        fd = open_in_run_dir(run_dir.disk_faults, os.O_RDONLY)
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    with os.fdopen(fd) as handle:
+        try:
+            data = json.load(handle)
+        except (ValueError, UnicodeDecodeError):
+            return {}
+    if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("vms"), dict):
+        return {}
+    live = {}
+    for vm, entry in data["vms"].items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("pid"), int):
+            continue
+        if qemu.find_pid(run_dir.vm(vm), entry["pid"]) == entry["pid"]:
+            live[vm] = entry
+    return live
+
+
+def _save(run_dir: RunDir, vms: dict[str, Any]) -> None:
+    from vmlaunch.core.fsutil import write_atomic
+
+    kept = {vm: entry for vm, entry in vms.items() if any(disk.get("node") or disk.get("faults")
+                                                          for disk in entry["disks"].values())}
+    if not kept:
+        run_dir.disk_faults.unlink(missing_ok=True)
+        return
+    write_atomic(run_dir.disk_faults, json.dumps({"version": VERSION, "vms": kept}, indent=1,
+                                                 sort_keys=True) + "\n", mode=0o600)
+
+
+def faults_of(entry: dict[str, Any]) -> list[DiskFault]:
+    faults = []
+    for doc in entry.get("faults") or []:
+        try:
+            faults.append(from_json(doc))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return faults
+
+
+def listing(run_dir: RunDir) -> dict[str, dict[str, list[DiskFault]]]:
+    """What is set now: VM -> disk -> its faults."""
+    return {vm: {disk: faults_of(record) for disk, record in sorted(entry["disks"].items())
+                 if faults_of(record)}
+            for vm, entry in sorted(load(run_dir).items())}
+
+
+# --- which disk ----------------------------------------------------------------------------------
+
+
+def disk_names(lab: LabSpec, vm: str) -> list[tuple[str, str]]:
+    """(diskN, its spec key) of each disk of `vm`, as `status --json` lists them."""
+    from vmlaunch.runtime.control import disks_of
+
+    return [(disk.name, disk.key) for disk in disks_of(lab, lab.vm(vm))]
+
+
+def target(run_dir: RunDir, lab: LabSpec, vm: str, text: str) -> Target:
+    """The disk `text` names on VM `vm` (diskN, or N), which must run: UsageError for an unknown disk,
+    VmDown when it is not running."""
+    from vmlaunch.compile.compiler import boot_disks
+    from vmlaunch.layout.labdir import LabDir
+    from vmlaunch.runtime import process as qemu
+    from vmlaunch.runtime.journal import Journal
+
+    spec = lab.vm(vm)
+    disks = boot_disks(LabDir.of(lab.file, lab.name), spec)
+    word = str(text).strip()
+    index = int(word[4:]) if word.startswith("disk") and word[4:].isdigit() else \
+        int(word) if word.isdigit() else None
+    if index is None or index >= len(disks):
+        names = ", ".join(f"{name} ({key})" for name, key in disk_names(lab, vm)) or "none"
+        raise UsageError(f"VM {vm} has no disk {text!r} (its disks: {names})",
+                         "`vmlaunch status SPEC --json` lists them")
+    key, disk = disks[index]
+    entry = Journal.load(run_dir).vms.get(vm) if run_dir.path.is_dir() else None
+    pid = qemu.find_pid(run_dir.vm(vm), entry.pid) if entry is not None else None
+    if pid is None:
+        raise VmDown(f"VM {vm} is not running: a disk fault is set in a running QEMU",
+                     f"start it with `vmlaunch up SPEC {vm}`")
+    from vmlaunch.errors import format_key_path as shown
+
+    return Target(vm, f"disk{index}", shown(key), disk.bus, disk.readonly, disk.discard, pid)
+
+
+# --- changes -------------------------------------------------------------------------------------
+
+
+def set_fault(run_dir: RunDir, lab: LabSpec, vm: str, disk: str, fault: DiskFault,
+              timeout: float = LOCK_TIMEOUT) -> str:
+    """Set `fault` on a disk of running VM `vm`; returns what is now set on it, described. An error
+    fault replaces one on the same requests and sector; a slow one replaces the disk's slow one."""
+    from vmlaunch.runtime.journal import locked
+
+    lab.select([vm])
+    with locked(run_dir, timeout):
+        where = target(run_dir, lab, vm, disk)
+        vms = load(run_dir)
+        record = _record(vms, where)
+        faults = faults_of(record)
+        _check(where, fault, faults)
+        if fault.kind is FaultKind.ERROR:
+            faults = [old for old in faults if not (old.kind is FaultKind.ERROR and old.op == fault.op
+                                                    and old.sector == fault.sector)] + [fault]
+        elif fault.kind is FaultKind.SLOW:
+            faults = [old for old in faults if old.kind is not FaultKind.SLOW] + [fault]
+        else:
+            faults = [*faults, fault]
+        with QuickQmp(run_dir.vm(vm).qmp, timeout=QMP_TIMEOUT) as qmp:
+            if fault.kind is FaultKind.ERROR:
+                _check_sector(qmp, where, fault)
+            try:
+                _apply(qmp, where, record, faults)
+            finally:
+                _save(run_dir, vms)
+        _note(run_dir, vm, where.name, f"set {describe(fault)}")
+        return "; ".join(describe(item) for item in faults)
+
+
+def release(run_dir: RunDir, lab: LabSpec, vm: str, disk: str, timeout: float = LOCK_TIMEOUT) -> list[str]:
+    """Let the held requests of a disk go; returns the kinds released. UsageError when none is held."""
+    from vmlaunch.runtime.journal import locked
+
+    lab.select([vm])
+    with locked(run_dir, timeout):
+        where = target(run_dir, lab, vm, disk)
+        vms = load(run_dir)
+        record = _record(vms, where)
+        faults = faults_of(record)
+        held = [fault.op or "" for fault in faults if fault.kind is FaultKind.HANG]
+        if not held:
+            raise UsageError(f"{vm} {where.name}: nothing is held", f"`vmlaunch fault SPEC {vm} "
+                             f"{where.name} hang --write` holds its writes")
+        with QuickQmp(run_dir.vm(vm).qmp, timeout=QMP_TIMEOUT) as qmp:
+            try:
+                _apply(qmp, where, record, [fault for fault in faults if fault.kind is not FaultKind.HANG])
+            finally:
+                _save(run_dir, vms)
+        _note(run_dir, vm, where.name, f"released held {' and '.join(held)}s")
+        return held
+
+
+def clear(run_dir: RunDir, lab: LabSpec, vm: str, disk: str,
+          timeout: float = LOCK_TIMEOUT) -> list[DiskFault]:
+    """Take every fault off a disk (holds released first); returns what was set."""
+    from vmlaunch.runtime.journal import locked
+
+    lab.select([vm])
+    with locked(run_dir, timeout):
+        where = target(run_dir, lab, vm, disk)
+        vms = load(run_dir)
+        record = _record(vms, where)
+        faults = faults_of(record)
+        if faults or record.get("node"):
+            with QuickQmp(run_dir.vm(vm).qmp, timeout=QMP_TIMEOUT) as qmp:
+                try:
+                    _apply(qmp, where, record, [])
+                finally:
+                    _save(run_dir, vms)
+            _note(run_dir, vm, where.name, "cleared")
+        return faults
+
+
+def undo(run_dir: RunDir, names: Iterable[str] | None = None, *, why: str,
+         timeout: float = QMP_TIMEOUT) -> list[str]:
+    """Take every fault off the disks of the running VMs `names` (all when None), holds first: before a
+    snapshot, before `down` stops the QEMUs. The caller holds the lab's lock. Returns "VM diskN" of each
+    disk cleared; a QEMU that does not answer is left to the caller (it is about to be stopped, or the
+    snapshot will say it could not pause it)."""
+    vms = load(run_dir)
+    wanted = set(names) if names is not None else None
+    done = []
+    for vm, entry in vms.items():
+        if wanted is not None and vm not in wanted:
+            continue
+        for disk, record in entry["disks"].items():
+            if not (record.get("faults") or record.get("node")):
+                continue
+            where = Target(vm, disk, disk, DiskBus(record.get("bus", "virtio")), bool(record.get("readonly")),
+                           bool(record.get("discard")), entry["pid"])
+            try:
+                with QuickQmp(run_dir.vm(vm).qmp, timeout=timeout) as qmp:
+                    _apply(qmp, where, record, [])
+                done.append(f"{vm} {disk}")
+            except QmpError as exc:
+                log.warning("%s %s: its faults could not be taken off: %s", vm, disk, exc.message)
+    _save(run_dir, vms)
+    for item in done:
+        vm, disk = item.split(" ")
+        _note(run_dir, vm, disk, f"cleared ({why})")
+    return done
+
+
+def apply_at_up(run_dir: RunDir, vm: VmPlan, pid: int) -> None:
+    """Set the spec's `[[vm.V.disk.fault]]`s in a QEMU `up` just started (paused: before its guest
+    runs). The caller holds the lab's lock. UsageError for a sector past a disk's end."""
+    if not vm.disk_faults:
+        return
+    vms = load(run_dir)
+    vms[vm.name] = {"pid": pid, "disks": {}}
+    with QuickQmp(run_dir.vm(vm.name).qmp, timeout=QMP_TIMEOUT) as qmp:
+        try:
+            for start in vm.disk_faults:
+                where = Target(vm.name, start.disk, start.key, start.bus, start.readonly, start.discard, pid)
+                record = _record(vms, where)
+                for fault in start.faults:
+                    _check_sector(qmp, where, fault, key=f"{start.key}.fault")
+                _apply(qmp, where, record, list(start.faults))
+                _note(run_dir, vm.name, where.name, "set from the spec: " +
+                      "; ".join(describe(fault) for fault in start.faults))
+        finally:
+            _save(run_dir, vms)
+
+
+# --- QEMU ----------------------------------------------------------------------------------------
+
+
+def _record(vms: dict[str, Any], where: Target) -> dict[str, Any]:
+    entry = vms.get(where.vm)
+    if entry is None or entry.get("pid") != where.pid:
+        entry = vms[where.vm] = {"pid": where.pid, "disks": {}}
+    record: dict[str, Any] = entry["disks"].setdefault(where.name, {"node": None, "serial": 0, "faults": []})
+    record.update({"bus": where.bus.value, "readonly": where.readonly, "discard": where.discard})
+    return record
+
+
+def _check(where: Target, fault: DiskFault, faults: Sequence[DiskFault]) -> None:
+    held = {old.op or "" for old in faults if old.kind is FaultKind.HANG}
+    if where.readonly and fault.op in ("write", "flush"):
+        raise UsageError(f"{where.vm} {where.name} is read-only: it has no {fault.op}s to {fault.kind.value}")
+    if fault.kind is FaultKind.HANG and fault.op in held:
+        raise UsageError(f"{where.vm} {where.name}: its {fault.op}s are already held",
+                         f"`vmlaunch fault SPEC {where.vm} {where.name} release` lets them go")
+    if fault.kind is FaultKind.ERROR and held:
+        raise UsageError(f"{where.vm} {where.name}: its {' and '.join(sorted(held))}s are held, and new "
+                         "error rules would wait for them", f"`vmlaunch fault SPEC {where.vm} "
+                         f"{where.name} release` first")
+    errno_number(fault.errno)
+
+
+def _check_sector(qmp: QuickQmp, where: Target, fault: DiskFault, key: str | None = None) -> None:
+    if fault.sector is None:
+        return
+    size = _size(qmp, where)
+    if size is not None and fault.sector * SECTOR >= size:
+        message = (f"sector {fault.sector} is past the end of {where.vm} {where.name} ({size // SECTOR} "
+                   f"sectors of {SECTOR} bytes: 0 to {size // SECTOR - 1})")
+        raise UsageError(f"{key}: {message}" if key else message)
+
+
+def _size(qmp: QuickQmp, where: Target) -> int | None:
+    for node in qmp.cmd("query-named-block-nodes", flat=True) or []:
+        if isinstance(node, dict) and node.get("node-name") == where.slot:
+            size = (node.get("image") or {}).get("virtual-size")
+            return size if isinstance(size, int) else None
+    return None
+
+
+def _rules(faults: Sequence[DiskFault]) -> list[dict[str, Any]]:
+    """blkdebug's inject-error rules of the error faults: each with its iotype (a write also fails
+    as a write of zeroes, which a guest sends for zeroed ranges)."""
+    rules = []
+    for fault in faults:
+        if fault.kind is not FaultKind.ERROR or fault.op is None:
+            continue
+        iotypes = ("write", "write-zeroes") if fault.op == "write" else (fault.op,)
+        for iotype in iotypes:
+            rule: dict[str, Any] = {"event": EVENTS[fault.op], "iotype": iotype,
+                                    "errno": errno_number(fault.errno), "once": fault.once}
+            if fault.sector is not None:
+                rule["sector"] = fault.sector
+            rules.append(rule)
+    return rules
+
+
+def _limits(faults: Sequence[DiskFault]) -> dict[str, int]:
+    """QEMU's I/O limits for the slow fault and the holds (a total and a per-direction limit cannot
+    be set together: with a hold, the totals become per-direction ones)."""
+    limits = dict.fromkeys(("bps", "bps_rd", "bps_wr", "iops", "iops_rd", "iops_wr"), 0)
+    for fault in faults:
+        if fault.kind is FaultKind.SLOW:
+            limits["bps"] = fault.bps or 0
+            limits["iops"] = iops_of(fault) or 0
+    held = [fault.op for fault in faults if fault.kind is FaultKind.HANG]
+    if held:
+        for total in ("bps", "iops"):
+            limits[f"{total}_rd"] = limits[f"{total}_wr"] = limits.pop(total)
+            limits[total] = 0
+        for op in held:
+            limits[f"bps_{'rd' if op == 'read' else 'wr'}"] = HOLD_BPS
+    return limits
+
+
+def _hmp(qmp: QuickQmp, node: str, command: str) -> None:
+    qmp.cmd("human-monitor-command", **{"command-line": f'qemu-io {node} "{command}"'})
+
+
+def _apply(qmp: QuickQmp, where: Target, record: dict[str, Any], faults: list[DiskFault]) -> None:
+    """Bring the disk in QEMU from what `record` says is set to `faults`, step by step, recording each
+    step as it is done (a step that fails leaves the record saying what QEMU has)."""
+    before = faults_of(record)
+    held = {fault.op or "" for fault in before if fault.kind is FaultKind.HANG}
+    holds = {fault.op or "" for fault in faults if fault.kind is FaultKind.HANG}
+    node = record.get("node")
+
+    def now(state: list[DiskFault]) -> list[DiskFault]:
+        record["faults"] = [to_json(fault) for fault in state]
+        return state
+
+    # 1. holds that go: the breakpoint off and what it holds resumed, before anything drains
+    for op in sorted(held - holds):
+        if node:
+            _hmp(qmp, node, f"remove_break vmlaunch-{op}")
+            _hmp(qmp, node, f"resume vmlaunch-{op}")
+    state = now([fault for fault in before if fault.kind is not FaultKind.HANG or (fault.op or "") in holds])
+    # 2. their limit lifted (which drains what it held)
+    if _limits(state) != _limits(before):
+        qmp.cmd("block_set_io_throttle", id=where.backend, **_limits(state))
+    # 3. the blkdebug node with the new rules, or none
+    rules = _rules(faults)
+    if (rules or holds) and (node is None or rules != _rules(state)):
+        serial = int(record.get("serial") or 0) + 1
+        new = f"{where.name}-fault{serial}"
+        options: dict[str, Any] = {"driver": "blkdebug", "node-name": new, "image": where.name}
+        if rules:  # QEMU refuses an empty list
+            options["inject-error"] = rules
+        qmp.cmd("blockdev-add", **options)
+        record["serial"] = serial
+        try:
+            qmp.cmd("blockdev-reopen", options=[where.slot_options(new)])
+        except QmpError:
+            qmp.cmd("blockdev-del", **{"node-name": new})
+            raise
+        record["node"] = new
+        if node is not None:
+            qmp.cmd("blockdev-del", **{"node-name": node})
+        node = new
+    elif not (rules or holds) and node is not None:
+        qmp.cmd("blockdev-reopen", options=[where.slot_options(where.name)])
+        record["node"] = None
+        qmp.cmd("blockdev-del", **{"node-name": node})
+        node = None
+    state = now([fault for fault in faults if fault.kind is FaultKind.ERROR] +
+                [fault for fault in state if fault.kind is not FaultKind.ERROR])
+    # 4. new holds: the breakpoint for the next request of the kind, the limit for every later one
+    for fault in faults:
+        if fault.kind is FaultKind.HANG and (fault.op or "") not in held and node is not None:
+            _hmp(qmp, node, f"break {EVENTS[fault.op or 'write']} vmlaunch-{fault.op}")
+            state = now([*state, fault])
+    # 5. the limits of the slow fault and the holds as wanted
+    if _limits(faults) != _limits(state):
+        qmp.cmd("block_set_io_throttle", id=where.backend, **_limits(faults))
+    now(faults)
+
+
+def _note(run_dir: RunDir, vm: str, disk: str, what: str) -> None:
+    """Put the change in the lab's event log and the log."""
+    log.debug("%s %s: %s", vm, disk, what)
+    try:
+        from vmlaunch.runtime import events
+    except ImportError:  # pragma: no cover - the event log lands with its own change
+        return
+    events.record(run_dir, vm, "VMLAUNCH_DISK_FAULT", {"disk": disk, "what": what})
