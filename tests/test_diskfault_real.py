@@ -123,7 +123,8 @@ def test_a_failed_write_pauses_the_vm_and_resume_retries_it(rig: Lab) -> None:
         resumed = vmlaunch("resume", spec, "a")
         assert resumed.returncode == 0, resumed.stderr
     assert vm.succeed("cat /tmp/wr").strip() == "0"  # the write, retried, succeeded
-    assert vm.succeed("dd if=/dev/vda bs=4096 skip=256 count=1 iflag=direct 2>/dev/null | head -c 4") == "kept"
+    assert vm.succeed("dd if=/dev/vda bs=4096 skip=256 count=1 iflag=direct 2>/dev/null | head -c 4") \
+        == "kept"
     assert vm.disk("disk0").faults() == []  # the block's end cleared it
 
 
@@ -172,7 +173,8 @@ def test_a_slow_disk_is_slow_until_cleared(rig: Lab) -> None:
     (["a", "disk1", "release"], EXIT_USAGE, "nothing is held"),
     (["a", "disk1", "clear", "--sector", "3"], EXIT_USAGE, "not for clear"),
 ])
-def test_bad_input_is_one_line_and_changes_nothing(rig: Lab, args: list[str], code: int | None, said: str) -> None:
+def test_bad_input_is_one_line_and_changes_nothing(rig: Lab, args: list[str], code: int | None,
+                                                   said: str) -> None:
     done = vmlaunch("fault", str(rig.spec), *args)
     assert done.returncode != 0 and (code is None or done.returncode == code), done
     assert said in done.stderr and "Traceback" not in done.stderr, done.stderr

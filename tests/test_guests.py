@@ -95,6 +95,10 @@ target = "/srv/out"
 [vm.b]
 memory = "768M"
 image = "debian"
+[[vm.b.disk]]   # disk1: the disk faults' (disk0 is the image's overlay)
+file = "data.qcow2"
+size = "64M"
+on_error = {{ write = "stop" }}
 [[vm.b.nic]]
 network = "lan"
 ip = "10.10.0.12"
@@ -491,7 +495,70 @@ def test_the_python_api_drives_the_guest_through_the_channel(lab: tuple[Netns, P
     assert done.stdout.splitlines() == ["failed: True", "two words|it's|", "ok"]
 
 
-# The last test of the module: it leaves b panicked.
+DATA = "/dev/disk/by-id/virtio-disk1"  # the name `status` and `fault` give it, as its serial
+
+
+def test_disk_faults_break_the_data_disk_and_heal(lab: tuple[Netns, Path]) -> None:
+    """On b's data disk (qcow2: the fault sees the guest's offsets): an error at a sector fails the
+    guest's read of that block (EIO) and no other, `clear` heals it; a failed write with on_error.write
+    = "stop" pauses the VM, `status` says why, `resume` completes the write; a held write waits for
+    `release`; at 1 MiB/s an 8 MiB read takes 6 s or more."""
+    netns, spec = lab
+
+    def fault(*args: str) -> subprocess.CompletedProcess[str]:
+        done = netns.vmlaunch("fault", str(spec), "b", "disk1", *args, env=netns.env)
+        assert done.returncode == 0, done.stderr
+        return done
+
+    def guest(script: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return netns.vmlaunch("exec", str(spec), "b", "--timeout", str(timeout), "--", "sh", "-c", script,
+                              env=netns.env, timeout=timeout + 30)
+
+    def read(block: int) -> subprocess.CompletedProcess[str]:
+        return guest(f"dd if={DATA} of=/dev/null bs=4096 skip={block} count=1 iflag=direct")
+
+    fault("error", "--read", "--sector", "5001")  # in block 625
+    failed = read(625)
+    assert failed.returncode != 0 and "Input/output error" in failed.stderr, failed
+    assert read(624).returncode == 0 and read(626).returncode == 0 and read(0).returncode == 0
+    fault("clear")
+    assert read(625).returncode == 0
+
+    fault("error", "--write", "--sector", "4096", "--once")  # block 512
+    assert guest(f"(printf kept | dd of={DATA} bs=4096 seek=512 conv=sync oflag=direct; "
+                 "echo $? > /var/tmp/wr) </dev/null >/dev/null 2>&1 &").returncode == 0
+
+    def paused() -> dict[str, object] | None:
+        rows = json.loads(netns.vmlaunch("status", str(spec), "--json", env=netns.env).stdout)
+        return rows["b"] if rows["b"]["run_state"] == "io-error" else None
+
+    row = wait_until(paused, 60)
+    assert row["state"] == "paused" and "disk1" in str(row["why"]) and "write" in str(row["why"]), row
+    assert "BLOCK_IO_ERROR" in netns.vmlaunch("logs", str(spec), "--events", env=netns.env).stdout
+    resumed = netns.vmlaunch("resume", str(spec), "b", env=netns.env)
+    assert resumed.returncode == 0, resumed.stderr
+    assert guest("sleep 1; cat /var/tmp/wr").stdout.strip() == "0"
+    written = guest(f"dd if={DATA} bs=4096 skip=512 count=1 iflag=direct 2>/dev/null | head -c 4")
+    assert written.stdout == "kept", written
+    fault("clear")
+
+    fault("hang", "--write")
+    assert guest(f"(dd if=/dev/zero of={DATA} bs=4096 seek=700 count=1 oflag=direct && touch /var/tmp/w)"
+                 " </dev/null >/dev/null 2>&1 &").returncode == 0
+    time.sleep(3)
+    assert guest("test -e /var/tmp/w").returncode != 0  # held
+    fault("release")
+    wait_until(lambda: guest("test -e /var/tmp/w").returncode == 0, 60)
+
+    fault("slow", "--bps", "1M")
+    started = time.monotonic()
+    assert guest(f"dd if={DATA} of=/dev/null bs=1M count=8 iflag=direct").returncode == 0
+    assert time.monotonic() - started >= 6.0
+    fault("clear")
+    assert netns.vmlaunch("fault", str(spec), env=netns.env).stdout.strip() == "no disk faults set"
+
+
+# The last test of the module: it leaves b panicked, and a's writes held for the `down` that follows.
 
 
 def test_a_panic_reaches_qemu_through_pvpanic(lab: tuple[Netns, Path]) -> None:
@@ -508,3 +575,8 @@ def test_a_panic_reaches_qemu_through_pvpanic(lab: tuple[Netns, Path]) -> None:
 
     row = wait_until(panicked, 120)
     assert row["state"] == "guest-panicked" and "Kernel panic - not syncing" in str(row["why"]), row
+    # The module's `down` comes with a write held on a's root disk: it must power a off all the same.
+    held = netns.vmlaunch("fault", str(spec), "a", "disk0", "hang", "--write", env=netns.env)
+    assert held.returncode == 0, held.stderr
+    assert ssh(netns, spec, "a", "sh", "-c", "(echo x > /var/tmp/held; sync) </dev/null >/dev/null 2>&1 &"
+               ).returncode == 0

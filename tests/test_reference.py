@@ -200,6 +200,12 @@ memory = 64
 
 [[vm.a.disk]]
 file = "a.img"
+[[vm.a.disk.fault]]
+type = "error"
+op = "read"
+[[vm.a.disk.fault]]
+type = "slow"
+bps = "1M"
 
 [[vm.a.nic]]
 network = "br"
@@ -245,6 +251,7 @@ def _built(tmp_path: Path) -> dict[type, list[tuple[object, dict[str, Any]]]]:
         model.Image: [(lab.image(name), raw["image"][name]) for name in ("remote", "local")],
         model.VmSpec: [(a, vm_a)],  # (b has an image: its ssh is on)
         model.Disk: [(a.disks[0], vm_a["disk"][0])],
+        model.DiskFault: [(a.disks[0].faults[i], vm_a["disk"][0]["fault"][i]) for i in (0, 1)],
         model.Nic: [(a.nics[0], vm_a["nic"][0])],
         model.Netem: [(a.nics[i].netem, vm_a["nic"][i]["netem"]) for i in (0, 1)],
         model.PciDevice: [(a.pci[0], vm_a["pci"][0])],

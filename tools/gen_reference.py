@@ -58,6 +58,7 @@ MODELS: dict[str, type] = {
     "#/$defs/vm": model.VmSpec,
     "#/$defs/disk": model.Disk,
     "#/$defs/disk/properties/on_error": model.Disk,  # its keys are the disk's read_error and write_error
+    "#/$defs/disk/properties/fault/items": model.DiskFault,
     "#/$defs/nic": model.Nic,
     "#/$defs/pci": model.PciDevice,
     "#/$defs/netem": model.Netem,
@@ -81,6 +82,12 @@ FIELDS: dict[tuple[type, str], str | None] = {
     (model.Disk, "on_error"): None,  # split into read_error and write_error
     (model.Disk, "read"): "read_error",
     (model.Disk, "write"): "write_error",
+    (model.Disk, "fault"): "faults",
+    (model.DiskFault, "type"): "kind",
+    (model.DiskFault, "read"): None,  # op = "read" said another way
+    (model.DiskFault, "write"): None,
+    (model.DiskFault, "flush"): None,
+    (model.DiskFault, "latency"): "latency_ms",
     (model.Netem, "delay"): "delay_ms",
     (model.Netem, "jitter"): "jitter_ms",
     (model.Netem, "rate"): "rate_bit",  # an opt-in the loader checks; the model keeps nothing of it

@@ -446,8 +446,20 @@ def save(run_dir: RunDir, lab: LabSpec, name: str, *, timeout: float = 60.0, for
             raise SnapshotRefused(f"cannot snapshot lab {lab.name}: {', '.join(held)} "
                                   f"{'is' if len(held) == 1 else 'are'} kept paused {why}")
         disks = check(lab, names, running=running_vms(Journal.load(run_dir), names))
+        _faults_off(run_dir, disks, "snapshot save")
         _run(_save(run_dir, disks, name, time.monotonic() + timeout, force))
     log.debug("lab %s: saved snapshot %s of %s", lab.name, name, ", ".join(names))
+
+
+def _faults_off(run_dir: RunDir, vms: Iterable[str], doing: str) -> None:
+    """Disk faults come off before a snapshot: a held request keeps a VM from pausing (a drain never
+    ends), and a fault is no part of a VM's state."""
+    if not run_dir.disk_faults.exists():
+        return
+    from vmlaunch.runtime import diskfault
+
+    for cleared in diskfault.undo(run_dir, list(vms), why=doing):
+        log.warning("%s: its disk faults were taken off for the %s", cleared, doing)
 
 
 async def _save(run_dir: RunDir, disks: Mapping[str, VmDisks], name: str, deadline: float,
@@ -514,6 +526,7 @@ def restore(run_dir: RunDir, lab: LabSpec, name: str, *, timeout: float = 60.0) 
         settle(run_dir, timeout, strict=True)
         running = running_vms(Journal.load(run_dir), names)
         disks = check(lab, names, running=running, doing="restore lab {lab}")
+        _faults_off(run_dir, disks, "snapshot restore")
         taken = _run(_restore(run_dir, disks, name, time.monotonic() + timeout))
     log.debug("lab %s: restored snapshot %s", lab.name, name)
     step_clocks(taken, {vm.name: functools.partial(ssh_argv_of, run_dir, lab, vm.name)
