@@ -188,8 +188,10 @@ def test_the_api_refuses_bad_figures(rig: Lab) -> None:
         rig.vm("a").disk("disk7").fail("read")
 
 
-def test_down_with_a_held_request_succeeds_and_leaves_nothing(test_guest: Path, tmp_path: Path) -> None:
-    """A lab of its own (the module's goes on): a write held when `down` comes."""
+def test_a_snapshot_and_down_with_a_held_request_succeed_and_leave_nothing(test_guest: Path,
+                                                                             tmp_path: Path) -> None:
+    """A lab of its own (the module's goes on): a write held when a snapshot is saved, then when `down`
+    comes."""
     spec = tmp_path / "lab.toml"
     spec.write_text(f"""[lab]
 name = "held"
@@ -201,19 +203,30 @@ accel = "tcg"
 kernel = "{test_guest}/vmlinuz"
 initrd = "{test_guest}/initrd.gz"
 [[vm.h.disk]]
-file = "d.img"
-format = "raw"
+file = "d.qcow2"
 size = "8M"
 """)
     lab = Lab(spec, wait_for=READY, timeout=300)
     lab.up()
-    try:
-        lab.vm("h").disk("disk0").hang("write")
+    disk = lab.vm("h").disk("disk0")
+
+    def held_write() -> threading.Thread:
+        disk.hang("write")
         writer = threading.Thread(target=lambda: lab.vm("h").run(
             "dd if=/dev/zero of=/dev/vda bs=4096 count=1 oflag=direct", timeout=120), daemon=True)
         writer.start()
         time.sleep(2)
         assert writer.is_alive()
+        return writer
+
+    try:
+        writer = held_write()
+        saved = vmlaunch("snapshot", str(spec), "save", "s1")
+        assert saved.returncode == 0, saved.stderr
+        assert "disk0: its disk faults were taken off for the snapshot save" in saved.stderr, saved.stderr
+        writer.join(60)
+        assert not writer.is_alive() and disk.faults() == []
+        held_write()
     finally:
         down = vmlaunch("down", str(spec), "--timeout", "20")
     assert down.returncode == 0, down.stderr

@@ -380,6 +380,9 @@ class _Exporter:
         if disk is not None and (disk.read_error is not None or disk.write_error is not None):
             self.findings.add((*path, "on_error"), "KubeVirt has no per-disk error policy (it pauses the "
                               "VM on an I/O error): left to KubeVirt")
+        if disk is not None and disk.faults:
+            self.findings.add((*path, "fault"), "KubeVirt has no disk faults: the disk's [[fault]]s are "
+                              "left out")
         if disk is not None and not disk.discard:
             self.findings.add((*path, "discard"), "KubeVirt passes discards through on every disk its "
                               "storage allows: there is no turning it off per disk")

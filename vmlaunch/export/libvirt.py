@@ -342,6 +342,11 @@ def _disks(lab: LabSpec, vm: VmSpec, devices: ET.Element, findings: Findings) ->
         ET.SubElement(element, "source", file=str(disk.file))
         ET.SubElement(element, "target", dev=_disk_name(prefix, used[prefix]), bus=bus)
         used[prefix] += 1
+        if not cdrom:  # the guest finds it by the name vmlaunch gives it, as under vmlaunch
+            ET.SubElement(element, "serial").text = f"disk{index}"
+        if disk.faults:
+            findings.add((*path, "fault"), "libvirt has no disk faults: the disk's [[fault]]s are "
+                         "left out (`vmlaunch fault` sets them in vmlaunch's own QEMUs)")
         if disk.readonly:
             ET.SubElement(element, "readonly")
         if vm.kernel is None and index == 0:
