@@ -138,6 +138,7 @@ class ManagerRecord:
 
         run_dir = RunDir(Path(self.run_dir))
         lastrun.keep_manager(run_dir)
+        lastrun.keep_events(run_dir)  # complete now: its writer has stopped
         for path in (run_dir.manager_state, run_dir.manager_config):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
@@ -161,7 +162,7 @@ class LabManager(LabWide):
 
     def describe(self) -> str:
         auto = [vm.name for vm in self.config.vms if vm.auto]
-        jobs = []
+        jobs = [f"the lab's event log ({self.run_dir.events.name})"]
         if auto:
             jobs.append(f"balloons of {', '.join(auto)} sized within a budget of "
                         f"{self.config.budget_mib} MiB, every {self.config.interval:g} s")
