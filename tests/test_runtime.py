@@ -70,7 +70,7 @@ def test_up_status_control_down(lab: Plan, tmp_path: Path, caplog: pytest.LogCap
     journal = Journal.load(lab.run_dir)
     # two VMs as root: host KSM on while the lab runs (tests/test_ksm*.py has the rest), and each QEMU
     # under a uid of its own (tests/test_confine*.py)
-    assert [e.kind for e in journal.resources] == ["image", "ksm", "vm-user", "vm-user"]
+    assert [e.kind for e in journal.resources] == ["image", "ksm", "manager", "vm-user", "vm-user"]
     assert set(journal.vms) == {"a", "b"}
     assert journal.spec == str(tmp_path / "lab.toml")
 

@@ -5,7 +5,7 @@
         state.json             the journal of what `up` did (`runtime/journal.py`)
         V.qmp  V.console       QMP and serial console sockets of VM V
         V.agent  V.qga         the command channel (vmlaunch's agent, QEMU's guest agent) of VM V
-        V.manager.qmp          the lab manager's own QMP monitor of VM V (labs with a manager)
+        V.manager.qmp          the lab manager's own QMP monitor of VM V
         V.pid                  QEMU's pidfile
         V.stderr.log           QEMU's messages while it starts (before it opens V.qemu.log)
         V.qemu.log             QEMU's messages from then on (-D), kept by `down` (`layout/lastrun.py`)

@@ -598,8 +598,7 @@ def read_manager_log(run_dir: RunDir) -> tuple[str, bool]:
     kept = lastrun.read_manager(run_dir.lab)
     if kept is None:
         raise RuntimeFailure(f"lab {run_dir.lab} has no lab manager log: its manager is not up, and no "
-                             "earlier run was kept", 'a lab has a manager when a VM has balloon.policy = '
-                             '"auto"')
+                             "earlier run was kept", "bring it up with `vmlaunch up SPEC`")
     return kept, False
 
 

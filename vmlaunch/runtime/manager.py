@@ -1,8 +1,8 @@
 """The lab manager: one process per lab that keeps the lab's event log, and sizes the balloons of its
 `policy = "auto"` VMs and balances them over NUMA nodes when the lab asks for it.
 
-`up` starts it (`resources/manager.py`) as `python -m vmlaunch.manager RUN_DIR`, and `down` stops it
-(SIGTERM). Every round (`interval`, 1 s) it:
+`up` starts it for every lab (`resources/manager.py`) as `python -m vmlaunch.manager RUN_DIR`, and `down`
+stops it (SIGTERM). Every round (`interval`, 1 s) it:
 
 1. reads its settings (`manager.json`, rewritten by each `up`) and the journal: the VMs that run now.
    A VM that appears is connected to on its own QMP monitor (`V.manager.qmp`; the VM's first monitor
