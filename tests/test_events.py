@@ -1,6 +1,7 @@
 """The lab's event log (runtime/events.py) without QEMU: QMP events into lines, repeats folded, the cap,
 what a reader skips, how a line reads, the request that paused a VM; the lab manager logging a fake
-QEMU's events as they come."""
+QEMU's events as they come; `logs --events` of a lab that is down, and following it; the log kept by
+`down`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import write_spec
+from vmlaunch.cli import main
+from vmlaunch.layout import lastrun
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.runtime import events
 from vmlaunch.runtime.events import (
@@ -359,3 +363,77 @@ def test_the_manager_logs_a_vms_events_as_they_come(run_dir: Path) -> None:
     finally:
         qemu.close()
     assert [(event.event, event.disk) for event in logged] == [("BLOCK_IO_ERROR", "disk1"), ("STOP", None)]
+
+
+# --- logs --events, and down --------------------------------------------------------------------
+
+
+LAB = '[lab]\nname = "{name}"\n[vm.a]\nmemory = 64\nkernel = "/k"\n[vm.b]\nmemory = 64\nkernel = "/k"\n'
+
+
+def test_logs_events_of_a_lab_that_is_down_shows_its_last_run(tmp_path: Path, run_dir: Path, utc: None,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    spec = write_spec(tmp_path, LAB.format(name="evdown"))
+    lab = RunDir.of(run_dir, "evdown")
+    assert main(["logs", str(spec), "--events"]) == 4  # never up, nothing kept
+    assert "has no event log" in capsys.readouterr().err
+    lab.create()
+    append(lab, [io_error(T0), Event(T0 + 1, "b", "STOP")])
+    lastrun.keep_events(lab)  # as down does, when its manager stops
+    assert lab.remove(["a", "b"]) is None  # the run dir goes with its event log
+    assert main(["logs", str(spec), "--events"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [f"2026-11-26 16:13:21.000 {SHOWN}",
+                                "2026-11-26 16:13:22.000 b STOP the VM paused"]
+    assert "evdown is not up: these are its last run's events" in err
+    assert main(["logs", str(spec), "b", "--events", "--json"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert json.loads(line) == {"time": T0 + 1, "vm": "b", "event": "STOP", "data": {}}
+    assert main(["logs", str(spec), "b", "--events", "--follow"]) == 0  # not up: nothing to follow
+    assert capsys.readouterr().out.count("\n") == 1
+    # a run that logged nothing replaces the last one's log with none
+    lab.create()
+    lastrun.keep_events(lab)
+    assert lastrun.read_events("evdown") is None
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--events", "--qemu"], "no --qemu and no --manager"),
+    (["--events", "--manager"], "no --qemu and no --manager"),
+    (["a", "--json"], "--json prints the event log's lines"),
+    (["a", "b"], "one VM's console at a time, not a, b"),
+    (["--events", "c"], "c"),
+    ([], "or --events for the lab's event log"),
+])
+def test_logs_usage(tmp_path: Path, run_dir: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
+                    message: str) -> None:
+    spec = write_spec(tmp_path, LAB.format(name="evuse"))
+    assert main(["logs", str(spec), *argv]) == 64
+    assert message in capsys.readouterr().err
+
+
+def test_follow_shows_each_whole_line_until_the_manager_stops(lab_run_dir: RunDir,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from vmlaunch.runtime import control
+
+    class Manager:  # runs until the log has its last line
+        def running(self) -> bool:
+            return b"RESET" not in lab_run_dir.events.read_bytes() if lab_run_dir.events.exists() else True
+
+    monkeypatch.setattr(control, "manager_record", lambda run_dir: Manager())
+    line = events.encode(io_error(T0))
+    pieces = [line[:20], line[20:] + events.encode(Event(T0 + 1, "b", "STOP")),
+              events.encode(Event(T0 + 2, "a", "RESET"))]
+
+    def write() -> None:
+        for piece in pieces:
+            time.sleep(0.3)
+            with lab_run_dir.events.open("ab") as log:
+                log.write(piece)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    batches = [[event.event for event in batch] for batch in control.follow_events(lab_run_dir, ["a"])]
+    writer.join()
+    assert [name for batch in batches for name in batch] == ["BLOCK_IO_ERROR", "RESET"]  # b's left out
+    assert all(batches)  # a torn line waits for its end: never an empty or broken batch

@@ -132,8 +132,10 @@ def test_logs_of_qemu_and_of_the_last_run(lab: Plan, tmp_path: Path,
     assert "terminating on signal 15" in capsys.readouterr().out
     kept = Path(os.environ["VMLAUNCH_LOG_DIR"]) / "rt"
     assert sorted(p.name for p in kept.iterdir()) == ["a.qemu.log", "a.serial.log", "b.qemu.log",
-                                                      "b.serial.log"]
+                                                      "b.serial.log", "events.jsonl", "manager.log"]
     assert all(stat_mode(p) == 0o600 for p in kept.iterdir())
+    assert main(["logs", spec, "a", "--events"]) == 0  # the lab manager heard QEMU say why it quit
+    assert "a SHUTDOWN by the host (host-signal)" in capsys.readouterr().out
 
 
 def stat_mode(path: Path) -> int:

@@ -22,6 +22,7 @@ from vmlaunch.host.confine import Confinement
 from vmlaunch.layout import lastrun
 from vmlaunch.layout.rundir import RunDir, VmFiles, open_in_run_dir
 from vmlaunch.qemu.qmp import Qmp, QmpError, QuickQmp
+from vmlaunch.runtime import events as event_log
 from vmlaunch.runtime import process as qemu
 from vmlaunch.runtime.journal import Journal
 from vmlaunch.runtime.running import running_pid
@@ -613,6 +614,59 @@ def follow_manager_log(run_dir: RunDir, offset: int) -> Iterator[str]:
             if not chunk:
                 return
             yield chunk.decode(errors="replace")
+
+
+def lab_is_up(run_dir: RunDir) -> bool:
+    """Whether the lab's journal has a VM or its manager: the run dir's files are this run's."""
+    journal = Journal.load(run_dir)
+    return bool(journal.vms) or journal.entry("manager", "lab") is not None
+
+
+def read_events(run_dir: RunDir, vms: Sequence[str] = ()) -> tuple[list[event_log.Event], bool]:
+    """The lab's event log (the events of `vms`, all when empty) and whether the lab is up: of the
+    run that is up, else of the last one, which `down` kept (`layout/lastrun.py`)."""
+    if lab_is_up(run_dir):
+        return event_log.read(run_dir, vms), True
+    kept = lastrun.read_events(run_dir.lab)
+    if kept is None:
+        raise RuntimeFailure(f"lab {run_dir.lab} has no event log: it is not up, and no earlier run of "
+                             "it was kept", "bring it up with `vmlaunch up SPEC`")
+    return event_log.parse(kept, vms), False
+
+
+def follow_events(run_dir: RunDir, vms: Sequence[str] = ()) -> Iterator[list[event_log.Event]]:
+    """The lab's events from the first, then each new line as it is written, until the lab manager,
+    which writes them, stops (`down`); the events there are once when it does not run."""
+    record = manager_record(run_dir)
+    if record is None or not record.running():
+        yield event_log.read(run_dir, vms)
+        return
+    offset, partial = 0, b""
+
+    def grown() -> bytes | None:
+        data = _read_from(run_dir.events, offset)
+        return data or (None if record.running() else b"")
+
+    while True:
+        chunk = wait_until(grown, math.inf, interval=0.2)
+        if not chunk:
+            return
+        offset += len(chunk)
+        lines, _, partial = (partial + chunk).rpartition(b"\n")  # a line is shown once it is whole
+        found = event_log.parse(lines.decode(errors="replace"), vms)
+        if found:
+            yield found
+
+
+def _read_from(path: Path, offset: int) -> bytes:
+    """What the file holds past `offset`; b"" when it does not exist (yet)."""
+    try:
+        fd = open_in_run_dir(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return b""
+    with os.fdopen(fd, "rb") as f:
+        f.seek(offset)
+        return f.read(event_log.MAX_BYTES)
 
 
 def follow_log(run_dir: RunDir, name: str) -> Iterator[str]:
