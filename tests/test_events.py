@@ -1,7 +1,7 @@
 """The lab's event log (runtime/events.py) without QEMU: QMP events into lines, repeats folded, the cap,
-what a reader skips, how a line reads, the request that paused a VM; the lab manager logging a fake
-QEMU's events as they come; `logs --events` of a lab that is down, and following it; the log kept by
-`down`."""
+what a reader skips, how a line reads; the lab manager logging a fake QEMU's events as they come; why
+`status` says a VM is paused; `logs --events` of a lab that is down; the log kept by `down`. The real
+I/O error, on the test guest, is in test_events_real.py."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from vmlaunch.cli import main
 from vmlaunch.layout import lastrun
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.runtime import events
+from vmlaunch.runtime.control import failed_block, io_error_of, vm_state
 from vmlaunch.runtime.events import (
     CAPPED,
     Coalescer,
@@ -266,6 +267,33 @@ def test_the_latest_io_error_that_stopped_the_vm() -> None:
     assert latest_io_error([Event(T0 + 1, "a", "RESUME"), late], "a") is None
 
 
+def test_status_says_why_an_io_error_paused_a_vm(tmp_path: Path) -> None:
+    files = RunDir(tmp_path).vm("db")
+    found = IoError("disk1", "write", "Input/output error", False, "stop", T0)
+    assert vm_state(files, "io-error", io_error=found) == (
+        "paused", "by an I/O error: disk1 write failed (Input/output error); `vmlaunch resume SPEC db` "
+        "retries it (`vmlaunch logs SPEC --events` shows each error)")
+    state, why = vm_state(files, "io-error")
+    assert state == "paused" and why is not None and why.startswith("by an I/O error: a disk request failed;")
+
+
+def test_without_a_logged_error_query_block_names_the_disk() -> None:
+    blocks = [{"device": "", "qdev": "/machine/peripheral/disk0/virtio-backend", "io-status": "ok",
+               "inserted": {"node-name": "disk0-slot"}},
+              {"device": "", "qdev": "/machine/peripheral/disk1/virtio-backend", "io-status": "nospace",
+               "inserted": {"node-name": "disk1-slot"}},
+              {"device": "", "qdev": "/machine/peripheral/disk2/virtio-backend"}]  # no werror=stop: none
+    found = failed_block(blocks)
+    assert found == IoError("disk1", None, None, True, "stop", None)
+    assert found is not None and found.describe() == "disk1 failed (no space left on the host)"
+    assert failed_block([{"io-status": "failed", "qdev": "/machine/peripheral/disk4/virtio-backend"}]) == \
+        IoError("disk4", None, None, False, "stop", None)
+    assert failed_block("nonsense") is None and failed_block(None) is None
+    logged = IoError("disk1", "write", "Input/output error", False, "stop", T0)
+    assert io_error_of(logged, found) == logged and io_error_of(logged, None) == logged
+    assert io_error_of(None, found) == found
+    elsewhere = IoError("disk2", None, None, False, "stop", None)  # a pause the log missed
+    assert io_error_of(logged, elsewhere) == elsewhere
 
 
 # --- the manager's side ---------------------------------------------------------------------------
