@@ -58,12 +58,20 @@ def test_the_default_budget_is_80_percent_of_the_host_and_min_a_quarter(tmp_path
     assert '"deflate-on-oom":true' in " ".join(plan.vms[0].argv)  # on with auto, unless said otherwise
 
 
-def test_no_manager_without_an_auto_balloon(tmp_path: Path) -> None:
+def test_a_lab_without_an_auto_balloon_has_a_manager_for_its_event_log(tmp_path: Path) -> None:
+    """Every lab records its events: its manager runs, on every VM's own monitor, and sizes nothing."""
     spec = write_spec(tmp_path, lab_text(VM.format(name="a", memory="512M")))
     plan = compile_lab(load_lab(spec), fake_host())
-    assert not [r for r in plan.resources if isinstance(r, LabManager)]
-    assert "chardev=manager,mode=control" not in plan.vms[0].argv
+    (manager,) = [r for r in plan.resources if isinstance(r, LabManager)]
+    assert manager.config.vms == (ManagedVm("a", 512, 512, auto=False, balloon=True),)
+    assert not manager.config.balance
+    assert manager.describe().startswith("lab manager: the lab's event log (events.jsonl) (log: ")
+    assert "chardev=manager,mode=control" in plan.vms[0].argv
     assert '"deflate-on-oom":false' in " ".join(plan.vms[0].argv)
+    # its memory is weighed as before: the manager holds no budget over VMs it does not size
+    big = write_spec(tmp_path, lab_text(VM.format(name="a", memory="9G")))
+    notes = compile_lab(load_lab(big), fake_host(memory_mib=10000)).notes
+    assert any(note.startswith("VM a asks for 9G (9216 MiB) of memory") for note in notes), notes
 
 
 def test_ksm_false_keeps_the_labs_memory_from_being_merged(tmp_path: Path) -> None:

@@ -8,10 +8,11 @@ import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
+from vmlaunch.qemu import qmp as qmp_module
 from vmlaunch.qemu.qmp import Qmp, QmpError, QuickQmp, result
 
 GREETING = {"QMP": {"version": {"qemu": {"major": 7, "minor": 2, "micro": 0}, "package": ""},
@@ -130,3 +131,21 @@ def test_quick_client_waits_for_qemu_to_listen(tmp_path: Path) -> None:
         timer.join()
         for server in servers:
             server.close()
+
+
+def test_events_wait_in_a_bounded_backlog(fake: FakeQemu, monkeypatch: pytest.MonkeyPatch) -> None:
+    """qemu.qmp's own listener keeps every event for ever: a lab manager that lives for weeks would
+    grow with each BALLOON_CHANGE. In its place, the last EVENT_BACKLOG wait; older ones are dropped."""
+    monkeypatch.setattr(qmp_module, "EVENT_BACKLOG", 3)
+    with Qmp(fake.path, timeout=2) as qmp:
+        client = qmp.client
+        assert client.client._listeners == [cast(Any, client.events)]  # the unbounded default is gone
+        for _ in range(5):  # each query-status: a RESUME event first
+            qmp.cmd("query-status")
+        assert client.dropped_events == 2
+        taken = client.take_events()
+        assert [event["event"] for event in taken] == ["RESUME"] * 3
+        assert taken[0]["timestamp"] == {"seconds": 1, "microseconds": 2}
+        assert client.take_events() == []
+        qmp.cmd("query-status")
+        assert qmp.loop.run_until_complete(client.next_event())["event"] == "RESUME"

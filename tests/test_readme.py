@@ -123,7 +123,8 @@ def test_normalise_keeps_what_a_run_cannot_change() -> None:
            "a: running (pid 24163, tcg)\n"
            "VM               STATE         PID ACCEL  BALLOON   UPTIME    MAX  TARGET   FREE\n"
            "a                running     24163 tcg       256M       8s   256M  manual   177M\n"
-           "memory: the guests hold 512M, 14M of it merged, of a budget of 18.8G; lab manager: none\n"
+           "memory: the guests hold 512M, 14M of it merged, of a budget of 18.8G; lab manager: running "
+           "(pid 24160)\n"
            "ksm: on while the lab runs: 263 pages every 20 ms; KSM saves the host 7M (1817 pages sharing)\n")
     other = ("$ vmlaunch up x.toml\n"
              "vmlaunch: a, b: kvm (KVM ran a test guest to 64-bit mode in 0.05 s)\n"
@@ -132,14 +133,14 @@ def test_normalise_keeps_what_a_run_cannot_change() -> None:
              "a: running (pid 7, kvm)\n"
              "VM               STATE         PID ACCEL  BALLOON   UPTIME    MAX  TARGET   FREE\n"
              "a                running         7 kvm       256M     112s   256M  manual    12M\n"
-             "memory: the guests hold 512M of a budget of 3.1G; lab manager: none\n"
+             "memory: the guests hold 512M of a budget of 3.1G; lab manager: running (pid 5)\n"
              "ksm: on while the lab runs: 263 pages every 20 ms; KSM off on the host\n")
     assert difference(one, other) == ""
     assert normalise(one)[1] == "vmlaunch: a, b: ACCEL (WHY)"
     # what a run does not change is compared: the balloon, a column, a line, the reason being told
     assert difference(one, other.replace("256M     112s", "128M     112s"))
     assert difference(one, other.replace("  TARGET   FREE", ""))
-    assert difference(one, other.replace("lab manager: none", "lab manager: running"))
+    assert difference(one, other.replace("lab manager: running (pid 5)", "lab manager: gone"))
     assert difference(one, other.replace(" (KVM ran a test guest to 64-bit mode in 0.05 s)", ""))
     assert difference(one, "".join(other.splitlines(keepends=True)[:-1]))
 

@@ -45,6 +45,7 @@ def test_layout() -> None:
         "alpha.qmp", "alpha.console", "alpha.pid", "alpha.serial.log", "alpha.stderr.log",
         "alpha.console.lock"]
     assert run_dir.lab == "demo" and str(run_dir) == "/run/vmlaunch/demo"
+    assert run_dir.events == Path("/run/vmlaunch/demo/events.jsonl")
 
 
 def test_ls_lists_only_labs_that_are_up(run_dir: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -70,7 +70,7 @@ def test_up_status_control_down(lab: Plan, tmp_path: Path, caplog: pytest.LogCap
     journal = Journal.load(lab.run_dir)
     # two VMs as root: host KSM on while the lab runs (tests/test_ksm*.py has the rest), and each QEMU
     # under a uid of its own (tests/test_confine*.py)
-    assert [e.kind for e in journal.resources] == ["image", "ksm", "vm-user", "vm-user"]
+    assert [e.kind for e in journal.resources] == ["image", "ksm", "manager", "vm-user", "vm-user"]
     assert set(journal.vms) == {"a", "b"}
     assert journal.spec == str(tmp_path / "lab.toml")
 
@@ -132,8 +132,10 @@ def test_logs_of_qemu_and_of_the_last_run(lab: Plan, tmp_path: Path,
     assert "terminating on signal 15" in capsys.readouterr().out
     kept = Path(os.environ["VMLAUNCH_LOG_DIR"]) / "rt"
     assert sorted(p.name for p in kept.iterdir()) == ["a.qemu.log", "a.serial.log", "b.qemu.log",
-                                                      "b.serial.log"]
+                                                      "b.serial.log", "events.jsonl", "manager.log"]
     assert all(stat_mode(p) == 0o600 for p in kept.iterdir())
+    assert main(["logs", spec, "a", "--events"]) == 0  # the lab manager heard QEMU say why it quit
+    assert "a SHUTDOWN by the host (host-signal)" in capsys.readouterr().out
 
 
 def stat_mode(path: Path) -> int:

@@ -70,7 +70,8 @@ def test_evidence_of_a_lab_that_is_not_up_notes_what_is_missing(tmp_path: Path) 
     assert json.loads((tmp_path / "out" / "status.json").read_text())["a"]["state"] == "stopped"
     assert json.loads((tmp_path / "out" / "wire.json").read_text())["nics"] == {}
     readme = (tmp_path / "out" / "README.txt").read_text()
-    for line in ("manager.log: the lab has no lab manager",
+    for line in ("manager.log: the lab manager is not up, and no earlier run's log was kept",
+                 "events.jsonl: no event was logged",
                  "a/serial.log: the VM is not up, and no earlier run of it was kept",
                  "a/screen.png: the VM is stopped: no screen to capture"):
         assert line in readme

@@ -118,6 +118,7 @@ def normalise(transcript: str) -> list[str]:
         elif line.startswith("ksm: ") and "; " in line:
             line = line.split("; ", 1)[0] + "; KSM-STATE"
         line = re.sub(r"\(pid \d+, (tcg|kvm)", "(pid PID, ACCEL", line)
+        line = re.sub(r"lab manager: running \(pid \d+\)", "lab manager: running (pid PID)", line)
         lines.append(re.sub(r" {2,}", " ", line))
     # VMs report ready (or off) in whatever order they get there
     start = 0

@@ -34,6 +34,7 @@ from vmlaunch.runtime.control import VmStatus
 
 if TYPE_CHECKING:
     from vmlaunch.runtime.agent import Command, Result
+    from vmlaunch.runtime.events import Event
     from vmlaunch.runtime.rig import Guest
 
 log = logging.getLogger("vmlaunch")
@@ -150,10 +151,10 @@ class Lab:
         """Save the evidence of this Lab's VMs into `folder` (made when missing) and return it: each
         VM's console log, QEMU's command line and messages, and a screenshot (`VM/serial.log`,
         `VM/qemu.log`, `VM/screen.png`), `status.json` (as `vmlaunch status --json`), `wire.json`
-        (the faults set on the wire), `manager.log` when the lab has a manager, and `README.txt`
-        listing what was saved and what could not be, and why. Never raises for a missing piece:
-        after `down` it saves the logs of the last run. The pytest fixture calls it when a test
-        fails."""
+        (the faults set on the wire), `manager.log` (the lab manager's log), `events.jsonl` (the
+        lab's event log), and `README.txt` listing what was saved and what could not be, and why.
+        Never raises for a missing piece: after `down` it saves the logs of the last run. The pytest
+        fixture calls it when a test fails."""
         from vmlaunch.runtime.evidence import collect
 
         return collect(self.run_dir, self.model, self.vms, Path(folder), screenshots=screenshots).folder
@@ -179,6 +180,13 @@ class Lab:
     def manager_log(self) -> str:
         """The lab manager's log: every balloon target it set and why (`vmlaunch logs --manager`)."""
         return control.read_manager_log(self.run_dir)[0]
+
+    def events(self, *vms: str) -> list[Event]:
+        """The lab's event log (`vmlaunch logs --events`): what QEMU reported of its VMs (an I/O
+        error, a pause, a panic, ...) and what vmlaunch did to them at runtime, oldest first; of
+        `vms` only when named. After `down`, the last run's; RuntimeFailure when there is none."""
+        self.model.select(vms)
+        return control.read_events(self.run_dir, vms)[0]
 
     def __enter__(self) -> Lab:
         """`up()`, then the lab."""

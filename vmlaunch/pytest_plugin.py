@@ -8,10 +8,10 @@ A relative spec path is taken from the directory of the test file, wherever pyte
 the fixture brought up is brought down when the test ends, pass or fail.
 
 Evidence: when the test fails (in its setup or its body), each lab's evidence (`Lab.collect`: the
-consoles, QEMU's logs, screenshots, `status --json`, the wire state, the lab manager's log) is saved
-before `down` into the test's own `tmp_path`, as `vmlaunch-LAB`; the report names the folder (a section
-of the failure, the test's `user_properties`, and a line in the terminal summary). A passing test saves
-nothing unless pytest runs with `--vmlaunch-keep`.
+consoles, QEMU's logs, screenshots, `status --json`, the wire state, the lab manager's log, the lab's
+event log) is saved before `down` into the test's own `tmp_path`, as `vmlaunch-LAB`; the report names
+the folder (a section of the failure, the test's `user_properties`, and a line in the terminal
+summary). A passing test saves nothing unless pytest runs with `--vmlaunch-keep`.
 
 Coverage: pytest imports this plugin (an entry point) before coverage starts, so `make test` reports
 it as unrun although tests/test_api.py uses the fixture.

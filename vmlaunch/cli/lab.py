@@ -74,9 +74,10 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
     for verb, run, description in (
             ("pause", cmd_pause, "Pause the VMs (QMP stop): the guests stop running until `vmlaunch "
              "resume`; a snapshot save or restore leaves a VM you paused paused."),
-            ("resume", cmd_resume, "Resume VMs that are paused (QMP cont). A VM an interrupted snapshot "
-             "restore left paused is refused: its memory may be half loaded (restore the snapshot "
-             "again, which resumes it).")):
+            ("resume", cmd_resume, "Resume VMs that are paused (QMP cont); for a VM a failed disk "
+             "request paused (`status` says which), QEMU sends that request again. A VM an "
+             "interrupted snapshot restore left paused is refused: its memory may be half loaded "
+             "(restore the snapshot again, which resumes it).")):
         step = command(commands, verb, run, help=f"{verb} the lab's VMs (or those named)",
                        description=description)
         add_spec(step)

@@ -37,8 +37,8 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
     collect = command(commands, "evidence", cmd_evidence, help="save the evidence of a lab into a folder",
                       description="Save what says what the lab's VMs did into DIR: each VM's console log, "
                       "QEMU's logs and a screenshot, status --json, the faults set on the wire, the lab "
-                      "manager's log; DIR/README.txt lists what was saved and what could not be. After "
-                      "`down`, the logs of the last run.", spec=True)
+                      "manager's log, the lab's event log; DIR/README.txt lists what was saved and what "
+                      "could not be. After `down`, the logs of the last run.", spec=True)
     collect.add_argument("dir", metavar="DIR", help="the folder to save into (made when missing)")
     collect.add_argument("--no-screenshots", action="store_true", help="save no screenshots")
 

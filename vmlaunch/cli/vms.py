@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from vmlaunch.cli.common import Commands, add_timeout, add_vm, command, lab_vm
+from vmlaunch.cli.common import Commands, add_json, add_timeout, add_vm, add_vms, command, lab_vm
 from vmlaunch.errors import RuntimeFailure, UsageError
 
 log = logging.getLogger("vmlaunch")
@@ -24,17 +24,26 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
                      "and each NIC: its MAC, network (bridge and tap, user network with "
                      "its forwarded ports, or socket group).", spec=True, json="print JSON keyed by VM name")
 
-    logs = command(commands, "logs", cmd_logs, help="print a VM's serial console output",
+    logs = command(commands, "logs", cmd_logs, help="print a VM's serial console output, or the lab's events",
                    description="Print what the VM's serial console has printed; after "
                    "`down`, what it printed in its last run (kept in "
-                   "/var/log/vmlaunch/LAB as root, else ~/.local/state/vmlaunch/logs/LAB).", spec=True)
-    add_vm(logs, optional=True, help="the VM whose console output to print (none with --manager)")
+                   "/var/log/vmlaunch/LAB as root, else ~/.local/state/vmlaunch/logs/LAB). With "
+                   "--events, the lab's event log: what QEMU reported of its VMs (an I/O error, a "
+                   "pause, a panic, a reset) and what vmlaunch did to them at runtime (a disk fault), "
+                   "one line each.", spec=True)
+    add_vms(logs, "the VM whose console output to print (none with --manager); with --events, only "
+            "these VMs' events (default: all)")
     logs.add_argument("-f", "--follow", action="store_true",
-                      help="keep printing as it grows, until the VM stops or Ctrl-C")
+                      help="keep printing as it grows, until the VM stops (with --events, the lab "
+                      "goes down) or Ctrl-C")
     logs.add_argument("--qemu", action="store_true",
                       help="QEMU's own messages (its standard error) instead of the console")
     logs.add_argument("--manager", action="store_true",
                       help="the lab manager's log (balloon decisions and their reasons) instead of a VM's")
+    logs.add_argument("--events", action="store_true",
+                      help="the lab's event log instead of a console: what happened to its VMs (I/O "
+                      "errors, pauses, panics, resets, faults set), one line each")
+    add_json(logs, "with --events: the event log's JSON lines as they are")
 
     console = command(commands, "console", cmd_console, help="attach to a VM's serial console",
                       description="Interactive serial console; Ctrl-] detaches and leaves the VM running.",
@@ -147,8 +156,14 @@ def cmd_logs(args: argparse.Namespace) -> int:
     from vmlaunch.layout import lastrun
     from vmlaunch.runtime.control import follow_log, follow_manager_log, is_up, read_log, read_manager_log
 
+    if args.events:
+        if args.qemu or args.manager:
+            raise UsageError("--events shows the lab's event log: no --qemu and no --manager with it")
+        return _print_events(args)
+    if args.json:
+        raise UsageError("--json prints the event log's lines: it goes with --events")
     if args.manager:
-        if args.vm is not None or args.qemu:
+        if args.vms or args.qemu:
             raise UsageError("--manager shows the lab manager's log: no VM and no --qemu with it")
         run_dir, _ = lab_vm(args.spec)
         text, running = read_manager_log(run_dir)
@@ -160,19 +175,53 @@ def cmd_logs(args: argparse.Namespace) -> int:
                 sys.stdout.write(chunk)
                 sys.stdout.flush()
         return 0
-    if args.vm is None:
-        raise UsageError("name a VM, or --manager for the lab manager's log")
-    run_dir, _ = lab_vm(args.spec, args.vm)
-    text = read_log(run_dir, args.vm, qemu_messages=args.qemu)
-    if not is_up(run_dir, args.vm):
-        kept = lastrun.path_of(run_dir.lab, args.vm, "qemu" if args.qemu else "serial")
-        log.info("%s is not up: this is its last run's log (%s)", args.vm, kept)
-    if not args.follow or args.qemu or not is_up(run_dir, args.vm):
+    if not args.vms:
+        raise UsageError("name a VM, or --manager for the lab manager's log, or --events for the lab's "
+                         "event log")
+    if len(args.vms) > 1:
+        raise UsageError(f"one VM's console at a time, not {', '.join(args.vms)}",
+                         "--events takes several VMs")
+    (vm,) = args.vms
+    run_dir, _ = lab_vm(args.spec, vm)
+    text = read_log(run_dir, vm, qemu_messages=args.qemu)
+    if not is_up(run_dir, vm):
+        kept = lastrun.path_of(run_dir.lab, vm, "qemu" if args.qemu else "serial")
+        log.info("%s is not up: this is its last run's log (%s)", vm, kept)
+    if not args.follow or args.qemu or not is_up(run_dir, vm):
         sys.stdout.write(text)
         return 0
-    for chunk in follow_log(run_dir, args.vm):
+    for chunk in follow_log(run_dir, vm):
         sys.stdout.write(chunk)
         sys.stdout.flush()
+    return 0
+
+
+def _print_events(args: argparse.Namespace) -> int:
+    """`logs --events`: the lab's event log, of the run that is up or else of the last one."""
+    import json
+
+    from vmlaunch.layout import lastrun
+    from vmlaunch.runtime.control import follow_events, lab_is_up, read_events
+    from vmlaunch.runtime.events import Event, render
+
+    run_dir, _ = lab_vm(args.spec, *args.vms)
+
+    def show(events: list[Event]) -> None:
+        for event in events:
+            print(json.dumps(event.to_json(), separators=(",", ":")) if args.json else render(event))
+        sys.stdout.flush()
+
+    if args.follow and lab_is_up(run_dir):
+        for events in follow_events(run_dir, args.vms):
+            show(events)
+        return 0
+    events, up = read_events(run_dir, args.vms)
+    if not up:
+        log.info("lab %s is not up: these are its last run's events (%s)", run_dir.lab,
+                 lastrun.events_path(run_dir.lab))
+    if not events:
+        log.info("no event logged%s", f" of {', '.join(args.vms)}" if args.vms else "")
+    show(events)
     return 0
 
 

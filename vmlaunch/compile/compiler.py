@@ -117,11 +117,17 @@ def compile_lab(lab: LabSpec, host: Host, only: Sequence[str] = (),
                                     asked_by="[lab] boot_parallel"))
 
 
-def has_manager(lab: LabSpec, host: Host | None = None) -> bool:
-    """A lab manager runs while the lab is up when a VM's balloon is sized by it, or when it balances
-    the lab's VMs over the host's NUMA nodes."""
-    return (any(vm.balloon.enabled and vm.balloon.policy is BalloonPolicy.AUTO for vm in lab.vms)
-            or (host is not None and balancing(lab, host)))
+def has_manager(lab: LabSpec) -> bool:
+    """A lab manager runs while the lab is up, for every lab with a VM: it keeps the lab's event log
+    (what QEMU reports of each VM: an I/O error, a pause, a panic), and sizes the auto balloons and
+    balances the VMs over the host's NUMA nodes when the lab asks for it."""
+    return bool(lab.vms)
+
+
+def sizes_balloons(lab: LabSpec) -> bool:
+    """The lab manager sizes a VM's balloon (`policy = "auto"`): the lab's memory is weighed against
+    its budget."""
+    return any(vm.balloon.enabled and vm.balloon.policy is BalloonPolicy.AUTO for vm in lab.vms)
 
 
 def placing(lab: LabSpec, host: Host) -> bool:
@@ -292,7 +298,7 @@ def ksm_resources(lab: LabSpec, host: Host) -> Iterator[Resource]:
 def manager_resources(lab: LabSpec, host: Host, run_dir: RunDir,
                       placements: dict[str, Placed] | None = None) -> Iterator[Resource]:
     """The lab manager, watching every VM of the lab (those `up` starts later too)."""
-    if not has_manager(lab, host):
+    if not has_manager(lab):
         return
     budget = lab.memory.budget_mib or int(host.memory_mib * BUDGET_SHARE)
     placements = placements or {}
@@ -386,7 +392,7 @@ def memory_notes(vms: Sequence[VmSpec], host: Host, lab: LabSpec | None = None) 
     """The KVM guide's over-commit target: guests together use at most 80 % of host memory. A lab
     manager keeps the guests within the lab's budget: then the budget is what is weighed. `vms` are the
     VMs being started (all the lab's, or those named): the notes say which they weigh."""
-    if lab is not None and has_manager(lab):
+    if lab is not None and sizes_balloons(lab):
         budget = lab.memory.budget_mib
         target = int(host.memory_mib * BUDGET_SHARE)
         if budget is not None and budget > target:
@@ -531,7 +537,7 @@ class _Compiler:
         path: KeyPath = ("vm", vm.name)
         accel = self.accel(vm)
         files = self.run_dir.vm(vm.name)
-        managed = has_manager(self.lab, self.host)
+        managed = has_manager(self.lab)
         for sock in files.sockets if managed else (files.qmp, files.console, files.agent, files.qga):
             if len(str(sock).encode()) > UNIX_PATH_MAX:
                 raise HostError(f"socket path {sock} is longer than {UNIX_PATH_MAX} bytes",

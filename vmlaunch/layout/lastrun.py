@@ -4,6 +4,7 @@
     log_root/LAB/V.serial.log   what the guest printed on its serial console
     log_root/LAB/V.qemu.log     what QEMU said (while starting, then its -D log)
     log_root/LAB/manager.log    what the lab manager did (kept when it stops)
+    log_root/LAB/events.jsonl   the lab's event log (`runtime/events.py`; kept when the manager stops)
 
 `dirs.log_root()` is /var/log/vmlaunch as root, else ~/.local/state/vmlaunch/logs (VMLAUNCH_LOG_DIR
 overrides). Each run replaces the VM's previous logs; the last MAX_BYTES of each are kept. Keeping them
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from vmlaunch.core.fsutil import temp_of
 from vmlaunch.errors import RuntimeFailure
-from vmlaunch.layout.rundir import NOFOLLOW, RunDir, VmFiles, open_in_run_dir
+from vmlaunch.layout.rundir import EVENTS, NOFOLLOW, RunDir, VmFiles, open_in_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,33 @@ def keep_manager(run_dir: RunDir) -> None:
 
 def read_manager(lab: str) -> str | None:
     return _read(folder(lab) / MANAGER_LOG)
+
+
+def keep_events(run_dir: RunDir) -> None:
+    """Copy the lab's event log out of the run dir, replacing the previous run's. A run that logged
+    nothing leaves none, and its previous run's goes too: what is kept is always the last run's."""
+    from vmlaunch.layout.dirs import UnsafeDirectory, log_root, secure_dir
+
+    data = _tail(run_dir.events)
+    try:
+        if secure_dir(folder(run_dir.lab), top=log_root(), create=data is not None,
+                      setting="VMLAUNCH_LOG_DIR"):
+            if data is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(events_path(run_dir.lab))
+            else:
+                _replace(events_path(run_dir.lab), data)
+    except (UnsafeDirectory, OSError) as exc:
+        log.warning("the event log of lab %s is not kept: %s", run_dir.lab, exc)
+
+
+def events_path(lab: str) -> Path:
+    return folder(lab) / EVENTS  # the run dir's name: no VM's log is called that either
+
+
+def read_events(lab: str) -> str | None:
+    """The event log of the lab's last run, None when none was kept."""
+    return _read(events_path(lab))
 
 
 def read(lab: str, vm: str, kind: str) -> str | None:

@@ -5,7 +5,7 @@
         state.json             the journal of what `up` did (`runtime/journal.py`)
         V.qmp  V.console       QMP and serial console sockets of VM V
         V.agent  V.qga         the command channel (vmlaunch's agent, QEMU's guest agent) of VM V
-        V.manager.qmp          the lab manager's own QMP monitor of VM V (labs with a manager)
+        V.manager.qmp          the lab manager's own QMP monitor of VM V
         V.pid                  QEMU's pidfile
         V.stderr.log           QEMU's messages while it starts (before it opens V.qemu.log)
         V.qemu.log             QEMU's messages from then on (-D), kept by `down` (`layout/lastrun.py`)
@@ -14,6 +14,10 @@
         manager.log            what the lab manager did and why (`runtime/manager.py`), kept by `down`
         manager.json           the lab manager's settings, written by `up` (`resources/manager.py`)
         manager.state.json     what the lab manager saw and set last, read by `status`
+        events.jsonl           the lab's event log: what QEMU reported of each VM (an I/O error, a
+                               pause, a panic, ...) as the lab manager heard it, and what vmlaunch
+                               did to a VM at runtime (a disk fault), one JSON object a line
+                               (`runtime/events.py`), kept by `down`
         wire.json  wire.lock   faults on the wire set at runtime: link states, netem, partitions
         disk-faults.json       faults on the VMs' disks set at runtime (`runtime/diskfault.py`)
     run_root/.LAB.lock         serialises `up` and `down` of the lab (beside the run dir: `down`
@@ -43,7 +47,8 @@ WIRE = "wire.json"  # faults on the wire set at runtime (runtime/wire.py)
 WIRE_LOCK = "wire.lock"
 DISK_FAULTS = "disk-faults.json"  # faults on the disks set at runtime (runtime/diskfault.py)
 INTENT = "intent.json"  # an operation on the running lab under way, or interrupted (runtime/intent.py)
-LAB_FILES = (MANAGER_LOG, MANAGER_CONFIG, MANAGER_STATE, INTENT, WIRE, WIRE_LOCK, DISK_FAULTS)
+EVENTS = "events.jsonl"  # the lab's event log (runtime/events.py)
+LAB_FILES = (MANAGER_LOG, MANAGER_CONFIG, MANAGER_STATE, INTENT, WIRE, WIRE_LOCK, DISK_FAULTS, EVENTS)
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -203,6 +208,12 @@ class RunDir:
     @property
     def intent(self) -> Path:
         return self.path / INTENT
+
+    @property
+    def events(self) -> Path:
+        """The lab's event log: JSON lines, appended to (O_APPEND, one write a line) by the lab manager
+        and by vmlaunch's runtime commands alike."""
+        return self.path / EVENTS
 
     def secure(self, *, create: bool = False) -> bool:
         """Check the run root and this run dir against the ownership rule (`dirs.secure_dir`); with

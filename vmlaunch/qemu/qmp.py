@@ -6,6 +6,12 @@ blocking facade over it on a private loop (balloon waits, the Python API). `up`'
 queries use `QuickQmp`, a bare blocking exchange over the socket: importing qemu.qmp and starting an
 event loop costs ~60 ms, more than QEMU itself takes to start (measured in bench/up.py). Both report
 failures through `failure()`, so a QMP error reads the same whichever client met it.
+
+QEMU sends events (STOP, BLOCK_IO_ERROR, BALLOON_CHANGE, ...) on every monitor whenever they happen.
+qemu.qmp's default listener keeps each one forever (its history, and a queue nobody need read): in a
+process that lives as long as its lab (the lab manager), that grows without end. `AsyncQmp` puts a
+bounded listener in its place (`EventBacklog`): the last EVENT_BACKLOG events wait to be taken, older
+ones are dropped and counted.
 """
 
 from __future__ import annotations
@@ -14,14 +20,19 @@ import contextlib
 import json
 import socket
 import time
+from collections import deque
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from vmlaunch.core.wait import TimedOut, remaining, wait_until
 from vmlaunch.errors import RuntimeFailure
 
+if TYPE_CHECKING:
+    from qemu.qmp.events import EventListener
+
 T = TypeVar("T")
+EVENT_BACKLOG = 1000  # events waiting to be taken, at most; older ones are dropped
 
 
 class QmpError(RuntimeFailure):
@@ -133,8 +144,69 @@ class QuickQmp:
         self.close()
 
 
+class Backlog(Protocol):
+    """The events of one QMP connection waiting to be taken (`event_backlog`)."""
+
+    dropped: int
+
+    async def get(self) -> Any: ...
+
+    def take(self) -> list[dict[str, Any]]: ...
+
+
+def event_backlog(limit: int = EVENT_BACKLOG) -> Backlog:
+    """A listener for every event that keeps the last `limit` of them (`EventBacklog`). Its class is
+    made here: it derives from qemu.qmp's, which is imported only where QMP is spoken."""
+    from qemu.qmp.events import EventListener
+
+    class EventBacklog(EventListener):
+        """qemu.qmp's EventListener, bounded: the QMP client hands it each event (`put`, which must
+        never block: it runs in the client's reader), `get` waits for the next one, `take` takes what
+        waits. When `limit` events wait, the oldest goes (`dropped` counts them): a reader that fell
+        behind loses the oldest news, never the newest, and memory stays bounded."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.waiting: deque[dict[str, Any]] = deque(maxlen=limit)
+            self.dropped = 0
+            self.arrived: Any = None  # an asyncio.Event, made on the loop that reads (`get`)
+
+        async def put(self, event: Any) -> None:
+            if not self.accept(event):
+                return
+            if len(self.waiting) == self.waiting.maxlen:
+                self.dropped += 1
+            self.waiting.append(dict(event))
+            if self.arrived is not None:
+                self.arrived.set()
+
+        async def get(self) -> Any:
+            import asyncio
+
+            while not self.waiting:
+                if self.arrived is None:
+                    self.arrived = asyncio.Event()
+                self.arrived.clear()
+                await self.arrived.wait()
+            return self.waiting.popleft()
+
+        def empty(self) -> bool:
+            return not self.waiting
+
+        def clear(self) -> list[Any]:
+            return self.take()
+
+        def take(self) -> list[dict[str, Any]]:
+            taken = list(self.waiting)
+            self.waiting.clear()
+            return taken
+
+    return EventBacklog()
+
+
 class AsyncQmp:
-    """qemu.qmp's QMPClient with vmlaunch's errors and a timeout on every exchange."""
+    """qemu.qmp's QMPClient with vmlaunch's errors, a timeout on every exchange and a bounded backlog
+    of the events QEMU sent (`next_event`, `take_events`)."""
 
     def __init__(self, path: Path, timeout: float = 5.0) -> None:
         from qemu.qmp import QMPClient
@@ -142,6 +214,27 @@ class AsyncQmp:
         self.path = path
         self.timeout = timeout
         self.client = QMPClient(f"vmlaunch-{path.stem}")
+        unbounded = self.client.events
+        self.events = event_backlog(EVENT_BACKLOG)
+        listener = cast("EventListener", self.events)
+        self.client.events = listener  # qemu.qmp refuses to remove the listener named so
+        self.client.register_listener(listener)
+        self.client.remove_listener(unbounded)
+
+    async def next_event(self) -> dict[str, Any]:
+        """The next event QEMU sent ({"event", "data", "timestamp"}), waiting for one as long as it
+        takes; the oldest waiting first."""
+        event: dict[str, Any] = await self.events.get()
+        return event
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """The events waiting, oldest first, without waiting for more."""
+        return self.events.take()
+
+    @property
+    def dropped_events(self) -> int:
+        """Events dropped because EVENT_BACKLOG of them were waiting."""
+        return self.events.dropped
 
     async def _bounded(self, awaitable: Awaitable[T], timeout: float) -> T:
         import asyncio

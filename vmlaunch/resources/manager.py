@@ -1,8 +1,9 @@
 """The lab manager as a resource: `up` starts it (one process per lab, `vmlaunch/runtime/manager.py`), the
 journal records which process it is, and `down` stops it.
 
-It is started when a VM's balloon has `policy = "auto"`, before the VMs (it finds them through the
-journal as they come, and goes on when they go). Its settings are `manager.json` in the run dir,
+It is started for every lab, before the VMs (it finds them through the journal as they come, and goes
+on when they go): it keeps the lab's event log, and sizes the `policy = "auto"` balloons and balances the
+VMs over NUMA nodes where the lab asks for it. Its settings are `manager.json` in the run dir,
 written by every `up` (a VM added by `up VM` is in the spec it was compiled from), read by the manager
 every round. An `up` that finds the journaled manager gone starts it again (`alive`); the new one
 rebuilds its view from the journal, QMP and `manager.state.json`.
@@ -138,6 +139,7 @@ class ManagerRecord:
 
         run_dir = RunDir(Path(self.run_dir))
         lastrun.keep_manager(run_dir)
+        lastrun.keep_events(run_dir)  # complete now: its writer has stopped
         for path in (run_dir.manager_state, run_dir.manager_config):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
@@ -161,7 +163,7 @@ class LabManager(LabWide):
 
     def describe(self) -> str:
         auto = [vm.name for vm in self.config.vms if vm.auto]
-        jobs = []
+        jobs = [f"the lab's event log ({self.run_dir.events.name})"]
         if auto:
             jobs.append(f"balloons of {', '.join(auto)} sized within a budget of "
                         f"{self.config.budget_mib} MiB, every {self.config.interval:g} s")

@@ -2,5 +2,6 @@
 journal and lock (`journal`), intents of interrupted operations (`intent`), QEMU processes
 (`process`), the VMs continued in waves (`waves`) and their boot timeline (`timeline`), what runs
 (`running`), driving running VMs (`control`), snapshots (`snapshot`), `down --force` without a journal
-(`salvage`), the lab manager daemon (`manager`, `balancer`) and the NUMA report (`numareport`).
+(`salvage`), the lab manager daemon (`manager`, `balancer`), the lab's event log it keeps (`events`)
+and the NUMA report (`numareport`).
 """

@@ -22,7 +22,9 @@ from vmlaunch.host.confine import Confinement
 from vmlaunch.layout import lastrun
 from vmlaunch.layout.rundir import RunDir, VmFiles, open_in_run_dir
 from vmlaunch.qemu.qmp import Qmp, QmpError, QuickQmp
+from vmlaunch.runtime import events as event_log
 from vmlaunch.runtime import process as qemu
+from vmlaunch.runtime.events import IoError
 from vmlaunch.runtime.journal import Journal
 from vmlaunch.runtime.running import running_pid
 
@@ -120,6 +122,7 @@ class VmStatus:
     sandbox: bool | None = None  # its QEMU runs in a seccomp sandbox
     boot: dict[str, float] | None = None  # where its last boot's time went, by phase (runtime/timeline.py)
     disks: tuple[DiskStatus, ...] = ()  # when the lab's spec was given
+    io_error: IoError | None = None  # paused by a failed disk request (run state io-error): which
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -175,6 +178,7 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
                 for vm in ongoing.paused}
     busy = set(held) if ongoing is not None else set()
     faults = wire.load(run_dir)
+    logged: list[event_log.Event] | None = None  # the lab's event log, read once if a VM needs it
     vms_managed = manager_state(run_dir).get("vms")
     managed: dict[str, Any] = vms_managed if isinstance(vms_managed, dict) else {}
     result: list[VmStatus] = []
@@ -190,15 +194,23 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
             result.append(VmStatus(name, gone_state(run_dir.vm(name)), vm.pid, vm.accel, nics=nics,
                                    memory=spec_memory))
             continue
-        balloon, stats, run_state = None, {}, None
+        balloon, stats, run_state, blocks = None, {}, None, None
         try:
             with QuickQmp(run_dir.vm(name).qmp, timeout=STATUS_QMP_TIMEOUT) as qmp:
                 run_state = read_run_state(qmp)
+                if run_state == IO_ERROR:
+                    blocks = qmp.cmd("query-block")
                 balloon = read_balloon(qmp)
                 stats = guest_stats(qmp.cmd("qom-get", path=BALLOON, property="guest-stats"))
         except QmpError:
             pass  # no balloon device, or QMP busy: the rest of the status still holds
-        state, why = vm_state(run_dir.vm(name), run_state, held.get(name), busy=name in busy)
+        io_error = None
+        if run_state == IO_ERROR:
+            if logged is None:
+                logged = event_log.read(run_dir)
+            io_error = io_error_of(event_log.latest_io_error(logged, name), failed_block(blocks))
+        state, why = vm_state(run_dir.vm(name), run_state, held.get(name), busy=name in busy,
+                              io_error=io_error)
         memory = None
         if spec_memory is not None:
             from vmlaunch.host.memory import ksm_merging
@@ -210,7 +222,7 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
         confined = Confinement.of(pid)
         result.append(VmStatus(name, state, pid, vm.accel, balloon, time.time() - vm.started, nics,
                                vm.ssh_port, memory, run_state=run_state, why=why, uid=confined.uid,
-                               sandbox=confined.seccomp, boot=vm.boot))
+                               sandbox=confined.seccomp, boot=vm.boot, io_error=io_error))
     if lab is not None:
         lab_memory = lab_memory_status(run_dir, lab, result)
         result = [attrs.evolve(row, lab_memory=lab_memory, disks=disks_of(lab, lab.vm(row.name)))
@@ -219,6 +231,7 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
 
 
 BALLOON = "/machine/peripheral/balloon0"  # the balloon's QOM path (its id is balloon0)
+IO_ERROR = "io-error"  # QEMU's run state of a VM a failed disk request paused (on_error "stop", "enospc")
 STATUS_QMP_TIMEOUT = 2.0  # seconds `status` gives a VM's QMP to connect and answer each question
 
 
@@ -237,14 +250,41 @@ def read_balloon(qmp: QuickQmp | Qmp) -> int | None:
     return actual if isinstance(actual, int) and not isinstance(actual, bool) else None
 
 
+def failed_block(blocks: Any) -> IoError | None:
+    """Which disk failed, from QMP query-block (each device's io-status: "failed", "nospace"), for a VM
+    paused on an I/O error that the event log has not heard of (the lab manager was not connected when
+    it came); the operation and QEMU's reason are not known there."""
+    for block in blocks if isinstance(blocks, list) else ():
+        status = block.get("io-status") if isinstance(block, dict) else None
+        if status not in ("failed", "nospace"):
+            continue
+        inserted = block.get("inserted")
+        node = inserted.get("node-name") if isinstance(inserted, dict) else None
+        disk = event_log.disk_of({"node-name": node, "qdev": block.get("qdev"),
+                                  "device": block.get("device")})
+        return IoError(disk=disk, operation=None, reason=None, nospace=status == "nospace", action="stop",
+                       time=None)
+    return None
+
+
+def io_error_of(logged: IoError | None, failed: IoError | None) -> IoError | None:
+    """The failed request that paused a VM: the one the event log has (disk, operation, QEMU's
+    reason), unless QEMU's devices say another disk failed (a pause the log missed, after an error it
+    logged and a resume it did not), then the disk they name."""
+    if logged is not None and (failed is None or failed.disk in (None, logged.disk)):
+        return logged
+    return failed
+
+
 def vm_state(files: VmFiles, run_state: str | None, held: str | None = None, *,
-             busy: bool = False) -> tuple[str, str | None]:
+             busy: bool = False, io_error: IoError | None = None) -> tuple[str, str | None]:
     """What `status` says of a VM whose QEMU runs, and why when it is not plainly running: QEMU's run
     state, else "unresponsive" when its QMP did not answer; a guest whose console shows a kernel
     panic since it booted is "guest-panicked" (QEMU's name) whatever QEMU thinks (without a pvpanic
     driver in the guest, QEMU goes on running a guest that panicked). `held`: why vmlaunch keeps it paused (an
     interrupted restore, or an operation under way in another vmlaunch: `busy`, which has its QMP
-    meanwhile); a VM paused otherwise was paused by its user (`vmlaunch pause`, QMP stop)."""
+    meanwhile); a VM paused otherwise was paused by its user (`vmlaunch pause`, QMP stop). A VM a failed
+    disk request paused (QEMU's io-error) is "paused" too, with the request: `io_error`."""
     panic = qemu.console_panic(files)
     if run_state == "guest-panicked" or panic is not None:
         return "guest-panicked", panic or "QEMU reported a guest panic (pvpanic)"
@@ -258,6 +298,10 @@ def vm_state(files: VmFiles, run_state: str | None, held: str | None = None, *,
     if run_state == "paused":
         return "paused", held or ("by its user (`vmlaunch pause`, or QMP stop), or by a vmlaunch "
                                   "snapshot under way: `vmlaunch resume SPEC VM` resumes it")
+    if run_state == IO_ERROR:
+        failed = io_error.describe() if io_error is not None else "a disk request failed"
+        return "paused", (f"by an I/O error: {failed}; `vmlaunch resume SPEC {files.name}` retries it "
+                          "(`vmlaunch logs SPEC --events` shows each error)")
     return run_state, None if run_state == "running" else f"QEMU: {run_state}"
 
 
@@ -396,9 +440,10 @@ def pause(run_dir: RunDir, names: Sequence[str], timeout: float = 10.0) -> dict[
 
 
 def resume(run_dir: RunDir, names: Sequence[str], timeout: float = 10.0) -> dict[str, str]:
-    """Resume the named VMs (QMP cont): "resumed" or "already running". A VM an interrupted snapshot
-    restore left paused may hold half of its memory: it is refused (RuntimeFailure), and nothing is
-    resumed."""
+    """Resume the named VMs (QMP cont): "resumed" or "already running"; a VM a failed disk request
+    paused (io-error) is "resumed (the failed request is retried)": QEMU sends the request again, and
+    pauses the VM again if it fails again. A VM an interrupted snapshot restore left paused may hold
+    half of its memory: it is refused (RuntimeFailure), and nothing is resumed."""
     return _pause_or_resume(run_dir, names, timeout, pausing=False)
 
 
@@ -421,11 +466,14 @@ def _pause_or_resume(run_dir: RunDir, names: Sequence[str], timeout: float, *,
             with QuickQmp(run_dir.vm(name).qmp, timeout=5) as qmp:
                 state = read_run_state(qmp)
                 if pausing:
-                    done[name] = "already paused" if state == "paused" else _qmp_step(qmp, "stop", "paused")
+                    done[name] = "already paused" if state in ("paused", IO_ERROR) else \
+                        _qmp_step(qmp, "stop", "paused")
                 elif state == "running":
                     done[name] = "already running"
                 elif state == "paused":
                     done[name] = _qmp_step(qmp, "cont", "resumed")
+                elif state == IO_ERROR:  # cont retries the request that failed: it may fail again
+                    done[name] = _qmp_step(qmp, "cont", "resumed (the failed request is retried)")
                 else:
                     raise RuntimeFailure(f"{name}: not resumed: QEMU's run state is {state}",
                                          "`vmlaunch status SPEC` says why")
@@ -598,8 +646,7 @@ def read_manager_log(run_dir: RunDir) -> tuple[str, bool]:
     kept = lastrun.read_manager(run_dir.lab)
     if kept is None:
         raise RuntimeFailure(f"lab {run_dir.lab} has no lab manager log: its manager is not up, and no "
-                             "earlier run was kept", 'a lab has a manager when a VM has balloon.policy = '
-                             '"auto"')
+                             "earlier run was kept", "bring it up with `vmlaunch up SPEC`")
     return kept, False
 
 
@@ -614,6 +661,59 @@ def follow_manager_log(run_dir: RunDir, offset: int) -> Iterator[str]:
             if not chunk:
                 return
             yield chunk.decode(errors="replace")
+
+
+def lab_is_up(run_dir: RunDir) -> bool:
+    """Whether the lab's journal has a VM or its manager: the run dir's files are this run's."""
+    journal = Journal.load(run_dir)
+    return bool(journal.vms) or journal.entry("manager", "lab") is not None
+
+
+def read_events(run_dir: RunDir, vms: Sequence[str] = ()) -> tuple[list[event_log.Event], bool]:
+    """The lab's event log (the events of `vms`, all when empty) and whether the lab is up: of the
+    run that is up, else of the last one, which `down` kept (`layout/lastrun.py`)."""
+    if lab_is_up(run_dir):
+        return event_log.read(run_dir, vms), True
+    kept = lastrun.read_events(run_dir.lab)
+    if kept is None:
+        raise RuntimeFailure(f"lab {run_dir.lab} has no event log: it is not up, and no earlier run of "
+                             "it was kept", "bring it up with `vmlaunch up SPEC`")
+    return event_log.parse(kept, vms), False
+
+
+def follow_events(run_dir: RunDir, vms: Sequence[str] = ()) -> Iterator[list[event_log.Event]]:
+    """The lab's events from the first, then each new line as it is written, until the lab manager,
+    which writes them, stops (`down`); the events there are once when it does not run."""
+    record = manager_record(run_dir)
+    if record is None or not record.running():
+        yield event_log.read(run_dir, vms)
+        return
+    offset, partial = 0, b""
+
+    def grown() -> bytes | None:
+        data = _read_from(run_dir.events, offset)
+        return data or (None if record.running() else b"")
+
+    while True:
+        chunk = wait_until(grown, math.inf, interval=0.2)
+        if not chunk:
+            return
+        offset += len(chunk)
+        lines, _, partial = (partial + chunk).rpartition(b"\n")  # a line is shown once it is whole
+        found = event_log.parse(lines.decode(errors="replace"), vms)
+        if found:
+            yield found
+
+
+def _read_from(path: Path, offset: int) -> bytes:
+    """What the file holds past `offset`; b"" when it does not exist (yet)."""
+    try:
+        fd = open_in_run_dir(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return b""
+    with os.fdopen(fd, "rb") as f:
+        f.seek(offset)
+        return f.read(event_log.MAX_BYTES)
 
 
 def follow_log(run_dir: RunDir, name: str) -> Iterator[str]:

@@ -4,7 +4,9 @@ that outlives `down`.
     DIR/README.txt          what was collected, when, and what could not be (and why)
     DIR/status.json         what `vmlaunch status --json` prints
     DIR/wire.json           the faults on the wire set at runtime (link states, netem, partition)
-    DIR/manager.log         the lab manager's log, when the lab has a manager
+    DIR/manager.log         the lab manager's log
+    DIR/events.jsonl        the lab's event log (runtime/events.py): what QEMU reported of the VMs (an
+                            I/O error, a pause, a panic, ...) and the faults set on them at runtime
     DIR/VM/serial.log       what the guest printed on its serial console
     DIR/VM/qemu.log         QEMU's command line, what it said while starting and then (its -D log)
     DIR/VM/screen.png       the VM's screen, when it runs and has one
@@ -31,7 +33,7 @@ from vmlaunch.errors import VmlaunchError
 from vmlaunch.layout import lastrun
 from vmlaunch.layout.rundir import RunDir, VmFiles
 from vmlaunch.runtime import process, screen, wire
-from vmlaunch.runtime.control import VmStatus, is_up, manager_record, status
+from vmlaunch.runtime.control import VmStatus, is_up, lab_is_up, manager_record, status
 from vmlaunch.spec.model import LabSpec
 
 log = logging.getLogger(__name__)
@@ -97,7 +99,10 @@ def collect(run_dir: RunDir, lab: LabSpec, names: Sequence[str], folder: Path, *
 
     out.attempt("status.json", status_json, "")
     out.attempt("wire.json", lambda: json.dumps(wire.load(run_dir), indent=2) + "\n", "")
-    out.attempt("manager.log", lambda: _manager_log(run_dir), "the lab has no lab manager")
+    out.attempt("manager.log", lambda: _manager_log(run_dir),
+                "the lab manager is not up, and no earlier run's log was kept")
+    out.attempt("events.jsonl", lambda: _events(run_dir), "no event was logged (`vmlaunch logs SPEC "
+                "--events`), or the lab is not up and no earlier run's log was kept")
     rows_of = {row.name: row for row in rows}
     for name in names:
         _vm(out, run_dir, name, rows_of.get(name), screenshots)
@@ -109,6 +114,12 @@ def _manager_log(run_dir: RunDir) -> str | None:
     if manager_record(run_dir) is not None:
         return process.read_text(run_dir.manager_log)
     return lastrun.read_manager(run_dir.lab)
+
+
+def _events(run_dir: RunDir) -> str | None:
+    if lab_is_up(run_dir):
+        return process.read_text(run_dir.events) or None
+    return lastrun.read_events(run_dir.lab)
 
 
 def _vm(out: _Collector, run_dir: RunDir, name: str, row: VmStatus | None, screenshots: bool) -> None:
@@ -173,6 +184,7 @@ def _index(out: _Collector, lab: LabSpec, names: Sequence[str]) -> None:
     if out.missing:
         lines += ["", "Not collected:"] + [f"  {line}" for line in out.missing]
     lines += ["", "status.json is `vmlaunch status --json`; wire.json the faults set on the wire at runtime;",
+              "events.jsonl the lab's event log (`vmlaunch logs SPEC --events` shows it line by line);",
               "VM/serial.log the VM's console, VM/qemu.log QEMU's command line and messages,",
               "VM/screen.png its screen."]
     out.write(INDEX, "\n".join(lines) + "\n")

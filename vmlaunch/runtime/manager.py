@@ -1,18 +1,26 @@
-"""The lab manager: one process per lab that sizes the balloons of its `policy = "auto"` VMs.
+"""The lab manager: one process per lab that keeps the lab's event log, and sizes the balloons of its
+`policy = "auto"` VMs and balances them over NUMA nodes when the lab asks for it.
 
-`up` starts it (`resources/manager.py`) as `python -m vmlaunch.manager RUN_DIR`, and `down` stops it
-(SIGTERM). Every round (`interval`, 2 s) it:
+`up` starts it for every lab (`resources/manager.py`) as `python -m vmlaunch.manager RUN_DIR`, and `down`
+stops it (SIGTERM). Every round (`interval`, 1 s) it:
 
 1. reads its settings (`manager.json`, rewritten by each `up`) and the journal: the VMs that run now.
    A VM that appears is connected to on its own QMP monitor (`V.manager.qmp`; the VM's first monitor
-   stays free for `status`, `balloon`, `qmp`, the API and a user's tools) and its guest statistics
-   are turned on; a VM that went away (down, crashed) is dropped;
+   stays free for `status`, `balloon`, `qmp`, the API and a user's tools), its events are listened to
+   and, with a balloon, its guest statistics are turned on; a VM that went away (down, crashed) is
+   dropped;
 2. samples each VM (query-balloon; the balloon's guest-stats: available and free memory, major faults
    and swap-ins since the last sample), the host (MemTotal, MemAvailable) and the KSM counters;
 3. asks the pure policy (`balloon_policy.decide`) for new targets, sets them, and logs each change with
    its reason; with NUMA placement, the balancer (`runtime/balancer.py`) samples the VMs' runnable vCPUs and,
    every `lab.placement.interval`, moves at most one VM between nodes;
-4. writes what it saw and set to `manager.state.json`, for `status` and for itself after a restart.
+4. writes what it saw and set to `manager.state.json`, for `status` and for itself after a restart,
+   and the repeats of an event whose window closed to the event log.
+
+Events are not left for the rounds: one task per VM waits on its monitor and logs each event worth
+logging the moment it comes (`runtime/events.py`), so that a `status` run just after a VM paused on an
+I/O error finds why in the log, and the events a QEMU sends just before it exits are logged before
+the connection goes. Events a VM sent before the manager connected to it are not in the log.
 
 It keeps nothing that cannot be rebuilt: started again, it reads the journal, QMP and its state file.
 Every event loop and QMP connection is asyncio (`qmp.AsyncQmp`), one loop for the whole lab. Errors of
@@ -43,6 +51,7 @@ from vmlaunch.policy.balloon import Guest, Host, decide
 from vmlaunch.qemu.qmp import AsyncQmp, QmpError
 from vmlaunch.resources.manager import INTERVAL, ManagedVm, ManagerConfig, read_config
 from vmlaunch.runtime.balancer import Balancer
+from vmlaunch.runtime.events import Writer
 from vmlaunch.runtime.process import OUT_OF_MEMORY, console_line_since, console_size
 
 log = logging.getLogger("vmlaunch.runtime.manager")
@@ -67,6 +76,14 @@ class Watched:
     last_actual: int | None = None  # bytes: its actual size at the last sample
     floor: int | None = None  # bytes: where it stopped giving, short of a lower target (observed)
     console_seen: int = 0  # bytes of its console log already looked at for signs of its floor
+    listener: asyncio.Task[None] | None = None  # logs its events as they come
+
+    async def close(self) -> None:
+        if self.listener is not None:
+            self.listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.listener
+        await self.qmp.close()
 
 
 def stat(stats: dict[str, Any], key: str) -> int | None:
@@ -84,6 +101,7 @@ class Manager:
         self.started = time.monotonic()
         self.journaled = False  # seen in the lab's journal: from then on it must stay there
         self.balancer = Balancer()
+        self.events = Writer(run_dir)
 
     def _saved_targets(self) -> dict[str, tuple[int, int, int | None]]:
         """name -> (QEMU pid, target, observed floor) from the state file a previous manager of this
@@ -111,7 +129,8 @@ class Manager:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), left)
         log.info("stopping: %d VM(s) watched", len(self.watched))
-        await asyncio.gather(*(vm.qmp.close() for vm in self.watched.values()))
+        await asyncio.gather(*(vm.close() for vm in self.watched.values()))
+        self.events.close()
 
     def _read_config(self) -> ManagerConfig | None:
         try:
@@ -166,7 +185,7 @@ class Manager:
         for name in [name for name, vm in self.watched.items()
                      if name not in wanted or running.get(name) != vm.pid]:
             log.info("%s: no longer running: not watched", name)
-            await self.watched.pop(name).qmp.close()
+            await self.watched.pop(name).close()
         new = [vm for name, vm in wanted.items() if name not in self.watched]
         connected = await asyncio.gather(*(self.connect(vm, running[vm.name]) for vm in new))
         for vm, watched in zip(new, connected):
@@ -183,6 +202,7 @@ class Manager:
         if config.balance:
             await self.balancer.round(config, running)
         self.save(config, host_mem)
+        self.events.flush()
 
     async def connect(self, vm: ManagedVm, pid: int) -> Watched | None:
         qmp = AsyncQmp(self.run_dir.vm(vm.name).manager_qmp, timeout=5.0)
@@ -200,8 +220,23 @@ class Manager:
         log.info("%s: watched (QEMU pid %d%s%s)", vm.name, pid,
                  f", target {target // MIB} MiB as set before" if target is not None else "",
                  f", its floor {floor // MIB} MiB as seen before" if floor is not None else "")
-        return Watched(vm.name, pid, qmp, target=target, floor=floor,
-                       console_seen=console_size(self.run_dir.vm(vm.name)))
+        watched = Watched(vm.name, pid, qmp, target=target, floor=floor,
+                          console_seen=console_size(self.run_dir.vm(vm.name)))
+        watched.listener = asyncio.create_task(self.listen(vm.name, qmp))
+        return watched
+
+    async def listen(self, name: str, qmp: AsyncQmp) -> None:
+        """Log the VM's events as they come, until its connection is closed (the task cancelled)."""
+        dropped = 0
+        while True:
+            message = await qmp.next_event()
+            if qmp.dropped_events != dropped:  # fell behind by a whole backlog: say so, go on
+                log.warning("%s: %d QMP event(s) dropped unread", name, qmp.dropped_events - dropped)
+                dropped = qmp.dropped_events
+            try:
+                self.events.hear(name, message)
+            except Exception:  # a bug here must not silence the VM's events for good
+                log.exception("%s: event %s not logged", name, message.get("event"))
 
     async def sample(self, vm: ManagedVm) -> Guest | None:
         """The VM as the policy sees it; a VM without an auto balloon is held where it is."""
@@ -213,7 +248,7 @@ class Manager:
                 if vm.balloon else {}
         except QmpError as exc:
             log.info("%s: QMP failed (%s): dropped until it answers again", vm.name, exc.message)
-            await self.watched.pop(vm.name).qmp.close()
+            await self.watched.pop(vm.name).close()
             return None
         values = stats.get("stats", {}) if isinstance(stats, dict) else {}
         updated = stats.get("last-update", 0) if isinstance(stats, dict) else 0
