@@ -110,8 +110,8 @@ def test_a_fault_from_the_spec_is_there_from_the_start(rig: Lab) -> None:
 def test_a_failed_write_pauses_the_vm_and_resume_retries_it(rig: Lab) -> None:
     spec, vm = str(rig.spec), rig.vm("a")
     with vm.disk("disk0").fail("write", sector=2048 + 3, once=True):
-        vm.run("(printf kept | dd of=/dev/vda bs=4096 seek=256 conv=sync oflag=direct; echo $? > /tmp/wr) "
-               ">/dev/null 2>&1 &")
+        vm.run("(sleep 1; printf kept | dd of=/dev/vda bs=4096 seek=256 conv=sync oflag=direct; "
+               "echo $? > /tmp/wr) >/dev/null 2>&1 &")
         deadline = time.monotonic() + 60
         while vm.status().state != "paused" and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -141,6 +141,12 @@ def test_held_writes_wait_for_release_while_reads_go_on(rig: Lab) -> None:
     assert vm.run("test -e /tmp/w1").exit_code != 0  # the first write is held
     refused = vmlaunch("fault", spec, "a", "disk1", "error", "--read")
     assert refused.returncode == EXIT_USAGE and "release" in refused.stderr
+    not_paused = vmlaunch("pause", spec, "a")  # QMP stop would wait for the held write
+    assert not_paused.returncode != 0 and "held" in not_paused.stderr, not_paused.stderr
+    status = json.loads(vmlaunch("status", spec, "--json").stdout)["a"]
+    assert status["state"] == "running"
+    assert [disk["faults"] for disk in status["disks"]] == [[], [{"type": "hang", "op": "write"}], []]
+    assert "disk1 fault: hang write" in vmlaunch("status", spec).stdout
     released = vmlaunch("fault", spec, "a", "disk1", "release")
     assert released.returncode == 0, released.stderr
     vm.wait_until_succeeds("test -e /tmp/w1 && test -e /tmp/w2", timeout=30)  # and every later one
@@ -152,12 +158,12 @@ def test_a_slow_disk_is_slow_until_cleared(rig: Lab) -> None:
     vm = rig.vm("a")
     with vm.disk("disk1").slow("1M"):
         started = time.monotonic()
-        vm.succeed("dd if=/dev/vdb of=/dev/null bs=1M count=4 iflag=direct", timeout=120)
+        vm.succeed("dd if=/dev/vdb of=/dev/null bs=1M count=8 iflag=direct", timeout=120)
         slow = time.monotonic() - started
     started = time.monotonic()
-    vm.succeed("dd if=/dev/vdb of=/dev/null bs=1M count=4 iflag=direct", timeout=120)
-    # 4 MiB at 1 MiB/s: about 3.5 s (the limits let a tenth of a second through at once)
-    assert slow >= 3.0 and time.monotonic() - started < slow, slow
+    vm.succeed("dd if=/dev/vdb of=/dev/null bs=1M count=8 iflag=direct", timeout=120)
+    # 8 MiB at 1 MiB/s: about 7 s (QEMU's limits let the first request through at once)
+    assert slow >= 6.0 and time.monotonic() - started < slow, slow
     assert vm.disk("disk1").faults() == []
 
 

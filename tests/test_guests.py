@@ -525,7 +525,7 @@ def test_disk_faults_break_the_data_disk_and_heal(lab: tuple[Netns, Path]) -> No
     assert read(625).returncode == 0
 
     fault("error", "--write", "--sector", "4096", "--once")  # block 512
-    assert guest(f"(printf kept | dd of={DATA} bs=4096 seek=512 conv=sync oflag=direct; "
+    assert guest(f"(sleep 1; printf kept | dd of={DATA} bs=4096 seek=512 conv=sync oflag=direct; "
                  "echo $? > /var/tmp/wr) </dev/null >/dev/null 2>&1 &").returncode == 0
 
     def paused() -> dict[str, object] | None:

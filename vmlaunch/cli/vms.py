@@ -140,6 +140,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(f"  {row.state}: {printable(row.why)}")
         for nic in row.nics:
             print(f"  nic{nic.index} {nic.describe()}")
+        for disk in row.disks:
+            if disk.faults:
+                from vmlaunch.spec.diskfault import describe, from_json
+
+                said = "; ".join(describe(from_json(fault)) for fault in disk.faults)
+                print(f"  {disk.name} fault: {said}")
     lab_memory = rows[0].lab_memory if rows else None
     if lab_memory is not None:
         ksm = lab_memory.ksm

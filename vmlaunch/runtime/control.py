@@ -99,6 +99,8 @@ class DiskStatus:
     bus: str
     readonly: bool
     on_error: dict[str, str]  # {"read": "report", "write": "enospc"}: QEMU's defaults where unset
+    # what `vmlaunch fault` (or the spec's [[fault]]) set on it in the running QEMU, as `fault --json`
+    faults: tuple[dict[str, Any], ...] = ()
 
 
 @attrs.frozen
@@ -165,10 +167,11 @@ def nics_of(lab: LabSpec, vm: VmSpec) -> tuple[NicStatus, ...]:
 def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) -> list[VmStatus]:
     """Each VM of the lab: running, stopped (not up) or crashed (up, but its QEMU is gone); with the
     lab's spec, also each VM's NICs."""
-    from vmlaunch.runtime import wire
+    from vmlaunch.runtime import diskfault, wire
     from vmlaunch.runtime.intent import held_paused
     from vmlaunch.runtime.link import link_of
     from vmlaunch.runtime.snapshot import settle_unlocked
+    from vmlaunch.spec.diskfault import to_json
 
     ongoing = settle_unlocked(run_dir)  # an interrupted snapshot save or restore: finished or undone
     journal = Journal.load(run_dir)
@@ -225,8 +228,14 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
                                sandbox=confined.seccomp, boot=vm.boot, io_error=io_error))
     if lab is not None:
         lab_memory = lab_memory_status(run_dir, lab, result)
-        result = [attrs.evolve(row, lab_memory=lab_memory, disks=disks_of(lab, lab.vm(row.name)))
-                  for row in result]
+        set_now = diskfault.listing(run_dir) if run_dir.disk_faults.exists() else {}
+
+        def disks(name: str) -> tuple[DiskStatus, ...]:
+            faults = set_now.get(name, {})
+            return tuple(attrs.evolve(disk, faults=tuple(map(to_json, faults.get(disk.name, ()))))
+                         for disk in disks_of(lab, lab.vm(name)))
+
+        result = [attrs.evolve(row, lab_memory=lab_memory, disks=disks(row.name)) for row in result]
     return result
 
 
@@ -461,6 +470,15 @@ def _pause_or_resume(run_dir: RunDir, names: Sequence[str], timeout: float, *,
         if held and not pausing:
             raise RuntimeFailure("not resumed: " + "; ".join(f"{name} is kept paused {why}"
                                                              for name, why in held.items()))
+        if pausing and run_dir.disk_faults.exists():  # QEMU pauses once every request is done
+            from vmlaunch.runtime.diskfault import held_requests
+
+            waiting = [f"{name} {disk}" for name in names for disk in held_requests(run_dir, name)]
+            if waiting:
+                verb = "has" if len(waiting) == 1 else "have"
+                raise RuntimeFailure(f"not paused: {', '.join(waiting)} {verb} requests held, and QEMU "
+                                     "pauses a VM only once its requests are done",
+                                     "`vmlaunch fault SPEC VM DISK release` first")
         done = {}
         for name in names:
             with QuickQmp(run_dir.vm(name).qmp, timeout=5) as qmp:

@@ -145,20 +145,20 @@ def listing(run_dir: RunDir) -> dict[str, dict[str, list[DiskFault]]]:
             for vm, entry in sorted(load(run_dir).items())}
 
 
+def held_requests(run_dir: RunDir, vm: str) -> list[str]:
+    """The disks of running VM `vm` whose requests are held (`hang`)."""
+    return [disk for disk, faults in listing(run_dir).get(vm, {}).items()
+            if any(fault.kind is FaultKind.HANG for fault in faults)]
+
+
 # --- which disk ----------------------------------------------------------------------------------
-
-
-def disk_names(lab: LabSpec, vm: str) -> list[tuple[str, str]]:
-    """(diskN, its spec key) of each disk of `vm`, as `status --json` lists them."""
-    from vmlaunch.runtime.control import disks_of
-
-    return [(disk.name, disk.key) for disk in disks_of(lab, lab.vm(vm))]
 
 
 def target(run_dir: RunDir, lab: LabSpec, vm: str, text: str) -> Target:
     """The disk `text` names on VM `vm` (diskN, or N), which must run: UsageError for an unknown disk,
     VmDown when it is not running."""
     from vmlaunch.compile.compiler import boot_disks
+    from vmlaunch.errors import format_key_path
     from vmlaunch.layout.labdir import LabDir
     from vmlaunch.runtime import process as qemu
     from vmlaunch.runtime.journal import Journal
@@ -169,7 +169,8 @@ def target(run_dir: RunDir, lab: LabSpec, vm: str, text: str) -> Target:
     index = int(word[4:]) if word.startswith("disk") and word[4:].isdigit() else \
         int(word) if word.isdigit() else None
     if index is None or index >= len(disks):
-        names = ", ".join(f"{name} ({key})" for name, key in disk_names(lab, vm)) or "none"
+        names = ", ".join(f"disk{number} ({format_key_path(key)})"
+                          for number, (key, _) in enumerate(disks)) or "none"
         raise UsageError(f"VM {vm} has no disk {text!r} (its disks: {names})",
                          "`vmlaunch status SPEC --json` lists them")
     key, disk = disks[index]
@@ -178,9 +179,7 @@ def target(run_dir: RunDir, lab: LabSpec, vm: str, text: str) -> Target:
     if pid is None:
         raise VmDown(f"VM {vm} is not running: a disk fault is set in a running QEMU",
                      f"start it with `vmlaunch up SPEC {vm}`")
-    from vmlaunch.errors import format_key_path as shown
-
-    return Target(vm, f"disk{index}", shown(key), disk.bus, disk.readonly, disk.discard, pid)
+    return Target(vm, f"disk{index}", format_key_path(key), disk.bus, disk.readonly, disk.discard, pid)
 
 
 # --- changes -------------------------------------------------------------------------------------
@@ -454,10 +453,9 @@ def _apply(qmp: QuickQmp, where: Target, record: dict[str, Any], faults: list[Di
 
 
 def _note(run_dir: RunDir, vm: str, disk: str, what: str) -> None:
-    """Put the change in the lab's event log and the log."""
+    """Put the change in the lab's event log (`vmlaunch logs SPEC --events`): a test's evidence then
+    says which fault was set when, beside what QEMU reported of it."""
+    from vmlaunch.runtime import events
+
     log.debug("%s %s: %s", vm, disk, what)
-    try:
-        from vmlaunch.runtime import events
-    except ImportError:  # pragma: no cover - the event log lands with its own change
-        return
-    events.record(run_dir, vm, "VMLAUNCH_DISK_FAULT", {"disk": disk, "what": what})
+    events.record(run_dir, vm, "VMLAUNCH_DISK_FAULT", {"message": f"disk fault {what}"}, disk=disk)
