@@ -188,7 +188,7 @@ class LabManager(LabWide):
             # The manager forks once more and its first process exits at once: the manager is nobody's
             # child, and no caller of `up` (the API, a test) is left with a zombie.
             child = subprocess.Popen(
-                [sys.executable, "-m", "vmlaunch.runtime.manager", str(self.run_dir.path), "--ready-fd",
+                [sys.executable, "-m", "vmlaunch.runtime.managerd", str(self.run_dir.path), "--ready-fd",
                  str(ready_w)], stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile,
                 pass_fds=(ready_w,), start_new_session=True, umask=0o077)
         finally:

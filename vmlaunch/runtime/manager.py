@@ -326,23 +326,22 @@ class Manager:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m vmlaunch.runtime.manager RUN_DIR`: the manager in the foreground (`up` starts it
+    through `runtime/managerd.py`, which does not wait for these modules to load)."""
     parser = argparse.ArgumentParser(prog="python -m vmlaunch.runtime.manager",
                                      description="The lab manager (started by `vmlaunch up`).")
     parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--ready-fd", type=int, default=None,
-                        help="write the manager's pid and a newline here once it runs")
-    args = parser.parse_args(argv)
-    if os.fork():
-        return 0  # the caller waits for this one; the manager goes on in the child, nobody's child
+    return run(parser.parse_args(argv).run_dir)
+
+
+def run(path: Path) -> int:
+    """Run the manager of the lab whose run dir is `path` until SIGTERM."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
     logging.getLogger("qemu").setLevel(logging.CRITICAL)  # the QMP library's chatter about lost peers
-    run_dir = RunDir(args.run_dir)
+    run_dir = RunDir(path)
     log.info("lab manager of %s started (pid %d)", run_dir.lab, os.getpid())
-    if args.ready_fd is not None:
-        with contextlib.suppress(OSError):
-            os.write(args.ready_fd, f"{os.getpid()}\n".encode())
-            os.close(args.ready_fd)
+
     async def serve() -> None:  # the manager's event is made on the loop that runs it
         await Manager(run_dir).serve()
 

@@ -63,9 +63,12 @@ def running_qemus(run_dir: RunDir, skip: Collection[str] = ()) -> dict[str, int]
 
 
 def manager_pids(run_dir: RunDir) -> list[int]:
-    """The lab manager processes of this run dir (`python -m vmlaunch.manager RUN_DIR ...`)."""
-    wanted = [b"vmlaunch.runtime.manager", os.fsencode(run_dir.path)]
-    return [pid for pid, cmdline in _processes() if all(word in cmdline.split(b"\0") for word in wanted)]
+    """The lab manager processes of this run dir (`python -m vmlaunch.runtime.managerd RUN_DIR ...`, or
+    `vmlaunch.runtime.manager` run by hand or by an earlier version)."""
+    modules = {b"vmlaunch.runtime.managerd", b"vmlaunch.runtime.manager"}
+    path = os.fsencode(run_dir.path)
+    return [pid for pid, cmdline in _processes()
+            if path in cmdline.split(b"\0") and modules & set(cmdline.split(b"\0"))]
 
 
 def stop_managers(run_dir: RunDir) -> None:
