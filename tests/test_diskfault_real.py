@@ -6,6 +6,7 @@ and writes with O_DIRECT, so each request reaches the disk."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -18,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from vmlaunch.api import Lab
-from vmlaunch.errors import EXIT_HOST, EXIT_USAGE, UsageError
+from vmlaunch.core.wait import wait_until
+from vmlaunch.errors import EXIT_HOST, EXIT_USAGE, UsageError, VmlaunchError
 
 pytestmark = [pytest.mark.qemu, pytest.mark.guest]
 READY = "VMLAUNCH-GUEST-READY"
@@ -107,25 +109,57 @@ def test_a_fault_from_the_spec_is_there_from_the_start(rig: Lab) -> None:
     assert read_block(rig, "vdc", 10) == 0
 
 
+WRITE = ("sh -c 'printf failing-write > /tmp/block; dd if=/tmp/block of=/dev/vda bs=4096 seek=256 count=1 "
+         "conv=sync oflag=direct; echo $? > /tmp/done' >/dev/null 2>&1 &")
+
+
 def test_a_failed_write_pauses_the_vm_and_resume_retries_it(rig: Lab) -> None:
-    spec, vm = str(rig.spec), rig.vm("a")
-    with vm.disk("disk0").fail("write", sector=2048 + 3, once=True):
-        vm.run("(sleep 1; printf kept | dd of=/dev/vda bs=4096 seek=256 conv=sync oflag=direct; "
-               "echo $? > /tmp/wr) >/dev/null 2>&1 &")
-        deadline = time.monotonic() + 60
-        while vm.status().state != "paused" and time.monotonic() < deadline:
-            time.sleep(0.2)
-        status = json.loads(vmlaunch("status", spec, "--json").stdout)["a"]
-        assert status["state"] == "paused" and status["run_state"] == "io-error", status
-        assert "disk0" in status["why"] and "write" in status["why"], status["why"]
-        events = vmlaunch("logs", spec, "--events")
-        assert "BLOCK_IO_ERROR" in events.stdout and "disk0" in events.stdout, events.stdout
-        resumed = vmlaunch("resume", spec, "a")
-        assert resumed.returncode == 0, resumed.stderr
-    assert vm.succeed("cat /tmp/wr").strip() == "0"  # the write, retried, succeeded
-    assert vm.succeed("dd if=/dev/vda bs=4096 skip=256 count=1 iflag=direct 2>/dev/null | head -c 4") \
-        == "kept"
-    assert vm.disk("disk0").faults() == []  # the block's end cleared it
+    """disk0 has on_error.write = "stop": its write at sector 2048 (block 256) fails once; the VM pauses
+    in QEMU's io-error, `status` says why, the event log has the error, `resume` retries the write."""
+    a, spec = rig.vm("a"), str(rig.spec)
+    disk = a.disk("disk0").fail("write", sector=2048 + 5, once=True)
+
+    # The write runs detached in the guest, but the VM may pause before the agent's reply is out: the
+    # command then ends only once the VM runs again, so it is sent from a thread of its own.
+    def write() -> None:
+        with contextlib.suppress(VmlaunchError):
+            a.run(WRITE, timeout=120)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    wait_until(lambda: a.qmp("query-status")["status"] == "io-error", 60, interval=0.2)
+
+    row = rig.status()["a"]
+    assert (row.state, row.run_state) == ("paused", "io-error")
+    assert row.io_error is not None
+    assert (row.io_error.disk, row.io_error.operation, row.io_error.reason, row.io_error.action) == (
+        "disk0", "write", "Input/output error", "stop")
+    assert row.why == ("by an I/O error: disk0 write failed (Input/output error); `vmlaunch resume SPEC a` "
+                       "retries it (`vmlaunch logs SPEC --events` shows each error)")
+    shown = vmlaunch("status", spec)
+    assert "  paused: by an I/O error: disk0 write failed (Input/output error);" in shown.stdout
+    assert json.loads(vmlaunch("status", spec, "--json").stdout)["a"]["io_error"]["disk"] == "disk0"
+
+    logged = vmlaunch("logs", spec, "--events")
+    assert logged.returncode == 0, logged.stderr
+    assert "a BLOCK_IO_ERROR disk0 write: Input/output error (action stop; the VM paused)" in logged.stdout
+    assert "a VMLAUNCH_DISK_FAULT disk0 disk fault set error write at sector 2053, once, EIO" in logged.stdout
+    errors = [event for event in rig.events("a") if event.event == "BLOCK_IO_ERROR"
+              and event.data["operation"] == "write"]  # (the reads failed earlier were reported)
+    assert len(errors) == 1 and errors[0].data["node-name"] == "disk0-slot"
+
+    assert rig.pause() == {"a": "already paused"}
+    resumed = vmlaunch("resume", spec, "a")
+    assert resumed.returncode == 0 and "resumed (the failed request is retried)" in resumed.stdout, resumed
+    writer.join(120)
+    assert a.succeed("while [ ! -e /tmp/done ]; do sleep 0.2; done; cat /tmp/done", timeout=60).strip() == "0"
+    assert rig.status()["a"].io_error is None
+    assert a.succeed("dd if=/dev/vda bs=4096 skip=256 count=1 iflag=direct 2>/dev/null | head -c 13",
+                     timeout=60) == "failing-write"  # the retried write is on the disk
+    names = [event.event for event in rig.events("a")]
+    assert "RESUME" in names[names.index("BLOCK_IO_ERROR"):]  # logged as it came
+    disk.clear()
+    assert disk.faults() == []
 
 
 def test_held_writes_wait_for_release_while_reads_go_on(rig: Lab) -> None:
@@ -240,3 +274,15 @@ size = "8M"
     assert not lab.run_dir.path.exists()
     down_again = vmlaunch("fault", str(spec), "h", "disk0", "clear")
     assert down_again.returncode == EXIT_HOST and "not running" in down_again.stderr
+
+
+# The last test of the module: it takes the module's lab down.
+
+
+def test_after_down_the_last_runs_events_are_kept(rig: Lab) -> None:
+    rig.down()
+    logged = vmlaunch("logs", str(rig.spec), "--events", "--json")
+    assert logged.returncode == 0, logged.stderr
+    names = [json.loads(line)["event"] for line in logged.stdout.splitlines()]
+    assert "BLOCK_IO_ERROR" in names and "VMLAUNCH_DISK_FAULT" in names and names[-1] == "SHUTDOWN"
+    assert "not up: these are its last run's events" in logged.stderr

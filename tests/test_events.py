@@ -1,7 +1,7 @@
 """The lab's event log (runtime/events.py) without QEMU: QMP events into lines, repeats folded, the cap,
 what a reader skips, how a line reads; the lab manager logging a fake QEMU's events as they come; why
 `status` says a VM is paused; `logs --events` of a lab that is down; the log kept by `down`. The real
-I/O error, on the test guest, is in test_events_real.py."""
+I/O error, on the test guest, is in test_diskfault_real.py."""
 
 from __future__ import annotations
 
