@@ -215,10 +215,11 @@ def test_a_slow_disk_is_slow_until_cleared(rig: Lab) -> None:
 ])
 def test_bad_input_is_one_line_and_changes_nothing(rig: Lab, args: list[str], code: int | None,
                                                    said: str) -> None:
+    before = vmlaunch("fault", str(rig.spec), "--json").stdout
     done = vmlaunch("fault", str(rig.spec), *args)
     assert done.returncode != 0 and (code is None or done.returncode == code), done
     assert said in done.stderr and "Traceback" not in done.stderr, done.stderr
-    assert vmlaunch("fault", str(rig.spec)).stdout.strip() == "no disk faults set"
+    assert vmlaunch("fault", str(rig.spec), "--json").stdout == before
 
 
 def test_the_api_refuses_bad_figures(rig: Lab) -> None:
@@ -274,6 +275,31 @@ size = "8M"
     assert not lab.run_dir.path.exists()
     down_again = vmlaunch("fault", str(spec), "h", "disk0", "clear")
     assert down_again.returncode == EXIT_HOST and "not running" in down_again.stderr
+
+
+def test_a_spec_fault_past_the_disk_is_a_spec_error_and_up_leaves_nothing(test_guest: Path,
+                                                                            tmp_path: Path) -> None:
+    spec = tmp_path / "lab.toml"
+    spec.write_text(f"""[lab]
+name = "past"
+[vm.p]
+memory = "128M"
+accel = "tcg"
+kernel = "{test_guest}/vmlinuz"
+initrd = "{test_guest}/initrd.gz"
+[[vm.p.disk]]
+file = "d.qcow2"
+size = "1M"
+[[vm.p.disk.fault]]
+type = "error"
+op = "read"
+sector = 2048
+""")
+    up = vmlaunch("up", str(spec))
+    assert up.returncode == 2, up.stderr
+    assert f"{spec}:11: vm.p.disk[0].fault[0]: sector 2048 is past the end of p disk0" in up.stderr, up.stderr
+    assert "Traceback" not in up.stderr
+    assert vmlaunch("status", str(spec)).stdout.splitlines()[1].split()[:2] == ["p", "stopped"]
 
 
 # The last test of the module: it takes the module's lab down.

@@ -526,7 +526,10 @@ class _Compiler:
         self.lab_dir = LabDir.of(lab.file, lab.name)
 
     def fail(self, path: KeyPath, message: str, hint: str | None = None) -> HostError:
-        return HostError(message, hint, Location(self.lab.file, self.lab.source.line_of(path), path))
+        return HostError(message, hint, self.location(path))
+
+    def location(self, path: KeyPath) -> Location:
+        return Location(self.lab.file, self.lab.source.line_of(path), path)
 
     def need_device(self, path: KeyPath, device: str) -> None:
         if device not in self.host.qemu.devices:
@@ -612,7 +615,9 @@ class _Compiler:
                                         if nic.netem is not None
                                         and netem_side(self.lab, vm, index, self.host) is NetemWhere.GUEST),
                       disk_faults=tuple(StartFaults(f"disk{index}", format_key_path(key), disk.bus,
-                                                    disk.readonly, disk.discard, disk.faults)
+                                                    disk.readonly, disk.discard, disk.faults,
+                                                    tuple(self.location((*key, "fault", number))
+                                                          for number in range(len(disk.faults))))
                                         for index, (key, disk) in enumerate(self.boot_disks(vm))
                                         if disk.faults),
                       ssh_user=(vm.cloud_init.user if vm.cloud_init else DEFAULT_CLOUD_USER) if vm.ssh

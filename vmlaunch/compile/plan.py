@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import attrs
 
+from vmlaunch.errors import Location
 from vmlaunch.layout.labdir import LabDir
 from vmlaunch.layout.rundir import RunDir, VmFiles
 from vmlaunch.policy.admission import Admission
@@ -32,6 +33,7 @@ class StartFaults:
     readonly: bool
     discard: bool
     faults: tuple[DiskFault, ...]
+    locations: tuple[Location, ...] = ()  # each fault's place in the spec, for a fault QEMU refuses
 
 
 @attrs.frozen

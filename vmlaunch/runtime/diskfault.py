@@ -35,7 +35,7 @@ from typing import Any
 import attrs
 
 from vmlaunch.compile.plan import VmPlan
-from vmlaunch.errors import EXIT_HOST, RuntimeFailure, UsageError
+from vmlaunch.errors import EXIT_HOST, Problem, RuntimeFailure, SpecError, UsageError
 from vmlaunch.layout.rundir import RunDir, open_in_run_dir
 from vmlaunch.qemu.qmp import QmpError, QuickQmp
 from vmlaunch.spec.diskfault import SECTOR, describe, errno_number, from_json, iops_of, to_json
@@ -302,8 +302,13 @@ def apply_at_up(run_dir: RunDir, vm: VmPlan, pid: int) -> None:
             for start in vm.disk_faults:
                 where = Target(vm.name, start.disk, start.key, start.bus, start.readonly, start.discard, pid)
                 record = _record(vms, where)
-                for fault in start.faults:
-                    _check_sector(qmp, where, fault, key=f"{start.key}.fault")
+                for number, fault in enumerate(start.faults):
+                    try:
+                        _check_sector(qmp, where, fault)
+                    except UsageError as exc:
+                        if number >= len(start.locations):
+                            raise
+                        raise SpecError([Problem(start.locations[number], exc.message)]) from None
                 _apply(qmp, where, record, list(start.faults))
                 _note(run_dir, vm.name, where.name, "set from the spec: " +
                       "; ".join(describe(fault) for fault in start.faults))
@@ -337,14 +342,14 @@ def _check(where: Target, fault: DiskFault, faults: Sequence[DiskFault]) -> None
     errno_number(fault.errno)
 
 
-def _check_sector(qmp: QuickQmp, where: Target, fault: DiskFault, key: str | None = None) -> None:
+def _check_sector(qmp: QuickQmp, where: Target, fault: DiskFault) -> None:
     if fault.sector is None:
         return
     size = _size(qmp, where)
     if size is not None and fault.sector * SECTOR >= size:
         message = (f"sector {fault.sector} is past the end of {where.vm} {where.name} ({size // SECTOR} "
                    f"sectors of {SECTOR} bytes: 0 to {size // SECTOR - 1})")
-        raise UsageError(f"{key}: {message}" if key else message)
+        raise UsageError(message)
 
 
 def _size(qmp: QuickQmp, where: Target) -> int | None:
