@@ -101,6 +101,21 @@ def test_an_error_at_a_sector_fails_reads_there_only_and_clear_heals(rig: Lab) -
     assert "disk0" not in vmlaunch("fault", spec).stdout
 
 
+def test_failed_flushes_fail_fsync_and_clear_like_the_rest(rig: Lab) -> None:
+    """A flush error is armed by every flush: taking it off (or changing the disk's rules) needs the
+    node disarmed first, which `clear` and a new fault do."""
+    vm, disk = rig.vm("a"), rig.vm("a").disk("disk1")
+    fsync = "dd if=/dev/zero of=/dev/vdb bs=4096 seek=3 count=1 conv=fsync"
+    with disk.fail("flush"):
+        assert vm.run(fsync).exit_code != 0
+        assert vm.run("dd if=/dev/zero of=/dev/vdb bs=4096 seek=3 count=1 oflag=direct").exit_code == 0
+        disk.fail("read", sector=800)  # a new set of rules, over a node whose flush rule is armed
+        assert read_block(rig, "vdb", 100) != 0 and vm.run(fsync).exit_code != 0
+    assert vm.run(fsync).exit_code == 0 and read_block(rig, "vdb", 100) == 0
+    with pytest.raises(UsageError, match="no sector"):
+        disk.fail("flush", sector=8)
+
+
 def test_a_fault_from_the_spec_is_there_from_the_start(rig: Lab) -> None:
     assert read_block(rig, "vdc", 10) != 0 and read_block(rig, "vdc", 11) == 0
     assert rig.vm("a").disk("disk2").faults() == [{"type": "error", "op": "read", "sector": 80,
@@ -145,7 +160,7 @@ def test_a_failed_write_pauses_the_vm_and_resume_retries_it(rig: Lab) -> None:
     assert "a BLOCK_IO_ERROR disk0 write: Input/output error (action stop; the VM paused)" in logged.stdout
     assert "a VMLAUNCH_DISK_FAULT disk0 disk fault set error write at sector 2053, once, EIO" in logged.stdout
     errors = [event for event in rig.events("a") if event.event == "BLOCK_IO_ERROR"
-              and event.data["operation"] == "write"]  # (the reads failed earlier were reported)
+              and event.disk == "disk0" and event.data["operation"] == "write"]  # (earlier faults')
     assert len(errors) == 1 and errors[0].data["node-name"] == "disk0-slot"
 
     assert rig.pause() == {"a": "already paused"}

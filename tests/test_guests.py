@@ -511,7 +511,7 @@ def test_disk_faults_break_the_data_disk_and_heal(lab: tuple[Netns, Path]) -> No
         return done
 
     def guest(script: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return netns.vmlaunch("exec", str(spec), "b", "--timeout", str(timeout), "--", "sh", "-c", script,
+        return netns.vmlaunch("exec", "--timeout", str(timeout), str(spec), "b", "--", "sh", "-c", script,
                               env=netns.env, timeout=timeout + 30)
 
     def read(block: int) -> subprocess.CompletedProcess[str]:

@@ -48,6 +48,10 @@ QMP_TIMEOUT = 10.0  # seconds QEMU gets to answer one command (a reopen drains t
 LOCK_TIMEOUT = 30.0  # seconds a fault command waits for another command on the lab to finish
 HOLD_BPS = 1  # bytes per second while requests are held: a 4 KiB request waits more than an hour
 EVENTS = {"read": "read_aio", "write": "write_aio", "flush": "flush_to_disk"}
+# In every blkdebug node with a flush rule: a rule that fails nothing (errno 0, on block-status queries,
+# which no request of the guest is) but that a read makes the one in force (`_reopen_slot`)
+DISARM = {"event": "read_aio", "iotype": "block-status", "errno": 0, "once": False}
+DISARM_TRIES = 5
 
 
 class VmDown(RuntimeFailure):
@@ -374,7 +378,30 @@ def _rules(faults: Sequence[DiskFault]) -> list[dict[str, Any]]:
             if fault.sector is not None:
                 rule["sector"] = fault.sector
             rules.append(rule)
+    if any(rule["iotype"] == "flush" for rule in rules):
+        rules.append(DISARM)
     return rules
+
+
+def _reopen_slot(qmp: QuickQmp, where: Target, node: str | None, file: str,
+                 rules: Sequence[dict[str, Any]]) -> None:
+    """Reopen the slot over `file`. A reopen first flushes the slot, through the blkdebug node `node`
+    it leaves: with a flush rule armed there, that flush fails ("Error flushing drive"). Such a node is
+    disarmed first: a read through the slot fires its DISARM rule, which takes the flush rule out of
+    the rules in force, and a flush of the node itself (whose events go to its child, not to it) then
+    succeeds, so that the slot's flush finds nothing new to flush there. A guest write in between arms
+    it again: tried a few times."""
+    disarm = node is not None and DISARM in rules
+    for attempt in range(DISARM_TRIES):
+        if disarm and node is not None:
+            _hmp(qmp, where.slot, "read 0 512")
+            _hmp(qmp, node, "flush")
+        try:
+            qmp.cmd("blockdev-reopen", options=[where.slot_options(file)])
+            return
+        except QmpError as exc:
+            if not disarm or "flushing" not in exc.message or attempt == DISARM_TRIES - 1:
+                raise
 
 
 def _limits(faults: Sequence[DiskFault]) -> dict[str, int]:
@@ -431,7 +458,7 @@ def _apply(qmp: QuickQmp, where: Target, record: dict[str, Any], faults: list[Di
         qmp.cmd("blockdev-add", **options)
         record["serial"] = serial
         try:
-            qmp.cmd("blockdev-reopen", options=[where.slot_options(new)])
+            _reopen_slot(qmp, where, node, new, _rules(state))
         except QmpError:
             qmp.cmd("blockdev-del", **{"node-name": new})
             raise
@@ -440,7 +467,7 @@ def _apply(qmp: QuickQmp, where: Target, record: dict[str, Any], faults: list[Di
             qmp.cmd("blockdev-del", **{"node-name": node})
         node = new
     elif not (rules or holds) and node is not None:
-        qmp.cmd("blockdev-reopen", options=[where.slot_options(where.name)])
+        _reopen_slot(qmp, where, node, where.name, _rules(state))
         record["node"] = None
         qmp.cmd("blockdev-del", **{"node-name": node})
         node = None
