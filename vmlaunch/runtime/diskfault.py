@@ -335,7 +335,8 @@ def _record(vms: dict[str, Any], where: Target) -> dict[str, Any]:
 def _check(where: Target, fault: DiskFault, faults: Sequence[DiskFault]) -> None:
     held = {old.op or "" for old in faults if old.kind is FaultKind.HANG}
     if where.readonly and fault.op in ("write", "flush"):
-        raise UsageError(f"{where.vm} {where.name} is read-only: it has no {fault.op}s to {fault.kind.value}")
+        verb = "hold" if fault.kind is FaultKind.HANG else "fail"
+        raise UsageError(f"{where.vm} {where.name} is read-only: it has no {fault.op}s to {verb}")
     if fault.kind is FaultKind.HANG and fault.op in held:
         raise UsageError(f"{where.vm} {where.name}: its {fault.op}s are already held",
                          f"`vmlaunch fault SPEC {where.vm} {where.name} release` lets them go")
@@ -452,7 +453,8 @@ def _apply(qmp: QuickQmp, where: Target, record: dict[str, Any], faults: list[Di
     if (rules or holds) and (node is None or rules != _rules(state)):
         serial = int(record.get("serial") or 0) + 1
         new = f"{where.name}-fault{serial}"
-        options: dict[str, Any] = {"driver": "blkdebug", "node-name": new, "image": where.name}
+        options: dict[str, Any] = {"driver": "blkdebug", "node-name": new, "image": where.name,
+                                   "read-only": where.readonly}
         if rules:  # QEMU refuses an empty list
             options["inject-error"] = rules
         qmp.cmd("blockdev-add", **options)

@@ -1342,8 +1342,9 @@ class _Builder:
                 ok = False
                 continue
             if readonly and fault.op in ("write", "flush"):
-                self.problems.add((*where, "op"), f"a read-only disk has no {fault.op}s to "
-                                  f"{fault.kind.value}", "leave the fault out, or readonly")
+                verb = "hold" if fault.kind is FaultKind.HANG else "fail"
+                self.problems.add((*where, "op"), f"a read-only disk has no {fault.op}s to {verb}",
+                                  "leave the fault out, or readonly")
                 ok = False
             kinds = [(old.kind, old.op) for old in faults]
             if fault.kind is FaultKind.HANG and (fault.kind, fault.op) in kinds:
