@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import fake_host, write_spec
 from vmlaunch.compile.compiler import compile_lab
 from vmlaunch.errors import EXIT_HOST, EXIT_SPEC, EXIT_USAGE, SpecError
-from vmlaunch.runtime.diskfault import _limits, _rules
+from vmlaunch.runtime.diskfault import DISARM, _limits, _rules
 from vmlaunch.spec.diskfault import (
     describe,
     errno_number,
@@ -94,7 +94,9 @@ def test_each_rule_names_its_iotype_and_a_hold_splits_the_limits() -> None:
         {"event": "write_aio", "iotype": "write", "errno": 28, "once": True},
         {"event": "write_aio", "iotype": "write-zeroes", "errno": 28, "once": True},
         {"event": "flush_to_disk", "iotype": "flush", "errno": 5, "once": False},
+        DISARM,  # with a flush rule: the rule a read puts in force, to take the node off again
     ]
+    assert DISARM not in _rules([DiskFault(FaultKind.ERROR, op="read")])
     slow = DiskFault(FaultKind.SLOW, bps=1 << 20, latency_ms=50)
     assert _limits([slow]) == {"bps": 1 << 20, "bps_rd": 0, "bps_wr": 0, "iops": 20, "iops_rd": 0,
                                "iops_wr": 0}
