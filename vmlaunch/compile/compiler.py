@@ -819,6 +819,13 @@ class _Compiler:
         if vm.cpus > self.host.cpus:
             yield (f"{vm.name}: {vm.cpus} vCPUs on a host with {self.host.cpus} CPUs; over-committed "
                    "vCPUs slow every guest (allocate the fewest vCPUs that do the job)")
+        for index, (_, disk) in enumerate(self.boot_disks(vm)):
+            if disk.faults:
+                from vmlaunch.spec.diskfault import describe
+
+                yield (f"{vm.name}: disk{index} breaks from the start ([[fault]]): "
+                       f"{'; '.join(describe(fault) for fault in disk.faults)}; `vmlaunch fault SPEC "
+                       f"{vm.name} disk{index} clear` takes it off")
 
     def disks(self, vm_path: KeyPath, vm: VmSpec) -> Iterator[str]:
         if any(disk.bus is DiskBus.SCSI for disk in vm.disks):
