@@ -115,7 +115,7 @@ def test_spec_faults_reach_the_plan(tmp_path: Path) -> None:
     plan = compile_lab(lab, fake_host()).vm("a")
     (start,) = plan.disk_faults
     assert (start.disk, start.key, start.faults) == ("disk0", "vm.a.disk[0]", lab.vm("a").disks[0].faults)
-    assert start.locations[1].line == 12  # each fault's table, for a fault QEMU refuses at up
+    assert start.locations[1].line == 13  # each fault's table, for a fault QEMU refuses at up
     # cmdline and up --dry-run say it
     assert "a: disk0 breaks from the start ([[fault]]): error write at sector 100, EIO; slow 2M/s" \
         in " ".join(plan.notes)
