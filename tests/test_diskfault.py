@@ -63,6 +63,7 @@ def test_faults_parse_one_way_everywhere(raw: dict[str, object], fault: DiskFaul
     ({"type": "slow", "bps": 1000}, "has no unit"),
     ({"type": "slow", "bps": "1MB"}, "rate"),
     ({"type": "slow", "bps": "0K"}, "zero"),
+    ({"type": "slow", "bps": "0"}, "zero"),
     ({"type": "slow", "latency": 5000}, "1 to 1000"),
     ({"type": "slow", "iops": 0}, "1 to"),
     ({"type": "slow", "iops": 10, "latency": 10}, "give one"),

@@ -181,7 +181,7 @@ def test_held_writes_wait_for_release_while_reads_go_on(rig: Lab) -> None:
     spec, vm = str(rig.spec), rig.vm("a")
     assert vmlaunch("fault", spec, "a", "disk1", "hang", "--write").returncode == 0
     twice = vmlaunch("fault", spec, "a", "disk1", "hang", "--write")
-    assert twice.returncode == EXIT_USAGE and "already held" in twice.stderr
+    assert twice.returncode == EXIT_USAGE and "holds its writes already" in twice.stderr
     vm.run("rm -f /tmp/w1 /tmp/w2; (dd if=/dev/zero of=/dev/vdb bs=4096 seek=30 count=1 oflag=direct; "
            "touch /tmp/w1; dd if=/dev/zero of=/dev/vdb bs=4096 seek=40 count=1 oflag=direct; touch /tmp/w2)"
            " >/dev/null 2>&1 &")
@@ -191,7 +191,8 @@ def test_held_writes_wait_for_release_while_reads_go_on(rig: Lab) -> None:
     refused = vmlaunch("fault", spec, "a", "disk1", "error", "--read")
     assert refused.returncode == EXIT_USAGE and "release" in refused.stderr
     not_paused = vmlaunch("pause", spec, "a")  # QMP stop would wait for the held write
-    assert not_paused.returncode != 0 and "held" in not_paused.stderr, not_paused.stderr
+    assert not_paused.returncode != 0 and "a hang holds the requests of a disk1" in not_paused.stderr, \
+        not_paused.stderr
     status = json.loads(vmlaunch("status", spec, "--json").stdout)["a"]
     assert status["state"] == "running"
     assert [disk["faults"] for disk in status["disks"]] == [[], [{"type": "hang", "op": "write"}], []]
@@ -201,6 +202,39 @@ def test_held_writes_wait_for_release_while_reads_go_on(rig: Lab) -> None:
     vm.wait_until_succeeds("test -e /tmp/w1 && test -e /tmp/w2", timeout=30)  # and every later one
     again = vmlaunch("fault", spec, "a", "disk1", "release")
     assert again.returncode == EXIT_USAGE and "nothing is held" in again.stderr
+
+
+def test_reads_and_writes_held_together_are_let_go_together(rig: Lab) -> None:
+    """A second hang set while a request is held, and a release of both: none of it waits for the held
+    request (each goes through the device's own backend). An error that would pause the VM is refused
+    while requests are held (QEMU pauses only once every request is done), and the other way round."""
+    spec, vm = str(rig.spec), rig.vm("a")
+    assert vmlaunch("fault", spec, "a", "disk1", "hang", "--write").returncode == 0
+    vm.run("rm -f /tmp/h1; (dd if=/dev/zero of=/dev/vdb bs=4096 seek=50 count=1 oflag=direct; touch /tmp/h1)"
+           " >/dev/null 2>&1 &")
+    time.sleep(2)
+    second = vmlaunch("fault", spec, "a", "disk01", "hang", "--read")  # disk01: disk1, said so
+    assert second.returncode == 0 and second.stdout.startswith("a disk1: "), second
+    pausing = vmlaunch("fault", spec, "a", "disk0", "error", "--write")  # disk0: on_error.write = "stop"
+    assert pausing.returncode == EXIT_USAGE and "holds requests" in pausing.stderr, pausing.stderr
+    released = vmlaunch("fault", spec, "a", "disk1", "release")
+    assert released.returncode == 0 and "reads and writes" in released.stdout, released
+    vm.wait_until_succeeds("test -e /tmp/h1", timeout=30)
+    assert vmlaunch("fault", spec, "a", "disk0", "error", "--write", "--sector", "4000").returncode == 0
+    refused = vmlaunch("fault", spec, "a", "disk1", "hang", "--write")
+    assert refused.returncode == EXIT_USAGE and "pauses the VM when it fires" in refused.stderr, refused
+    assert vmlaunch("fault", spec, "a", "disk0", "clear").returncode == 0
+
+
+def test_a_once_error_that_fired_is_not_armed_again(rig: Lab) -> None:
+    vm, disk = rig.vm("a"), rig.vm("a").disk("disk1")
+    write = "dd if=/dev/zero of=/dev/vdb bs=4096 seek=20 count=1 oflag=direct"
+    with disk.fail("write", sector=160, once=True):
+        assert vm.run(write).exit_code != 0 and vm.run(write).exit_code == 0
+        time.sleep(1)  # the lab manager logs the error
+        disk.fail("read", sector=900)  # a new set of rules: without the spent one
+        assert vm.run(write).exit_code == 0
+        assert [fault["op"] for fault in disk.faults()] == ["read"]
 
 
 def test_a_slow_disk_is_slow_until_cleared(rig: Lab) -> None:
@@ -294,8 +328,9 @@ size = "8M"
 
 def test_a_spec_fault_past_the_disk_is_a_spec_error_and_up_leaves_nothing(test_guest: Path,
                                                                             tmp_path: Path) -> None:
+    """A disk `up` makes: validate knows its size; one that exists: `up` asks QEMU, and says the same."""
     spec = tmp_path / "lab.toml"
-    spec.write_text(f"""[lab]
+    text = f"""[lab]
 name = "past"
 [vm.p]
 memory = "128M"
@@ -309,7 +344,13 @@ size = "1M"
 type = "error"
 op = "read"
 sector = 2048
-""")
+"""
+    spec.write_text(text)
+    checked = vmlaunch("validate", str(spec))
+    said = f"{spec}:14: vm.p.disk[0].fault[0].sector: sector 2048 is past the end of the disk (2048 sectors"
+    assert checked.returncode == 2 and said in checked.stderr, checked.stderr
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(tmp_path / "d.qcow2"), "1M"], check=True)
+    assert vmlaunch("validate", str(spec)).returncode == 0  # its size is the file's, which QEMU knows
     up = vmlaunch("up", str(spec))
     assert up.returncode == 2, up.stderr
     assert f"{spec}:11: vm.p.disk[0].fault[0]: sector 2048 is past the end of p disk0" in up.stderr, up.stderr

@@ -195,7 +195,7 @@ def test_the_compiled_guest(tmp_path: Path) -> None:
     assert '"hostfwd":[{"str":"tcp:127.0.0.1:0-:22"}]' in argv
     assert plan.vm("web").ssh_user == "vmlaunch"
     kinds = [type(r).__name__ for r in plan.resources]
-    assert kinds == ["LabDirResource", "Nvram", "Overlay", "Seed"]
+    assert kinds == ["LabDirResource", "Nvram", "Overlay", "Seed", "LabManager"]  # (every lab's event log)
 
 
 def test_uefi_without_ovmf_names_the_package(tmp_path: Path) -> None:

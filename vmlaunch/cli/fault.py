@@ -4,6 +4,7 @@ of what is set."""
 from __future__ import annotations
 
 import argparse
+import re
 from typing import TYPE_CHECKING, Any
 
 from vmlaunch.cli.common import Commands, add_json, add_spec, command
@@ -52,7 +53,8 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
     ops = fault.add_mutually_exclusive_group()
     for op in ("read", "write", "flush"):
         ops.add_argument(f"--{op}", dest="op", action="store_const", const=op,
-                         help=f"{op}s (error{', hang' if op != 'flush' else ''})")
+                         help=f"{'flushes' if op == 'flush' else op + 's'} "
+                         f"(error{', hang' if op != 'flush' else ''})")
     fault.add_argument("--sector", metavar="N", type=_whole, help="error: only at this sector (512 bytes)")
     fault.add_argument("--once", action="store_true", help="error: only the first request fails")
     fault.add_argument("--errno", metavar="NAME", help="error: the errno (default EIO)")
@@ -63,8 +65,8 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
 
 
 def _whole(text: str) -> int:
-    if not text.strip().isdigit() or len(text.strip()) > 18:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    if not re.fullmatch(r"[0-9]{1,18}", text, re.ASCII):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number from 0 to 10^18 (decimal digits)")
     return int(text)
 
 
@@ -72,6 +74,7 @@ def cmd_fault(args: argparse.Namespace) -> int:
     from vmlaunch.cli.common import lab_vm
     from vmlaunch.errors import UsageError
     from vmlaunch.runtime import diskfault
+    from vmlaunch.spec.diskfault import requests
 
     if args.vm is None:
         _no_options(args, "listing what is set", keep=("json",))
@@ -81,20 +84,20 @@ def cmd_fault(args: argparse.Namespace) -> int:
         raise UsageError("fault: name the VM, the disk and what to do: error, hang, release, slow or "
                          "clear", "`vmlaunch fault --help`")
     run_dir, lab = lab_vm(args.spec, args.vm)
+    disk = diskfault.disk_name(lab, args.vm, args.disk)
     if args.action == "release":
         _no_options(args, "release")
-        held = diskfault.release(run_dir, lab, args.vm, args.disk)
-        print(f"{args.vm} {args.disk}: released its held {' and '.join(held)}s")
+        held = diskfault.release(run_dir, lab, args.vm, disk)
+        print(f"{args.vm} {disk}: released its held {requests(held)}")
         return 0
     if args.action == "clear":
         _no_options(args, "clear")
-        cleared = diskfault.clear(run_dir, lab, args.vm, args.disk)
-        print(f"{args.vm} {args.disk}: " + (f"cleared ({_listed(cleared)})" if cleared
-                                            else "nothing was set"))
+        cleared = diskfault.clear(run_dir, lab, args.vm, disk)
+        print(f"{args.vm} {disk}: " + (f"cleared ({_listed(cleared)})" if cleared else "nothing was set"))
         return 0
     fault = _fault(args)
-    now = diskfault.set_fault(run_dir, lab, args.vm, args.disk, fault)
-    print(f"{args.vm} {args.disk}: {now}")
+    now = diskfault.set_fault(run_dir, lab, args.vm, disk, fault)
+    print(f"{args.vm} {disk}: {now}")
     return 0
 
 

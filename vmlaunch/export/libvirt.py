@@ -342,8 +342,7 @@ def _disks(lab: LabSpec, vm: VmSpec, devices: ET.Element, findings: Findings) ->
         ET.SubElement(element, "source", file=str(disk.file))
         ET.SubElement(element, "target", dev=_disk_name(prefix, used[prefix]), bus=bus)
         used[prefix] += 1
-        if not cdrom:  # the guest finds it by the name vmlaunch gives it, as under vmlaunch
-            ET.SubElement(element, "serial").text = f"disk{index}"
+        ET.SubElement(element, "serial").text = f"disk{index}"  # the guest finds it by vmlaunch's name
         if disk.faults:
             findings.add((*path, "fault"), "libvirt has no disk faults: the disk's [[fault]]s are "
                          "left out (`vmlaunch fault` sets them in vmlaunch's own QEMUs)")

@@ -141,8 +141,12 @@ class ManagerRecord:
         lastrun.keep_manager(run_dir)
         lastrun.keep_events(run_dir)  # complete now: its writer has stopped
         for path in (run_dir.manager_state, run_dir.manager_config):
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # a read-only or broken run dir: its removal, next, says so
+                log.debug("%s stays: %s", path, exc.strerror or exc)
 
     def describe(self) -> str:
         return f"lab manager (pid {self.pid})"

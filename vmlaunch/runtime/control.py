@@ -473,12 +473,12 @@ def _pause_or_resume(run_dir: RunDir, names: Sequence[str], timeout: float, *,
         if pausing and run_dir.disk_faults.exists():  # QEMU pauses once every request is done
             from vmlaunch.runtime.diskfault import held_requests
 
-            waiting = [f"{name} {disk}" for name in names for disk in held_requests(run_dir, name)]
+            waiting = [(name, disk) for name in names for disk in held_requests(run_dir, name)]
             if waiting:
-                verb = "has" if len(waiting) == 1 else "have"
-                raise RuntimeFailure(f"not paused: {', '.join(waiting)} {verb} requests held, and QEMU "
-                                     "pauses a VM only once its requests are done",
-                                     "`vmlaunch fault SPEC VM DISK release` first")
+                shown = ", ".join(f"{name} {disk}" for name, disk in waiting)
+                raise RuntimeFailure(f"not paused: a hang holds the requests of {shown}, and QEMU pauses a "
+                                     "VM only once its requests are done",
+                                     f"`vmlaunch fault SPEC {waiting[0][0]} {waiting[0][1]} release` first")
         done = {}
         for name in names:
             with QuickQmp(run_dir.vm(name).qmp, timeout=5) as qmp:

@@ -29,6 +29,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -38,8 +40,18 @@ from vmlaunch.compile.plan import VmPlan
 from vmlaunch.errors import EXIT_HOST, Problem, RuntimeFailure, SpecError, UsageError
 from vmlaunch.layout.rundir import RunDir, open_in_run_dir
 from vmlaunch.qemu.qmp import QmpError, QuickQmp
-from vmlaunch.spec.diskfault import SECTOR, describe, errno_number, from_json, iops_of, to_json
-from vmlaunch.spec.model import DiskBus, DiskFault, FaultKind, LabSpec
+from vmlaunch.spec.diskfault import (
+    SECTOR,
+    describe,
+    errno_number,
+    from_json,
+    iops_of,
+    may_pause,
+    plural,
+    requests,
+    to_json,
+)
+from vmlaunch.spec.model import DiskBus, DiskFault, FaultKind, LabSpec, OnError
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +83,8 @@ class Target:
     readonly: bool
     discard: bool
     pid: int
+    read_error: OnError | None = None  # the disk's on_error (None: QEMU's default)
+    write_error: OnError | None = None
 
     @property
     def slot(self) -> str:
@@ -144,9 +158,48 @@ def faults_of(entry: dict[str, Any]) -> list[DiskFault]:
 
 def listing(run_dir: RunDir) -> dict[str, dict[str, list[DiskFault]]]:
     """What is set now: VM -> disk -> its faults."""
-    return {vm: {disk: faults_of(record) for disk, record in sorted(entry["disks"].items())
-                 if faults_of(record)}
-            for vm, entry in sorted(load(run_dir).items())}
+    found: dict[str, dict[str, list[DiskFault]]] = {}
+    for vm, entry in sorted(load(run_dir).items()):
+        disks = {disk: _spent_off(run_dir, vm, disk, record)
+                 for disk, record in sorted(entry["disks"].items())}
+        found[vm] = {disk: faults for disk, faults in disks.items() if faults}
+    return found
+
+
+def _key(fault: DiskFault) -> str:
+    return json.dumps(to_json(fault), sort_keys=True)
+
+
+def _spent_off(run_dir: RunDir, vm: str, disk: str, record: dict[str, Any]) -> list[DiskFault]:
+    """The disk's faults without its `--once` errors that fired: an error of their kind (a failed
+    flush is a failed write to QEMU) logged on the disk since they were set. QEMU does not say which
+    rule failed a request, nor keeps a rule that fired: the lab's event log is what tells."""
+    faults = faults_of(record)
+    armed = record.get("armed") or {}
+    if not any(fault.once for fault in faults):
+        return faults
+    from vmlaunch.runtime import events
+
+    failed = [(event.time, event.data.get("operation")) for event in events.read(run_dir, [vm])
+              if event.event == "BLOCK_IO_ERROR" and event.disk == disk]
+    kept = []
+    for fault in faults:
+        since = armed.get(_key(fault)) if fault.once else None
+        operation = "read" if fault.op == "read" else "write"
+        if since is not None and any(when >= since and op == operation for when, op in failed):
+            continue
+        kept.append(fault)
+    return kept
+
+
+def _unspent(run_dir: RunDir, where: Target, record: dict[str, Any]) -> list[DiskFault]:
+    """The disk's faults as `_spent_off` says, and the record made to say so too (what fired once is
+    gone from QEMU as well)."""
+    faults = _spent_off(run_dir, where.vm, where.name, record)
+    record["faults"] = [to_json(fault) for fault in faults]
+    keys = {_key(fault) for fault in faults}
+    record["armed"] = {key: when for key, when in (record.get("armed") or {}).items() if key in keys}
+    return faults
 
 
 def held_requests(run_dir: RunDir, vm: str) -> list[str]:
@@ -158,6 +211,26 @@ def held_requests(run_dir: RunDir, vm: str) -> list[str]:
 # --- which disk ----------------------------------------------------------------------------------
 
 
+def disk_name(lab: LabSpec, vm: str, text: str) -> str:
+    """The name (diskN) of the disk `text` names on VM `vm`: diskN, or N; UsageError otherwise."""
+    return f"disk{_index(lab, vm, text)}"
+
+
+def _index(lab: LabSpec, vm: str, text: str) -> int:
+    from vmlaunch.compile.compiler import boot_disks
+    from vmlaunch.errors import format_key_path
+    from vmlaunch.layout.labdir import LabDir
+
+    disks = boot_disks(LabDir.of(lab.file, lab.name), lab.vm(vm))
+    match = re.fullmatch(r"(?:disk)?([0-9]{1,4})", str(text), re.ASCII)
+    if match is None or int(match[1]) >= len(disks):
+        names = ", ".join(f"disk{number} ({format_key_path(key)})"
+                          for number, (key, _) in enumerate(disks)) or "none"
+        raise UsageError(f"VM {vm} has no disk {text!r} (its disks: {names})",
+                         "`vmlaunch status SPEC --json` lists them")
+    return int(match[1])
+
+
 def target(run_dir: RunDir, lab: LabSpec, vm: str, text: str) -> Target:
     """The disk `text` names on VM `vm` (diskN, or N), which must run: UsageError for an unknown disk,
     VmDown when it is not running."""
@@ -167,23 +240,15 @@ def target(run_dir: RunDir, lab: LabSpec, vm: str, text: str) -> Target:
     from vmlaunch.runtime import process as qemu
     from vmlaunch.runtime.journal import Journal
 
-    spec = lab.vm(vm)
-    disks = boot_disks(LabDir.of(lab.file, lab.name), spec)
-    word = str(text).strip()
-    index = int(word[4:]) if word.startswith("disk") and word[4:].isdigit() else \
-        int(word) if word.isdigit() else None
-    if index is None or index >= len(disks):
-        names = ", ".join(f"disk{number} ({format_key_path(key)})"
-                          for number, (key, _) in enumerate(disks)) or "none"
-        raise UsageError(f"VM {vm} has no disk {text!r} (its disks: {names})",
-                         "`vmlaunch status SPEC --json` lists them")
-    key, disk = disks[index]
+    index = _index(lab, vm, text)
+    key, disk = boot_disks(LabDir.of(lab.file, lab.name), lab.vm(vm))[index]
     entry = Journal.load(run_dir).vms.get(vm) if run_dir.path.is_dir() else None
     pid = qemu.find_pid(run_dir.vm(vm), entry.pid) if entry is not None else None
     if pid is None:
         raise VmDown(f"VM {vm} is not running: a disk fault is set in a running QEMU",
                      f"start it with `vmlaunch up SPEC {vm}`")
-    return Target(vm, f"disk{index}", format_key_path(key), disk.bus, disk.readonly, disk.discard, pid)
+    return Target(vm, f"disk{index}", format_key_path(key), disk.bus, disk.readonly, disk.discard, pid,
+                  disk.read_error, disk.write_error)
 
 
 # --- changes -------------------------------------------------------------------------------------
@@ -200,8 +265,11 @@ def set_fault(run_dir: RunDir, lab: LabSpec, vm: str, disk: str, fault: DiskFaul
         where = target(run_dir, lab, vm, disk)
         vms = load(run_dir)
         record = _record(vms, where)
-        faults = faults_of(record)
+        faults = _unspent(run_dir, where, record)
         _check(where, fault, faults)
+        _check_pauses(where, fault, _actions(lab, vm), vms[vm]["disks"])
+        if fault.kind is FaultKind.ERROR and fault.once:
+            record.setdefault("armed", {})[_key(fault)] = time.time()
         if fault.kind is FaultKind.ERROR:
             faults = [old for old in faults if not (old.kind is FaultKind.ERROR and old.op == fault.op
                                                     and old.sector == fault.sector)] + [fault]
@@ -229,7 +297,7 @@ def release(run_dir: RunDir, lab: LabSpec, vm: str, disk: str, timeout: float = 
         where = target(run_dir, lab, vm, disk)
         vms = load(run_dir)
         record = _record(vms, where)
-        faults = faults_of(record)
+        faults = _unspent(run_dir, where, record)
         held = [fault.op or "" for fault in faults if fault.kind is FaultKind.HANG]
         if not held:
             raise UsageError(f"{vm} {where.name}: nothing is held", f"`vmlaunch fault SPEC {vm} "
@@ -239,7 +307,7 @@ def release(run_dir: RunDir, lab: LabSpec, vm: str, disk: str, timeout: float = 
                 _apply(qmp, where, record, [fault for fault in faults if fault.kind is not FaultKind.HANG])
             finally:
                 _save(run_dir, vms)
-        _note(run_dir, vm, where.name, f"released held {' and '.join(held)}s")
+        _note(run_dir, vm, where.name, f"released held {requests(held)}")
         return held
 
 
@@ -253,7 +321,7 @@ def clear(run_dir: RunDir, lab: LabSpec, vm: str, disk: str,
         where = target(run_dir, lab, vm, disk)
         vms = load(run_dir)
         record = _record(vms, where)
-        faults = faults_of(record)
+        faults = _unspent(run_dir, where, record)
         if faults or record.get("node"):
             with QuickQmp(run_dir.vm(vm).qmp, timeout=QMP_TIMEOUT) as qmp:
                 try:
@@ -336,15 +404,46 @@ def _check(where: Target, fault: DiskFault, faults: Sequence[DiskFault]) -> None
     held = {old.op or "" for old in faults if old.kind is FaultKind.HANG}
     if where.readonly and fault.op in ("write", "flush"):
         verb = "hold" if fault.kind is FaultKind.HANG else "fail"
-        raise UsageError(f"{where.vm} {where.name} is read-only: it has no {fault.op}s to {verb}")
+        raise UsageError(f"{where.vm} {where.name} is read-only: it has no {plural(fault.op)} to {verb}")
     if fault.kind is FaultKind.HANG and fault.op in held:
-        raise UsageError(f"{where.vm} {where.name}: its {fault.op}s are already held",
+        raise UsageError(f"{where.vm} {where.name}: a hang holds its {plural(fault.op)} already",
                          f"`vmlaunch fault SPEC {where.vm} {where.name} release` lets them go")
     if fault.kind is FaultKind.ERROR and held:
-        raise UsageError(f"{where.vm} {where.name}: its {' and '.join(sorted(held))}s are held, and new "
+        raise UsageError(f"{where.vm} {where.name}: a hang holds its {requests(sorted(held))}, and new "
                          "error rules would wait for them", f"`vmlaunch fault SPEC {where.vm} "
                          f"{where.name} release` first")
     errno_number(fault.errno)
+
+
+def _actions(lab: LabSpec, vm: str) -> dict[str, tuple[OnError | None, OnError | None]]:
+    """diskN -> its (on_error.read, on_error.write) as the spec gives them (None: QEMU's default)."""
+    from vmlaunch.compile.compiler import boot_disks
+    from vmlaunch.layout.labdir import LabDir
+
+    disks = boot_disks(LabDir.of(lab.file, lab.name), lab.vm(vm))
+    return {f"disk{index}": (disk.read_error, disk.write_error) for index, (_, disk) in enumerate(disks)}
+
+
+def _check_pauses(where: Target, fault: DiskFault, actions: dict[str, tuple[OnError | None, OnError | None]],
+                  records: dict[str, Any]) -> None:
+    """QEMU pauses a VM only once every request of its disks is done: a pause while a request is held
+    (an I/O error that stops the VM, on any of its disks) would wait for ever, and QEMU with it. A hang
+    and an error that pauses are not set on one VM together."""
+    set_now = {disk: faults_of(record) for disk, record in records.items()}
+    set_now[where.name] = [*set_now.get(where.name, [])]
+    holds = [f"{disk} ({describe(old)})" for disk, faults in set_now.items() for old in faults
+             if old.kind is FaultKind.HANG]
+    pausing = [f"{disk} ({describe(old)})" for disk, faults in set_now.items() for old in faults
+               if may_pause(old, *actions.get(disk, (None, None)))]
+    why = ("QEMU pauses a VM only once every request of its disks is done, so that pause would wait for "
+           "the held request, and QEMU with it")
+    if fault.kind is FaultKind.HANG and pausing:
+        raise UsageError(f"{where.vm}: not set: {', '.join(pausing)} pauses the VM when it fires; {why}",
+                         "clear that disk first, or give it on_error = \"report\"")
+    if may_pause(fault, where.read_error, where.write_error) and holds:
+        raise UsageError(f"{where.vm}: not set: this error pauses the VM when it fires, and "
+                         f"{', '.join(holds)} holds requests; {why}",
+                         f"`vmlaunch fault SPEC {where.vm} DISK release` first")
 
 
 def _check_sector(qmp: QuickQmp, where: Target, fault: DiskFault) -> None:
@@ -424,7 +523,16 @@ def _limits(faults: Sequence[DiskFault]) -> dict[str, int]:
 
 
 def _hmp(qmp: QuickQmp, node: str, command: str) -> None:
+    """HMP qemu-io on block node `node` (through a BlockBackend of its own, which drains the node when
+    it goes: never while a request is held)."""
     qmp.cmd("human-monitor-command", **{"command-line": f'qemu-io {node} "{command}"'})
+
+
+def _hold(qmp: QuickQmp, where: Target, command: str) -> None:
+    """HMP qemu-io through the device's own BlockBackend (`-d`): a breakpoint found below it, and no
+    drain when the command ends, so that one hold can be set or let go while another holds a
+    request."""
+    qmp.cmd("human-monitor-command", **{"command-line": f'qemu-io -d {where.backend} "{command}"'})
 
 
 def _apply(qmp: QuickQmp, where: Target, record: dict[str, Any], faults: list[DiskFault]) -> None:
@@ -442,8 +550,8 @@ def _apply(qmp: QuickQmp, where: Target, record: dict[str, Any], faults: list[Di
     # 1. holds that go: the breakpoint off and what it holds resumed, before anything drains
     for op in sorted(held - holds):
         if node:
-            _hmp(qmp, node, f"remove_break vmlaunch-{op}")
-            _hmp(qmp, node, f"resume vmlaunch-{op}")
+            _hold(qmp, where, f"remove_break vmlaunch-{op}")
+            _hold(qmp, where, f"resume vmlaunch-{op}")
     state = now([fault for fault in before if fault.kind is not FaultKind.HANG or (fault.op or "") in holds])
     # 2. their limit lifted (which drains what it held)
     if _limits(state) != _limits(before):
@@ -478,7 +586,7 @@ def _apply(qmp: QuickQmp, where: Target, record: dict[str, Any], faults: list[Di
     # 4. new holds: the breakpoint for the next request of the kind, the limit for every later one
     for fault in faults:
         if fault.kind is FaultKind.HANG and (fault.op or "") not in held and node is not None:
-            _hmp(qmp, node, f"break {EVENTS[fault.op or 'write']} vmlaunch-{fault.op}")
+            _hold(qmp, where, f"break {EVENTS[fault.op or 'write']} vmlaunch-{fault.op}")
             state = now([*state, fault])
     # 5. the limits of the slow fault and the holds as wanted
     if _limits(faults) != _limits(state):

@@ -401,7 +401,7 @@ def render(event: Event) -> str:
         words.append(said)
     if event.repeated is not None:
         since = f" since {_clock(event.first)[11:]}" if event.first is not None else ""
-        words.append(f"({event.repeated} times{since})")
+        words.append(f"({event.repeated} {'time' if event.repeated == 1 else 'times'}{since})")
     return printable(" ".join(words))
 
 

@@ -489,7 +489,10 @@ def check_booting(vm: VmPlan, pid: int, before: str, *, ask_qemu: bool = True) -
     if not qemu.alive(pid):
         raise RuntimeFailure(f"{vm.name}: QEMU exited before {before}"
                              f"{_tail(vm.files.serial_log)}{_tail(vm.files.qemu_log, empty='')}")
-    panic = qemu.guest_panic(vm.files, ask_qemu=ask_qemu, any_boot=True)  # a fresh log per QEMU
+    panic = qemu.guest_stuck(vm.files, ask_qemu=ask_qemu, any_boot=True)  # a fresh log per QEMU
+    if panic == qemu.IO_ERROR_SAID:
+        raise RuntimeFailure(f"{vm.name}: stopped before {before}: {panic}", "its disks' on_error, "
+                             "and the spec's [[fault]]s, say what a failed request does")
     if panic is not None:
         raise RuntimeFailure(f"{vm.name}: the guest panicked before {before}: {panic}"
                              f"{_tail(vm.files.serial_log)}", f"`vmlaunch logs SPEC {vm.name}` shows its "

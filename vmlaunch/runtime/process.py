@@ -175,12 +175,21 @@ def console_panic(files: VmFiles, *, any_boot: bool = False) -> str | None:
 # What `guest_panic` says of a panic QEMU knows of (pvpanic) when the console shows none (a guest
 # whose console is not the serial port).
 PVPANIC_SAID = "QEMU reports the guest panicked (pvpanic: run state guest-panicked)"
+IO_ERROR_SAID = ("QEMU paused it: a disk request failed (run state io-error; `vmlaunch logs SPEC --events` "
+                 "says which)")
 
 
 def guest_panic(files: VmFiles, *, ask_qemu: bool = True, any_boot: bool = False) -> str | None:
     """The panic line when the guest panicked since it last booted: from its console, else (with
     `ask_qemu`) QEMU's run state, which a pvpanic device sets; None when it did not, or QEMU does not
     answer within a second (busy, or gone: the caller's other checks say so)."""
+    stuck = guest_stuck(files, ask_qemu=ask_qemu, any_boot=any_boot)
+    return stuck if stuck != IO_ERROR_SAID else None
+
+
+def guest_stuck(files: VmFiles, *, ask_qemu: bool = True, any_boot: bool = False) -> str | None:
+    """Why the guest cannot go on: its panic (as `guest_panic`), or QEMU paused by a failed disk
+    request (run state io-error: `vmlaunch resume` retries it, nothing else does)."""
     panic = console_panic(files, any_boot=any_boot)
     if panic is not None or not ask_qemu:
         return panic
@@ -191,7 +200,7 @@ def guest_panic(files: VmFiles, *, ask_qemu: bool = True, any_boot: bool = False
             state = qmp.cmd("query-status").get("status")
     except (RuntimeFailure, OSError, ValueError):
         return None
-    return PVPANIC_SAID if state == "guest-panicked" else None
+    return PVPANIC_SAID if state == "guest-panicked" else IO_ERROR_SAID if state == "io-error" else None
 
 
 # What a Linux guest prints when its balloon driver can take no more pages, or when it starts killing

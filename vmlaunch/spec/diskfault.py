@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vmlaunch.core.units import parse_size
-from vmlaunch.spec.model import DiskFault, FaultKind
+from vmlaunch.spec.model import DiskFault, FaultKind, OnError
 
 OPS = {FaultKind.ERROR: ("read", "write", "flush"), FaultKind.HANG: ("read", "write")}
 KEYS = ("type", "op", "read", "write", "flush", "sector", "once", "errno", "bps", "iops", "latency")
@@ -49,6 +49,8 @@ def parse_rate(text: str | int) -> int:
     number without a unit is refused. ValueError for a user."""
     if isinstance(text, bool) or not isinstance(text, (str, int)):
         raise ValueError(f"{text!r} is not a rate (examples: 1M, 512K, 10MiB/s)")
+    if isinstance(text, (int, str)) and re.fullmatch(r" *0*(\.0*)? *", str(text)):
+        raise ValueError(f"rate {text!r} is zero: `hang` holds requests; `clear` takes the limits off")
     if isinstance(text, int) or not re.search(r"[A-Za-z]", text.replace("/s", "").replace("/S", "")):
         raise ValueError(f"rate {text!r} has no unit: is it bytes, KiB or MiB a second? (examples: "
                          "1M, 512K, 10MiB/s; 100B for bytes)")
@@ -101,7 +103,9 @@ def parse_fault(raw: Mapping[str, Any]) -> tuple[DiskFault | None, list[Problem]
             problems.append(("op", f"which requests: {' or '.join(allowed)}?",
                              f"op = \"{allowed[-1]}\", or {allowed[-1]} = true"))
         elif chosen is not None and chosen not in allowed:
-            problems.append(("op", f"a {kind.value} fault is on {' or '.join(allowed)}, not {chosen!r}", ""))
+            article = "an" if kind is FaultKind.ERROR else "a"
+            problems.append(("op", f"{article} {kind.value} fault is on {' or '.join(allowed)}, "
+                             f"not {chosen!r}", ""))
         fields["op"] = chosen
         for key in ("bps", "iops", "latency"):
             if key in raw:
@@ -176,6 +180,28 @@ def _milliseconds(text: str, problems: list[Problem]) -> int | None:
                          "\"1s\")", ""))
         return None
     return int(match[1]) * (1000 if match[2] == "s" else 1)
+
+
+def plural(op: str | None) -> str:
+    """"reads", "writes", "flushes"."""
+    return "flushes" if op == "flush" else f"{op}s"
+
+
+def requests(ops: list[str]) -> str:
+    """"reads and writes"."""
+    return " and ".join(plural(op) for op in sorted(ops))
+
+
+def may_pause(fault: DiskFault, read_error: OnError | None, write_error: OnError | None) -> bool:
+    """Whether an error fault pauses the VM when it fires, on a disk with these on_error actions (None:
+    QEMU's default): "stop", or writes' default "enospc" with ENOSPC (QEMU counts a failed flush as a
+    failed write). QEMU pauses a VM only once every request of its disks is done: such an error and a
+    hang on the same VM would wait for each other, and are never set together."""
+    if fault.kind is not FaultKind.ERROR:
+        return False
+    if fault.op == "read":
+        return read_error is OnError.STOP
+    return write_error is OnError.STOP or (write_error in (None, OnError.ENOSPC) and fault.errno == "ENOSPC")
 
 
 def iops_of(fault: DiskFault) -> int | None:

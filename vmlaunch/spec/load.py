@@ -17,7 +17,7 @@ import os
 import re
 import stat
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -958,6 +958,7 @@ class _Builder:
     def vm(self, path: KeyPath, name: str, networks: set[str], broken: set[str]) -> VmSpec | None:
         raw = self.table(path)
         disks = tuple(self.disks(path, self.tables(raw, "disk")))
+        self.hangs_and_pauses(path, disks)
         nics = tuple(self.nics(path, name, self.tables(raw, "nic"), networks, broken,
                                agent_off=raw.get("agent") is False))
         pci = tuple(self.pci(path, self.tables(raw, "pci")))
@@ -1312,7 +1313,7 @@ class _Builder:
                               "leave on_error.write out, or readonly")
             return None
         faults = self.disk_faults(path, raw.get("fault") if self.is_valid((*path, "fault")) else None,
-                                  readonly)
+                                  readonly, size if size is not None and not file.exists() else None)
         if faults is None:
             return None
         if faults:
@@ -1327,9 +1328,25 @@ class _Builder:
             **given,
         )
 
-    def disk_faults(self, path: KeyPath, items: Any, readonly: bool) -> tuple[DiskFault, ...] | None:
+    def hangs_and_pauses(self, path: KeyPath, disks: Sequence[Disk]) -> None:
+        """A hang and an error that pauses the VM are not set on one VM: QEMU pauses a VM only once
+        every request is done, and would wait for the held one for ever (spec/diskfault.py)."""
+        from vmlaunch.spec.diskfault import may_pause
+
+        hang = next(((index, number) for index, disk in enumerate(disks)
+                     for number, fault in enumerate(disk.faults) if fault.kind is FaultKind.HANG), None)
+        pausing = [index for index, disk in enumerate(disks)
+                   if any(may_pause(fault, disk.read_error, disk.write_error) for fault in disk.faults)]
+        if hang is not None and pausing:
+            self.problems.add((*path, "disk", hang[0], "fault", hang[1]),
+                              f"a hang, and an error on disk[{pausing[0]}] that pauses the VM when it fires: "
+                              "QEMU pauses a VM only once every request is done, and would wait for the "
+                              "held one for ever", "give that disk on_error = \"report\", or drop one")
+
+    def disk_faults(self, path: KeyPath, items: Any, readonly: bool,
+                    size: int | None = None) -> tuple[DiskFault, ...] | None:
         """The disk's [[fault]]s (spec/diskfault.py parses them as the CLI's), None after a problem."""
-        from vmlaunch.spec.diskfault import parse_fault
+        from vmlaunch.spec.diskfault import parse_fault, plural
 
         faults: list[DiskFault] = []
         ok = True
@@ -1343,12 +1360,16 @@ class _Builder:
                 continue
             if readonly and fault.op in ("write", "flush"):
                 verb = "hold" if fault.kind is FaultKind.HANG else "fail"
-                self.problems.add((*where, "op"), f"a read-only disk has no {fault.op}s to {verb}",
+                self.problems.add((*where, "op"), f"a read-only disk has no {plural(fault.op)} to {verb}",
                                   "leave the fault out, or readonly")
+                ok = False
+            if size is not None and fault.sector is not None and fault.sector * 512 >= size:
+                self.problems.add((*where, "sector"), f"sector {fault.sector} is past the end of the disk "
+                                  f"({size // 512} sectors of 512 bytes: 0 to {size // 512 - 1})")
                 ok = False
             kinds = [(old.kind, old.op) for old in faults]
             if fault.kind is FaultKind.HANG and (fault.kind, fault.op) in kinds:
-                self.problems.add(where, f"a second hang of the {fault.op}s", "one is enough")
+                self.problems.add(where, f"a second hang of the {plural(fault.op)}", "one is enough")
                 ok = False
             if fault.kind is FaultKind.SLOW and any(kind is FaultKind.SLOW for kind, _ in kinds):
                 self.problems.add(where, "a second slow fault on the disk", "give bps, iops and "
