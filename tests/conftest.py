@@ -23,7 +23,7 @@ GUEST_DIR = EXAMPLES / "guest"
 FAKE_DEVICES = frozenset({
     "virtio-blk-pci", "virtio-scsi-pci", "scsi-hd", "ide-hd", "virtio-net-pci", "e1000",
     "e1000e", "rtl8139", "virtio-balloon-pci", "vfio-pci", "pvpanic", "virtio-serial-pci", "virtserialport",
-    "VGA", "virtio-vga",
+    "VGA", "virtio-vga", "vmgenid",
 })
 
 

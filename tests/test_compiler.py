@@ -98,8 +98,9 @@ def test_best_practice_defaults(tmp_path: Path) -> None:
     # the device reads and writes through its fault slot: raw over the format node, for disk faults
     assert (slot["driver"], slot["node-name"], slot["file"]) == ("raw", "disk0-slot", "disk0")
     assert file_node["cache"] == {"direct": True, "no-flush": False}  # cache=none
-    blk, nic, balloon, panic, channels, agent, qga, video = devices(argv)
+    blk, nic, balloon, panic, genid, channels, agent, qga, video = devices(argv)
     assert panic == {"driver": "pvpanic", "id": "pvpanic"}  # a panic is seen at once
+    assert genid == {"driver": "vmgenid", "id": "vmgenid0"}  # a new generation id at each start
     assert channels["driver"] == "virtio-serial-pci"  # the command channel: on for a direct boot
     assert (agent["name"], qga["name"]) == ("org.vmlaunch.agent.0", "org.qemu.guest_agent.0")
     assert video == {"driver": "VGA", "id": "video0"}  # a screen for `screenshot`, last: slots stay

@@ -315,6 +315,8 @@ def _read_device(guest: Guest, device: dict[str, Any], nodes: dict[str, dict[str
         guest.differences.append(("firmware log", driver))
     elif driver in ("virtio-serial-pci", "virtserialport"):
         guest.differences.append(("command channel", driver))
+    elif driver == "vmgenid":  # no PCI device: where it stands on the line moves nothing
+        guest.top["vmgenid"] = True
     else:
         guest.devices.append(driver)
 

@@ -355,6 +355,9 @@ def test_an_edited_lab_comes_back_and_a_snapshot_takes_it_back_in_time(lab: tupl
     assert ssh(netns, spec, "b", "cat", "/var/tmp/kept").returncode == 1  # b was reset before
     clock = ssh(netns, spec, "a", "date", "+%s")
     assert clock.returncode == 0 and abs(int(clock.stdout) - int(time.time())) < 60
+    # a new QEMU, a new generation id (vmgenid): the restored kernel knows it is a copy, and reseeds
+    reseeded = ssh(netns, spec, "a", "sudo", "-n", "dmesg")
+    assert "crng reseeded due to virtual machine fork" in reseeded.stdout, reseeded.stdout[-2000:]
 
 
 # ---------------------------------------------------------------- test rigs: the command channel

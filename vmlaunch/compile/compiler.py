@@ -605,6 +605,7 @@ class _Compiler:
                 "free-page-reporting": reports_free_pages(vm),
             })]
         argv += self.panic_device(vm)
+        argv += self.generation_id(vm)
         argv += self.channel(path, vm, files)
         argv += self.firmware_log(vm, files)
         argv += self.display(path, vm)
@@ -705,6 +706,17 @@ class _Compiler:
                 or self.host.qemu.version < (6, 0, 0):  # no -action: a panic would quit QEMU
             return []
         return ["-device", json_arg({"driver": "pvpanic", "id": "pvpanic"}), "-action", "panic=pause"]
+
+    def generation_id(self, vm: VmSpec) -> list[str]:
+        """QEMU's vmgenid device on the x86 PC machines where this QEMU has it: a VM generation id
+        (ACPI) the guest reads, new at every QEMU start (`guid=auto`) and so after every restore of a
+        snapshot, which a Linux guest takes for a fork of its machine and reseeds its random number
+        generator ("crng reseeded due to virtual machine fork"): two runs from one snapshot never draw
+        the same random numbers. It is no PCI device: no slot moves. A device a VM can only have from
+        its start, which a fork of a running VM needs."""
+        if "vmgenid" not in self.host.qemu.devices or not is_pc_machine(vm.machine):
+            return []
+        return ["-device", json_arg({"driver": "vmgenid", "id": "vmgenid0"})]
 
     def firmware(self, path: KeyPath, vm: VmSpec) -> tuple[list[str], dict[str, str]]:
         """UEFI: OVMF's code read-only and shared, the VM's own copy of the variables, as the two

@@ -23,6 +23,7 @@ from vmlaunch.compile.compiler import (
     TCG_CACHE_MIB,
     TCG_CPU,
     boot_disks,
+    is_pc_machine,
     reports_free_pages,
     video_of,
 )
@@ -186,6 +187,8 @@ def domain_xml(lab: LabSpec, vm: VmSpec, findings: Findings) -> str:
     root = ET.Element("domain", type=domain_type(vm))
     ET.SubElement(root, "name").text = name
     ET.SubElement(root, "uuid").text = str(uuid.uuid5(UUID_NAMESPACE, f"domain:{name}"))
+    if is_pc_machine(vm.machine):  # vmlaunch's vmgenid device: libvirt makes one new at each start
+        ET.SubElement(root, "genid")
     ET.SubElement(root, "description").text = f"vmlaunch lab {lab.name}, VM {vm.name} ({lab.file})"
     ET.SubElement(root, "memory", unit="MiB").text = str(vm.memory_mib)
     ET.SubElement(root, "currentMemory", unit="MiB").text = str(vm.memory_mib)
