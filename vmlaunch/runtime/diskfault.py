@@ -560,7 +560,9 @@ def _apply(qmp: QuickQmp, where: Target, record: dict[str, Any], faults: list[Di
     rules = _rules(faults)
     if (rules or holds) and (node is None or rules != _rules(state)):
         serial = int(record.get("serial") or 0) + 1
-        new = f"{where.name}-fault{serial}"
+        # a token of its own: a fault command killed between blockdev-add and saving the record leaves a
+        # node the record does not name, which a later one must not collide with
+        new = f"{where.name}-fault{serial}-{os.urandom(3).hex()}"
         options: dict[str, Any] = {"driver": "blkdebug", "node-name": new, "image": where.name,
                                    "read-only": where.readonly}
         if rules:  # QEMU refuses an empty list
