@@ -11,6 +11,7 @@ import pytest
 
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.bridge import BridgeRecord
+from vmlaunch.resources.clone import CloneRecord
 from vmlaunch.resources.guest import LabDirRecord, VmFileRecord
 from vmlaunch.resources.hugepages import HugepagesRecord
 from vmlaunch.resources.image import ImageRecord
@@ -54,6 +55,7 @@ SAMPLES = [
     Entry("vm-user", "a", "a", VmUserRecord("a", 1879048192, "/run/vmlaunch", ("/l/share",))),
     Entry("vm-user-claim", "b", "b", VmUserClaimRecord("b", 1879048193, "/run/vmlaunch")),
     Entry("netem", "vl-abcdefghijkl", "a", NetemRecord("vl-abcdefghijkl", "vliabcdefghijkl", "a", 0)),
+    Entry("clone", "a-1", "a-1", CloneRecord("a-1", Path("/run/vmlaunch/l"), Path("/l/.vmlaunch/l"), "l")),
 ]
 
 
@@ -75,7 +77,8 @@ def good(resources: list[Any] | None = None, **changes: Any) -> dict[str, Any]:
 
 def test_registry_covers_every_record_kind() -> None:
     assert set(RECORDS) == {"image", "bridge", "tap", "pci", "labdir", "vmfile", "hugepages",
-                            "manager", "ksm", "placement", "script", "vm-user", "vm-user-claim", "netem"}
+                            "manager", "ksm", "placement", "script", "vm-user", "vm-user-claim", "netem",
+                            "clone"}
     assert {e.kind for e in SAMPLES} == set(RECORDS)
 
 

@@ -223,7 +223,7 @@ def test_a_link_planted_for_a_vm_file_is_removed_before_qemu_opens_it(root: Path
     files = run_dir.vm("a")
     for path in files.every:
         path.symlink_to(victim)
-    executor._clear_stale(files)
+    executor.clear_stale(files)
     assert not any(path.is_symlink() for path in files.every) and victim.read_text() == "precious"
     files.serial_log.symlink_to(victim)
     journal = Journal.load(run_dir)  # the VM is up: its log is read from the run dir

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from vmlaunch.runtime.agent import Command, Result
     from vmlaunch.runtime.events import Event
     from vmlaunch.runtime.rig import Guest
+    from vmlaunch.spec.model import LabSpec
 
 log = logging.getLogger("vmlaunch")
 
@@ -60,13 +61,14 @@ class Lab:
         __tracebackhide__ = True  # pytest: a missing or wrong spec shows the test's line
         base, base_is = _caller_base()
         self.spec = _locate_spec(spec, base, base_is)
-        self.model = load_checked(self.spec, vms=vms)
-        self.model.select(vms)  # a UsageError for a VM the lab does not have
+        self.spec_model = load_checked(self.spec, vms=vms)
+        self.spec_model.select(vms)  # a UsageError for a VM the lab does not have
         self.host = detect_host()
-        kernels = prepare_kernels(self.model, self.host, vms, build=True)  # once, into the cache
-        self.plan: Plan = compile_lab(self.model, self.host, vms, kernels=kernels,
+        kernels = prepare_kernels(self.spec_model, self.host, vms, build=True)  # once, into the cache
+        self.plan: Plan = compile_lab(self.spec_model, self.host, vms, kernels=kernels,
                                       running=running.where_running(
-                                          RunDir.of(self.host.run_root, self.model.name), self.host.numa))
+                                          RunDir.of(self.host.run_root, self.spec_model.name),
+                                          self.host.numa))
         self.only = tuple(vms)  # empty: the whole lab
         self.wait_for = wait_for
         self.timeout = timeout
@@ -78,12 +80,37 @@ class Lab:
     @property
     def name(self) -> str:
         """The lab's name (`lab.name` in the spec)."""
-        return self.model.name
+        return self.spec_model.name
+
+    @property
+    def model(self) -> LabSpec:
+        """The lab as its spec describes it, with the clones `fork` made that are up (VMs of the lab
+        until they go down)."""
+        from vmlaunch.runtime.fork import members
+
+        return members(self.spec_model)
 
     @property
     def vms(self) -> tuple[str, ...]:
-        """The names of the VMs this Lab brings up and down, in spec order."""
-        return tuple(vm.name for vm in self.plan.vms)
+        """The names of the VMs this Lab brings up and down, in spec order, then the clones that are
+        up (a Lab made for some VMs, `vms=[...]`, has those alone)."""
+        planned = tuple(vm.name for vm in self.plan.vms)
+        if self.only:
+            return planned
+        return (*planned, *(vm.name for vm in self.model.vms if vm.name not in planned))
+
+    def fork(self, vm: str, count: int = 1, *, name: str | None = None, shared_memory: bool = False,
+             keep_going: bool = False, same_identity: bool = False, timeout: float = 60.0) -> list[Vm]:
+        """Fork the running VM `vm` into `count` clones, as `vmlaunch fork`: each runs on from this
+        instant with an identity of its own, and is a VM of the lab (`Lab.vm`, `status`, `down`)
+        until it goes down. `name`: their names, `{i}` being the number (default VM-1, VM-2, ...).
+        Returns the clones. RuntimeFailure (nothing changed) when the VM cannot be forked; a fork
+        that fails half-way is rolled back (with `keep_going`, a clone that fails alone is)."""
+        from vmlaunch.runtime import fork
+
+        made = fork.fork(self.spec_model, self.host, vm, count, pattern=name, shared_memory=shared_memory,
+                         keep_going=keep_going, same_identity=same_identity, timeout=timeout)
+        return [Vm(self, each.name) for each in made]
 
     @property
     def run_dir(self) -> RunDir:
@@ -108,8 +135,8 @@ class Lab:
             timeout = self.timeout if self.timeout is not None else executor.default_timeout(wait_ssh)
         from vmlaunch.guests.shareaccess import require_xattrs
 
-        require_xattrs(self.model, [vm.name for vm in self.plan.vms])
-        executor.up(self.plan, spec=str(self.model.file), qemu_img=self.host.qemu.img,
+        require_xattrs(self.spec_model, [vm.name for vm in self.plan.vms])
+        executor.up(self.plan, spec=str(self.spec_model.file), qemu_img=self.host.qemu.img,
                     wait_for=wait_for if wait_for is not None else self.wait_for,
                     timeout=timeout, wait_ssh=wait_ssh, parallel=_parallel(parallel))
 
@@ -117,7 +144,7 @@ class Lab:
         """Stop the VMs and undo what `up` did, as `vmlaunch down`; returns False (and does nothing)
         when the lab is not up. Disk images are kept. Raises RuntimeFailure naming every step that
         failed (after trying them all)."""
-        return executor.down(self.run_dir, self.only, timeout=timeout, spec=self.model.file)
+        return executor.down(self.run_dir, self.only, timeout=timeout, spec=self.spec_model.file)
 
     def pause(self, timeout: float = 10.0) -> dict[str, str]:
         """Pause every VM of this Lab, as `vmlaunch pause`: VM -> "paused" or "already paused". A
@@ -202,7 +229,7 @@ class Lab:
         except VmlaunchError as error:
             if exc is None:
                 raise
-            log.error("taking lab %s down failed: %s", self.model.name, error)  # keep exc visible
+            log.error("taking lab %s down failed: %s", self.spec_model.name, error)  # keep exc visible
 
 
 class Vm:

@@ -23,6 +23,7 @@ from vmlaunch.cli import (
     doctor,
     export,
     fault,
+    fork,
     graph,
     help,
     image,
@@ -48,7 +49,7 @@ from vmlaunch.errors import (
 log = logging.getLogger("vmlaunch")
 
 # The command groups, in the order `vmlaunch --help` lists their commands.
-GROUPS = (init, lab, vms, rig, wire, netem, fault, screen, image, snapshot, export, graph, doctor, help)
+GROUPS = (init, lab, fork, vms, rig, wire, netem, fault, screen, image, snapshot, export, graph, doctor, help)
 
 
 def build_parser() -> argparse.ArgumentParser:

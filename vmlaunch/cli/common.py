@@ -100,12 +100,14 @@ def vm_count(text: str) -> int:
 
 
 def lab_vm(spec: str, *vms: str) -> tuple[RunDir, LabSpec]:
-    """The lab's run dir and the lab; each of `vms` must be one of its VMs."""
+    """The lab's run dir and the lab with its clones (`runtime/fork.py`: they are VMs of the lab until
+    they go down); each of `vms` must be one of its VMs."""
     from vmlaunch.layout.dirs import run_root
     from vmlaunch.layout.rundir import RunDir
+    from vmlaunch.runtime.fork import members
     from vmlaunch.spec.load import load_lab
 
-    lab = load_lab(spec)
+    lab = members(load_lab(spec))
     lab.select(vms)
     return RunDir.of(run_root(), lab.name), lab
 

@@ -161,9 +161,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     from vmlaunch.host.facts import detect_host
     from vmlaunch.layout.rundir import RunDir
     from vmlaunch.runtime import executor
+    from vmlaunch.runtime.fork import members
     from vmlaunch.runtime.running import where_running
 
-    lab = load_checked(args.spec, vms=args.vms)
+    lab = members(load_checked(args.spec, vms=args.vms))  # the manager goes on watching the clones
     host = detect_host()
     from vmlaunch.host.confine import warn_if_off
 

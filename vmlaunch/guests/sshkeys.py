@@ -89,6 +89,23 @@ def pin(lab_dir: LabDir, vm: str, public_line: str) -> None:
         write_atomic(lab_dir.known_hosts, "".join(f"{each}\n" for each in [*kept, line]), 0o600)
 
 
+def unpin(lab_dir: LabDir, vm: str) -> None:
+    """Drop the VM's line from the lab's known_hosts (a clone that went down), keeping every other."""
+    check_name(lab_dir.lab, "lab")
+    check_name(vm, "VM")
+    if not lab_dir.ssh_dir.is_dir():
+        return
+    alias = lab_dir.host_alias(vm)
+    with _locked(lab_dir.ssh_dir):
+        try:
+            old = read_own_file(lab_dir.known_hosts).splitlines()
+        except FileNotFoundError:
+            return
+        kept = [line for line in old if line.split(" ", 1)[0] != alias]
+        if len(kept) != len(old):
+            write_atomic(lab_dir.known_hosts, "".join(f"{each}\n" for each in kept), 0o600)
+
+
 def ssh_argv(lab_dir: LabDir, vm: str, user: str, port: int, command: Sequence[str] | None) -> list[str]:
     """The OpenSSH command line that logs `user` into the VM through its forwarded 127.0.0.1 `port`,
     with the lab's key, checking the host key pinned under the VM's alias.

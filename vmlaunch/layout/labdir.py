@@ -53,6 +53,10 @@ class VmDir:
     def seed(self) -> Path:
         return self.path / "seed.iso"
 
+    def disk_copy(self, index: int, format: str) -> Path:
+        """A clone's copy of its source's `[[disk]]` number `index` (`vmlaunch fork`)."""
+        return self.path / f"disk{index}.{format}"
+
     @property
     def nvram(self) -> Path:
         return self.path / "nvram.fd"

@@ -20,6 +20,11 @@
                                (`runtime/events.py`), kept by `down`
         wire.json  wire.lock   faults on the wire set at runtime: link states, netem, partitions
         disk-faults.json       faults on the VMs' disks set at runtime (`runtime/diskfault.py`)
+        forks.json             the clones `vmlaunch fork` made, members of the lab until they go
+                               down, and a fork under way (`runtime/fork.py`)
+        fork.state             the state of the VM a fork is copying (RAM and devices), while it does
+        fork.mem               the RAM clones of a `fork --shared-memory` map copy-on-write, until
+                               they have (then removed: their mappings keep it)
     run_root/.LAB.lock         serialises `up` and `down` of the lab (beside the run dir: `down`
                                removes the run dir while holding it)
 """
@@ -48,7 +53,11 @@ WIRE_LOCK = "wire.lock"
 DISK_FAULTS = "disk-faults.json"  # faults on the disks set at runtime (runtime/diskfault.py)
 INTENT = "intent.json"  # an operation on the running lab under way, or interrupted (runtime/intent.py)
 EVENTS = "events.jsonl"  # the lab's event log (runtime/events.py)
-LAB_FILES = (MANAGER_LOG, MANAGER_CONFIG, MANAGER_STATE, INTENT, WIRE, WIRE_LOCK, DISK_FAULTS, EVENTS)
+FORKS = "forks.json"  # the lab's clones, and a fork under way (runtime/fork.py)
+FORK_STATE = "fork.state"  # a forked VM's saved state, while the fork copies it
+FORK_MEMORY = "fork.mem"  # the RAM the clones of `fork --shared-memory` map, while they start
+LAB_FILES = (MANAGER_LOG, MANAGER_CONFIG, MANAGER_STATE, INTENT, WIRE, WIRE_LOCK, DISK_FAULTS, EVENTS,
+             FORKS, FORK_STATE, FORK_MEMORY)
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -206,6 +215,18 @@ class RunDir:
         return self.path / DISK_FAULTS
 
     @property
+    def forks(self) -> Path:
+        return self.path / FORKS
+
+    @property
+    def fork_state(self) -> Path:
+        return self.path / FORK_STATE
+
+    @property
+    def fork_memory(self) -> Path:
+        return self.path / FORK_MEMORY
+
+    @property
     def intent(self) -> Path:
         return self.path / INTENT
 
@@ -257,7 +278,7 @@ class RunDir:
             names = os.listdir(fd)
             if MARK not in names:
                 return f"it has no {MARK} mark, so vmlaunch did not make it"
-            temps = (STATE, MANAGER_CONFIG, MANAGER_STATE, INTENT)  # what write_atomic writes
+            temps = (STATE, MANAGER_CONFIG, MANAGER_STATE, INTENT, FORKS)  # what write_atomic writes
             strangers = [n for n in names if not (n in known or any(is_temp_of(n, f) for f in temps))
                          or stat.S_ISDIR(os.lstat(n, dir_fd=fd).st_mode)]
             if strangers:

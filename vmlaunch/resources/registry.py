@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from vmlaunch.resources.base import Context, Record
 from vmlaunch.resources.bridge import BridgeRecord, release_unjournaled_bridges
+from vmlaunch.resources.clone import CloneRecord
 from vmlaunch.resources.guest import LabDirRecord, VmFileRecord
 from vmlaunch.resources.hugepages import HugepagesRecord
 from vmlaunch.resources.image import ImageRecord
@@ -33,6 +34,7 @@ RECORDS: dict[str, type[Record]] = {record.kind: record for record in (
     PlacementRecord,
     VmUserRecord,
     VmUserClaimRecord,
+    CloneRecord,
 )}
 
 # Kinds that keep claims outside the journal (a bridge shared between labs: bridge_registry.py), each a

@@ -145,6 +145,9 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
         journal = Journal.load(plan.run_dir)  # first: a journal it cannot read leaves no mark
         journal.check_spec(spec, force=force)
         snapshot.settle(plan.run_dir, timeout)
+        if os.path.lexists(plan.run_dir.forks):
+            settle_fork(plan.run_dir, timeout)  # a fork killed half-way: its clones go, its source runs
+            journal = Journal.load(plan.run_dir)
         plan.run_dir.create()
         journal.spec = os.path.realpath(spec)
         already = running_vms(journal)
@@ -178,7 +181,7 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
             for resource in resources:
                 _apply(resource, ctx, journal, stack)
             for vm in to_start:
-                _clear_stale(vm.files)
+                clear_stale(vm.files)
                 # Journaled before QEMU starts: a vmlaunch killed from here on leaves a journal that
                 # `down` finds the QEMU by (through the pidfile).
                 journal.vms[vm.name] = VmEntry(pid=None, started=time.time(), accel=vm.accel.accel.value)
@@ -187,7 +190,7 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
                 to_start = [from_snapshot.starting(vm) for vm in to_start]
             # Before start: a signal the moment start returns must not leave its QEMUs running.
             stack.callback(qemu.kill_serving, [vm.files for vm in to_start])
-            pids = qemu.start(to_start, _identities(journal, to_start))
+            pids = qemu.start(to_start, identities(journal, to_start))
             timeline = Timeline({vm.name: (vm.files, journal.vms[vm.name].started) for vm in to_start})
             for vm in to_start:
                 timeline.mark(vm.name, "qmp")  # `start` returns once each QEMU answered QMP
@@ -201,7 +204,7 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
                                                accel=vm.accel.accel.value,
                                                ssh_port=ssh_port(vm) if vm.ssh_user else None)
                 for path in vm.files.private:
-                    _narrow(path)
+                    narrow(path)
             journal.save()
             deadline = time.monotonic() + timeout
             if from_snapshot is not None:  # still paused: the guests resume at the snapshot's instant
@@ -313,7 +316,7 @@ def _reset(lab_dir: LabDir | None, vms: Sequence[str]) -> None:
             log.info("%s: reset (removed %s)", name, ", ".join(path.name for path in removed))
 
 
-def _narrow(path: Path) -> None:
+def narrow(path: Path) -> None:
     """chmod 0600, but never through a symlink (a chmod follows one)."""
     with contextlib.suppress(FileNotFoundError):
         if not stat.S_ISLNK(os.lstat(path).st_mode):
@@ -369,7 +372,7 @@ def _never_ran(journal: Journal, running: dict[str, int]) -> list[str]:
     return list(stalled)
 
 
-def _identities(journal: Journal, vms: Sequence[VmPlan]) -> dict[str, tuple[int, int]]:
+def identities(journal: Journal, vms: Sequence[VmPlan]) -> dict[str, tuple[int, int]]:
     """VM -> (uid, gid) its QEMU runs as: the uid each VM claimed (resources/vmuser.py), if any."""
     from vmlaunch.resources.vmuser import VmUserRecord
 
@@ -387,7 +390,7 @@ def _remove_files(files: VmFiles) -> None:
             path.unlink()
 
 
-def _clear_stale(files: VmFiles) -> None:
+def clear_stale(files: VmFiles) -> None:
     """Sockets and pidfiles a crashed QEMU left behind would make QEMU fail to bind; and QEMU opens
     its serial log itself, following links, so a link planted where any VM file goes is removed."""
     for path in files.every:
@@ -766,69 +769,123 @@ def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, fo
     and the rest is reported, and a lab up from another spec than `spec` is taken down anyway.
     """
     with locked(run_dir, timeout + 30):
+        return take_down(run_dir, only, timeout=timeout, force=force, spec=spec)
+
+
+def take_down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, force: bool = False,
+              spec: str | os.PathLike[str] | None = None) -> bool:
+    """`down`, for a caller that holds the lab's lock (a fork that rolls its clones back)."""
+    journal = Journal.load(run_dir, force=force)
+    if spec is not None:
+        journal.check_spec(spec, force=force)
+    snapshot.settle(run_dir, timeout + 30)  # a half-saved snapshot goes while QEMU can delete it
+    if not journal.unreadable and os.path.lexists(run_dir.forks):
+        settle_fork(run_dir, timeout)  # a fork killed half-way: its clones go, its source runs
         journal = Journal.load(run_dir, force=force)
-        if spec is not None:
-            journal.check_spec(spec, force=force)
-        snapshot.settle(run_dir, timeout + 30)  # a half-saved snapshot goes while QEMU can delete it
-        if not journal.unreadable:  # what an `up` killed before journaling left (resources/registry.py)
-            _release_unjournaled(run_dir, journal.has)
-        known = set(journal.vms)  # whose files the run dir may hold
-        journal_vms = set(known)
-        if journal.empty and not journal.unreadable:
-            _settle(journal, known)
-            return False
-        names = [name for name in journal.vms if not only or name in only]
-        targets = {name: (qemu.find_pid(run_dir.vm(name), journal.vms[name].pid), run_dir.vm(name))
-                   for name in names}
-        if run_dir.disk_faults.exists():  # held requests go first: a guest waiting on one cannot power off
-            from vmlaunch.runtime import diskfault
+    if not journal.unreadable:  # what an `up` killed before journaling left (resources/registry.py)
+        _release_unjournaled(run_dir, journal.has)
+    known = set(journal.vms)  # whose files the run dir may hold
+    journal_vms = set(known)
+    if journal.empty and not journal.unreadable:
+        _settle(journal, known)
+        return False
+    names = [name for name in journal.vms if not only or name in only]
+    targets = {name: (qemu.find_pid(run_dir.vm(name), journal.vms[name].pid), run_dir.vm(name))
+               for name in names}
+    if run_dir.disk_faults.exists():  # held requests go first: a guest waiting on one cannot power off
+        from vmlaunch.runtime import diskfault
 
-            diskfault.undo(run_dir, names, why="down", timeout=min(timeout, 5.0))
-        stopped = qemu.stop_all(targets, timeout)
-        lastrun.keep(run_dir, stopped)  # before the run dir, and the logs in it, go
-        for name, how in stopped.items():
-            log.info("%s: %s", name, how)
-            del journal.vms[name]
-            if journal.vms:  # the lab stays up: this VM's files go now, as the run dir would
-                _remove_files(run_dir.vm(name))
-        failures: list[str] = []
-        if stopped and run_dir.wire.exists():  # netem set at run time: its IFBs outlive the taps
-            from vmlaunch.runtime import netem
+        diskfault.undo(run_dir, names, why="down", timeout=min(timeout, 5.0))
+    stopped = qemu.stop_all(targets, timeout)
+    lastrun.keep(run_dir, stopped)  # before the run dir, and the logs in it, go
+    for name, how in stopped.items():
+        log.info("%s: %s", name, how)
+        del journal.vms[name]
+        if journal.vms:  # the lab stays up: this VM's files go now, as the run dir would
+            _remove_files(run_dir.vm(name))
+    failures: list[str] = []
+    if stopped and run_dir.wire.exists():  # netem set at run time: its IFBs outlive the taps
+        from vmlaunch.runtime import netem
 
-            failures += netem.undo_at_down(run_dir, run_dir.lab, list(stopped) if journal.vms else None)
-        remaining_vms = set(journal.vms)
-        failures += _undo_wire(run_dir, set(stopped), whole_lab=not remaining_vms)
-        ctx = Context(lab=run_dir.lab)
-        for entry in reversed(list(journal.resources)):
-            if remaining_vms and (entry.vm is None or entry.vm in remaining_vms):
-                continue  # still used by a VM that keeps running
+        failures += netem.undo_at_down(run_dir, run_dir.lab, list(stopped) if journal.vms else None)
+    remaining_vms = set(journal.vms)
+    failures += _undo_wire(run_dir, set(stopped), whole_lab=not remaining_vms)
+    ctx = Context(lab=run_dir.lab)
+    for entry in reversed(list(journal.resources)):
+        if remaining_vms and (entry.vm is None or entry.vm in remaining_vms):
+            continue  # still used by a VM that keeps running
+        try:
+            entry.record.undo(ctx, rollback=False)
+            journal.resources.remove(entry)
+        except UndoneWithError as exc:  # done as far as it goes: never again
+            failures.append(str(exc))
+            journal.resources.remove(entry)
+        except VmlaunchError as exc:
+            failures.append(str(exc))
+        except OSError as exc:
+            failures.append(f"{entry.record.describe()}: {exc.strerror or exc}")
+    for line in journal.unreadable:  # only with force: anything else raised in load
+        log.warning("not recognised, so not undone (check by hand): %s", line)
+    if journal.unreadable and not journal.vms and not journal.resources:
+        # The lab is down as far as the journal knows; what it could not say is found without it:
+        # QEMUs by their pidfiles and command lines, taps by their mark, the lab's claims in the
+        # host-wide registries (stale now, released like those of a killed `up`).
+        from vmlaunch.runtime import salvage
+
+        known |= salvage.vm_names(run_dir)  # their files go with the run dir
+        left = salvage.take_down(run_dir, journal_vms, timeout)
+        if left:
+            raise RuntimeFailure("down --force could not take everything down; still there:\n"
+                                 + "\n".join(left), f"the journal is kept in {run_dir}; stop "
+                                 "what is listed by hand, then run down --force again")
+    failures += _settle(journal, known)
+    if failures:
+        raise RuntimeFailure("down could not undo everything:\n" + "\n".join(failures),
+                             f"the journal is kept in {run_dir}; run down again after fixing it"
+                             if run_dir.path.exists() else None)
+    return True
+
+
+def settle_fork(run_dir: RunDir, timeout: float = 10.0, *, why: str | None = None) -> list[str]:
+    """Undo a `vmlaunch fork` that was killed half-way (its book still says a fork is under way, and the
+    caller holds the lab's lock, so the vmlaunch doing it is gone): its clones are taken down (QEMU,
+    taps, copies, pins), its source is resumed if the fork had paused it, its saved state removed.
+    Returns what was done, one line each, also said as warnings."""
+    from vmlaunch.resources.clone import BookError, read_book, write_book
+
+    try:
+        book = read_book(run_dir)
+    except BookError as exc:
+        log.warning("%s", exc)
+        return []
+    forking = book.forking
+    if forking is None:
+        return []
+    write_book(run_dir, attrs.evolve(book, forking=None))  # first: the take-down below finds it settled
+    said = []
+    journal = Journal.load(run_dir)
+    clones = [name for name in forking.clones if name in journal.vms
+              or any(entry.vm == name for entry in journal.resources)]
+    if clones:
+        take_down(run_dir, clones, timeout=timeout)
+        what = why or f"a fork of {forking.source} was interrupted (vmlaunch pid {forking.pid} is gone)"
+        said.append(f"{what}: {', '.join(clones)} taken down")
+    if forking.paused:
+        pid = qemu.find_pid(run_dir.vm(forking.source), journal.vms[forking.source].pid) \
+            if forking.source in journal.vms else None
+        if pid is not None:
             try:
-                entry.record.undo(ctx, rollback=False)
-                journal.resources.remove(entry)
-            except UndoneWithError as exc:  # done as far as it goes: never again
-                failures.append(str(exc))
-                journal.resources.remove(entry)
+                with QuickQmp(run_dir.vm(forking.source).qmp, 5.0) as qmp:
+                    if qmp.cmd("query-status").get("status") in ("paused", "postmigrate", "finish-migrate"):
+                        qmp.cmd("cont")
+                        said.append(f"{forking.source}: resumed (the fork had paused it)")
             except VmlaunchError as exc:
-                failures.append(str(exc))
-            except OSError as exc:
-                failures.append(f"{entry.record.describe()}: {exc.strerror or exc}")
-        for line in journal.unreadable:  # only with force: anything else raised in load
-            log.warning("not recognised, so not undone (check by hand): %s", line)
-        if journal.unreadable and not journal.vms and not journal.resources:
-            # The lab is down as far as the journal knows; what it could not say is found without it:
-            # QEMUs by their pidfiles and command lines, taps by their mark, the lab's claims in the
-            # host-wide registries (stale now, released like those of a killed `up`).
-            from vmlaunch.runtime import salvage
-
-            known |= salvage.vm_names(run_dir)  # their files go with the run dir
-            left = salvage.take_down(run_dir, journal_vms, timeout)
-            if left:
-                raise RuntimeFailure("down --force could not take everything down; still there:\n"
-                                     + "\n".join(left), f"the journal is kept in {run_dir}; stop "
-                                     "what is listed by hand, then run down --force again")
-        failures += _settle(journal, known)
-        if failures:
-            raise RuntimeFailure("down could not undo everything:\n" + "\n".join(failures),
-                                 f"the journal is kept in {run_dir}; run down again after fixing it"
-                                 if run_dir.path.exists() else None)
-        return True
+                said.append(f"{forking.source}: could not be resumed ({exc}): `vmlaunch resume SPEC "
+                            f"{forking.source}`")
+    for path in (run_dir.fork_state, run_dir.fork_memory):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    write_book(run_dir, read_book(run_dir).without(set(forking.clones)))
+    for line in said:
+        log.warning("%s", line)
+    return said
