@@ -561,6 +561,50 @@ def test_disk_faults_break_the_data_disk_and_heal(lab: tuple[Netns, Path]) -> No
     assert netns.vmlaunch("fault", str(spec), env=netns.env).stdout.strip() == "no disk faults set"
 
 
+def test_three_clones_of_b_each_a_machine_of_its_own(lab: tuple[Netns, Path]) -> None:
+    """`fork`: three running copies of b, each with a MAC, machine-id, SSH host key (pinned: `ssh`
+    checks it) and VM generation id of its own, the kernel's fork reseed in its log, the next free
+    addresses on the bridge, every one reaching every other; `down` of them leaves nothing."""
+    netns, spec = lab
+    done = netns.vmlaunch("fork", str(spec), "b", "--count", "3", "--json", env=netns.env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    made = json.loads(done.stdout)
+    assert list(made) == ["b-1", "b-2", "b-3"]
+    rows = json.loads(netns.vmlaunch("status", str(spec), "--json", env=netns.env).stdout)
+
+    def facts(vm: str) -> tuple[str, ...]:
+        said = ssh(netns, spec, vm, "sh", "-c", "hostname; cat /etc/machine-id; "
+                   "sudo ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub | cut -d' ' -f2; "
+                   "cat /sys/class/net/*/address")
+        assert said.returncode == 0, said.stderr
+        generation = netns.vmlaunch("qmp", str(spec), vm, "query-vm-generation-id", env=netns.env)
+        return (*said.stdout.split()[:3], json.loads(generation.stdout)["guid"], rows[vm]["nics"][0]["mac"],
+                said.stdout)
+
+    seen = {vm: facts(vm) for vm in ["b", *made]}
+    for vm in made:
+        hostname, _, _, _, mac, macs = seen[vm]
+        assert hostname == vm and mac in macs.split()  # the guest sees the MAC status gives
+        assert rows[vm]["nics"][0]["address"] == made[vm]["addresses"][0]
+        reseed = ssh(netns, spec, vm, "sudo", "dmesg")
+        assert "crng reseeded due to virtual machine fork" in reseed.stdout
+    for part in range(1, 5):  # machine-id, host key, generation id, MAC
+        assert len({facts_[part] for facts_ in seen.values()}) == 4, seen
+    addresses = {vm: rows[vm]["nics"][0]["address"].split("/")[0] for vm in ["b", *made]}
+    assert sorted(addresses.values()) == ["10.10.0.12", "10.10.0.13", "10.10.0.14", "10.10.0.15"]
+    for vm in made:
+        for other, address in addresses.items():
+            if other != vm:
+                assert reach(netns, spec, vm, address), (vm, other)
+    down = netns.vmlaunch("down", str(spec), *made, env=netns.env, timeout=120)
+    assert down.returncode == 0, down.stderr
+    rows = json.loads(netns.vmlaunch("status", str(spec), "--json", env=netns.env).stdout)
+    assert set(rows) == {"a", "b"}
+    assert not [p for p in (spec.parent / ".vmlaunch" / "deb").iterdir() if p.name.startswith("b-")]
+    assert not [name for name in os.listdir(netns.run_root / "deb") if name.startswith("b-")]
+    assert subprocess.run(["pgrep", "-f", "guest=b-"], capture_output=True, check=False).returncode == 1
+
+
 # The last test of the module: it leaves b panicked, and a's writes held for the `down` that follows.
 
 

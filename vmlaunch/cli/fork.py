@@ -41,7 +41,9 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
 
 def cmd_fork(args: argparse.Namespace) -> int:
     import json
+    import time
 
+    started = time.monotonic() - _age()
     from vmlaunch.compile.preflight import load_checked
     from vmlaunch.host.facts import detect_host
     from vmlaunch.runtime import fork
@@ -49,10 +51,25 @@ def cmd_fork(args: argparse.Namespace) -> int:
     lab = load_checked(args.spec)
     made = fork.fork(lab, detect_host(), args.vm, args.count, pattern=args.name,
                      shared_memory=args.shared_memory, keep_going=args.keep_going,
-                     same_identity=args.same_identity, timeout=args.timeout)
+                     same_identity=args.same_identity, timeout=args.timeout, started=started)
     if args.json:
         print(json.dumps({each.name: each.to_json() for each in made}, indent=2))
         return 0
     for each in made:
         print(fork.describe(each))
     return 0
+
+
+def _age() -> float:
+    """Seconds since this process started (its start time in /proc/self/stat, in clock ticks since
+    boot), so that a clone's `ready` counts Python's start-up too; 0 when it cannot be read."""
+    import os
+
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        with open("/proc/uptime", "rb") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0

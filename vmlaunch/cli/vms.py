@@ -138,6 +138,8 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"{size(row.balloon_bytes):>8} {uptime:>8} {size(most):>6} {target:>7} {size(free):>6}{ssh}")
         if row.why:
             print(f"  {row.state}: {printable(row.why)}")
+        if row.forked_from:
+            print(f"  a clone of {row.forked_from} (`vmlaunch fork`)")
         for nic in row.nics:
             print(f"  nic{nic.index} {nic.describe()}")
         for disk in row.disks:

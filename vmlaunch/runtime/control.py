@@ -125,6 +125,7 @@ class VmStatus:
     boot: dict[str, float] | None = None  # where its last boot's time went, by phase (runtime/timeline.py)
     disks: tuple[DiskStatus, ...] = ()  # when the lab's spec was given
     io_error: IoError | None = None  # paused by a failed disk request (run state io-error): which
+    forked_from: str | None = None  # a clone `vmlaunch fork` made: the VM it is a copy of
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -236,6 +237,14 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
                          for disk in disks_of(lab, lab.vm(name)))
 
         result = [attrs.evolve(row, lab_memory=lab_memory, disks=disks(row.name)) for row in result]
+    if run_dir.forks.exists():
+        from vmlaunch.resources.clone import BookError, read_book
+
+        try:
+            sources = {clone.name: clone.source for clone in read_book(run_dir).clones}
+        except BookError:
+            sources = {}
+        result = [attrs.evolve(row, forked_from=sources.get(row.name)) for row in result]
     return result
 
 

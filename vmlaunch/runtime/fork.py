@@ -48,7 +48,7 @@ from pathlib import Path
 
 import attrs
 
-from vmlaunch.compile.plan import VmPlan
+from vmlaunch.compile.plan import Plan, VmPlan
 from vmlaunch.core.wait import TimedOut, wait_until
 from vmlaunch.errors import AgentError, RuntimeFailure, VmlaunchError
 from vmlaunch.host.facts import Host
@@ -159,10 +159,11 @@ def refusals(lab: LabSpec, vm: VmSpec, count: int, host: Host, running: Sequence
 
 def fork(lab: LabSpec, host: Host, source: str, count: int, *, pattern: str | None = None,
          shared_memory: bool = False, keep_going: bool = False, same_identity: bool = False,
-         timeout: float = 60.0) -> list[Forked]:
+         timeout: float = 60.0, started: float | None = None) -> list[Forked]:
     """Fork the running VM `source` of `lab` (the spec's lab) into `count` clones; return each clone
-    made, once it runs with its identity (module docstring)."""
-    started = time.monotonic()
+    made, once it runs with its identity (module docstring). `started`: when the command started
+    (time.monotonic()), which each clone's `ready` counts from; default now."""
+    started = time.monotonic() if started is None else started
     run_dir = RunDir.of(host.run_root, lab.name)
     umask = os.umask(0o077)
     try:
@@ -191,20 +192,24 @@ def _fork(lab: LabSpec, host: Host, run_dir: RunDir, source: str, count: int, pa
                              f"start it with `vmlaunch up SPEC {source}`")
     refusals(lab, vm, count, host, list(running), shared_memory=shared_memory)
     names = forks.names(pattern, source, count, {each.name for each in lab.vms} | set(journal.vms))
-    if same_identity:
+    if same_identity:  # said first: what follows may take a while
         log.warning("--same-identity: the clones of %s keep its MACs in the guest, its addresses, "
                     "hostname, machine-id and SSH host keys; on a shared network they collide with "
                     "it and with each other", source)
-    else:
-        _check_channel(run_dir, vm)
     number = book.last + 1
     clones = _clones(lab, vm, names, number, same_identity, book.clones)
     with_new = forks.with_clones(lab, clones)
+    with ThreadPoolExecutor(1) as pool:  # the guest answers while the clones are compiled
+        answered = pool.submit(_check_channel, run_dir, vm, same_identity)
+        from vmlaunch.compile.compiler import compile_lab
+
+        plan = compile_lab(with_new, host, names)
+        answered.result()
     book = Book(clones=(*book.clones, *clones), last=number,
                 forking=Forking(number, os.getpid(), source, tuple(names)))
     write_book(run_dir, book)  # before anything changes: a kill from here on is undone by the next command
     try:
-        made = _make(with_new, host, run_dir, journal, vm, clones, book, keep_going, timeout, started,
+        made = _make(with_new, plan, host, run_dir, journal, vm, clones, book, keep_going, started,
                      shared_memory)
     except BaseException as exc:
         from vmlaunch.core import signals
@@ -219,8 +224,11 @@ def _fork(lab: LabSpec, host: Host, run_dir: RunDir, source: str, count: int, pa
     return made
 
 
-def _check_channel(run_dir: RunDir, vm: VmSpec) -> None:
-    """The source's guest answers on its command channel: each clone is told who it is through it."""
+def _check_channel(run_dir: RunDir, vm: VmSpec, same_identity: bool) -> None:
+    """The source's guest answers on its command channel: each clone is told who it is through it
+    (none is needed with `same_identity`)."""
+    if same_identity:
+        return
     if not agent_on(vm):
         raise RuntimeFailure(f"{vm.name} has no command channel (agent = false), through which each clone "
                              "is given its own identity (MACs, addresses, hostname, machine-id, SSH "
@@ -277,14 +285,13 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
-def _make(lab: LabSpec, host: Host, run_dir: RunDir, journal: Journal, vm: VmSpec, clones: Sequence[Clone],
-          book: Book, keep_going: bool, timeout: float, started: float, shared_memory: bool) -> list[Forked]:
-    from vmlaunch.compile.compiler import compile_lab
+def _make(lab: LabSpec, plan: Plan, host: Host, run_dir: RunDir, journal: Journal, vm: VmSpec,
+          clones: Sequence[Clone], book: Book, keep_going: bool, started: float, shared_memory: bool
+          ) -> list[Forked]:
     from vmlaunch.resources.guest import Nvram, Overlay
     from vmlaunch.resources.image import Image
 
     names = [clone.name for clone in clones]
-    plan = compile_lab(lab, host, names)
     lab_dir = LabDir.of(lab.file, lab.name)
     ctx = Context(lab=lab.name, qemu_img=host.qemu.img or "qemu-img")
     skipped = (Overlay, Nvram, Image)  # a clone's disks are copies of its source's
@@ -336,7 +343,9 @@ def _make(lab: LabSpec, host: Host, run_dir: RunDir, journal: Journal, vm: VmSpe
         if refresh is not None and resource.owner is None:
             refresh(ctx)
     by_name = {clone.name: clone for clone in clones}
-    identities = _identities(run_dir, lab, lab_dir, vm, [by_name[each.name] for each in plans], keep_going)
+    done_at: dict[str, float] = {}
+    identities = _identities(run_dir, lab, lab_dir, vm, [by_name[each.name] for each in plans], keep_going,
+                             done_at)
     marks["identities"] = time.monotonic()
     log.info("fork of %s: prepared in %.2f s, saved (%s paused) in %.2f s, %d clone%s loaded in %.2f s, "
              "given their identities in %.2f s", vm.name, marks["prepared"] - started, vm.name,
@@ -352,7 +361,7 @@ def _make(lab: LabSpec, host: Host, run_dir: RunDir, journal: Journal, vm: VmSpe
                            tuple(address for address in clone.addresses if address),
                            journal.vms[each.name].ssh_port,
                            tuple(rule for _, rules in clone.forwards for rule in rules),
-                           identities[each.name], time.monotonic() - started))
+                           identities[each.name], done_at[each.name] - started))
     from vmlaunch.runtime import events
 
     for forked in made:
@@ -607,7 +616,8 @@ IFS=$IFS_
 if [ -n "$edits" ]; then
   set --
   for f in /etc/systemd/network/*.network /run/systemd/network/*.network /etc/netplan/*.yaml \
-           /etc/network/interfaces /etc/network/interfaces.d/*; do
+           /etc/network/interfaces /etc/network/interfaces.d/* \
+           /etc/NetworkManager/system-connections/*.nmconnection; do
     [ -f "$f" ] && set -- "$@" "$f"
   done
   [ $# -gt 0 ] && sed -i $edits "$@"
@@ -636,19 +646,23 @@ if [ -n "$public" ] && [ -d /etc/ssh ]; then
 fi
 if [ -d /run/systemd/netif ] && command -v systemctl >/dev/null 2>&1; then
   systemctl restart systemd-networkd && say "network restarted (DHCP asks with the new machine-id)"
+elif [ -d /run/NetworkManager ] && command -v nmcli >/dev/null 2>&1; then
+  nmcli connection reload && say "network configuration reloaded"
 fi
 exit 0
 """
 
 
 def _identities(run_dir: RunDir, lab: LabSpec, lab_dir: LabDir, source: VmSpec, clones: Sequence[Clone],
-                keep_going: bool) -> dict[str, tuple[str, ...]]:
+                keep_going: bool, done_at: dict[str, float]) -> dict[str, tuple[str, ...]]:
     """Give each clone its identity through its command channel (the IDENTITY script); clone -> what
-    was set. A clone forked with --same-identity is given none. One the guest refuses is named, and
+    was set, and in `done_at` when (time.monotonic()). A clone forked with --same-identity is given
+    none. One the guest refuses is named, and
     fails the fork unless `keep_going` (then it alone is taken down)."""
     if not clones:
         return {}
     if clones[0].same_identity:
+        done_at.update((clone.name, time.monotonic()) for clone in clones)
         return {clone.name: () for clone in clones}
 
     def give(clone: Clone) -> tuple[str, ...] | str:
@@ -673,7 +687,9 @@ def _identities(run_dir: RunDir, lab: LabSpec, lab_dir: LabDir, source: VmSpec, 
         if result.exit_code != 0:
             return (f"the identity script exited with status {result.exit_code}: "
                     f"{result.stderr[-300:].decode(errors='replace')!r}")
-        return tuple(line for line in result.stdout.decode(errors="replace").splitlines() if line.strip())
+        said = tuple(line for line in result.stdout.decode(errors="replace").splitlines() if line.strip())
+        done_at[clone.name] = time.monotonic()
+        return said
 
     with ThreadPoolExecutor(len(clones)) as pool:
         given = dict(zip([clone.name for clone in clones], pool.map(give, clones)))

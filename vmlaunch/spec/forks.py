@@ -100,6 +100,7 @@ def names(pattern: str | None, source: str, count: int, taken: Iterable[str]) ->
             raise UsageError(f"--name {pattern!r} has no {INDEX}: every clone needs a name of its own",
                              f"e.g. --name '{source}-{INDEX}'")
         numbers = range(1, count + 1)
+    # Each name carries its number: never the lab dir's `ssh` folder, which is no VM's.
     made = [pattern.replace(INDEX, str(number)) for number in numbers]
     bad = [name for name in made if NAME.fullmatch(name) is None]
     if bad:
