@@ -76,8 +76,8 @@ DEBIAN_TARGET = 0.2  # fork to SSH over fresh up to SSH
 MIB = 1 << 20
 NAN = float("nan")
 PHASES = re.compile(r"fork of (?P<vm>\S+): prepared in (?P<prepared>[0-9.]+) s, saved \(\S+ paused\) in "
-                    r"(?P<saved>[0-9.]+) s, (?P<clones>\d+) clones? loaded in (?P<loaded>[0-9.]+) s, "
-                    r"given their identities in (?P<identities>[0-9.]+) s")
+                    r"(?P<saved>[0-9.]+) s, (?P<clones>\d+) clones? loaded in (?P<loaded>[0-9.]+) s "
+                    r"and given their identities in (?P<identities>[0-9.]+) s more")
 MODES = {"plain": (), "shared": ("--shared-memory",)}
 LABELS = {"plain": "plain", "shared": "--shared-memory"}
 

@@ -72,7 +72,8 @@ agent = false
         os.rmdir(run_root)
         assert not left
         lab_dir = LabDir.of(spec, "fk").path
-        assert sorted(p.name for p in lab_dir.iterdir() if p.is_dir()) in ([], ["ssh"])  # no clone's folder
+        if lab_dir.exists():
+            assert sorted(p.name for p in lab_dir.iterdir() if p.is_dir()) in ([], ["ssh"])  # no clone's
 
 
 def free_port() -> int:
@@ -172,6 +173,41 @@ def test_a_clone_of_a_clone_and_the_api_with_shared_memory(lab: Lab) -> None:
     assert not lab.run_dir.fork_memory.exists()  # the clones map it; the file is gone
     done = vmlaunch("down", str(lab.spec), "deep-1", "mem-1", "mem-2", "--timeout", "0")
     assert done.returncode == 0, done.stderr
+
+
+def test_a_paused_source_stays_paused_and_its_clone_runs(lab: Lab) -> None:
+    spec = str(lab.spec)
+    assert vmlaunch("pause", spec, "a").returncode == 0
+    done = vmlaunch("fork", spec, "a", "--name", "p-{i}")
+    assert done.returncode == 0, done.stderr
+    rows = status(lab)
+    assert rows["a"]["run_state"] == "paused" and rows["p-1"]["run_state"] == "running"
+    assert vmlaunch("resume", spec, "a").returncode == 0
+    assert status(lab)["a"]["run_state"] == "running"
+    lab.vm("a").succeed("true")  # its disks are its own again: it runs on
+    assert vmlaunch("down", spec, "p-1", "--timeout", "0").returncode == 0
+
+
+def test_a_failing_clone_is_named_and_keep_going_keeps_the_others(lab: Lab,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from vmlaunch.errors import RuntimeFailure
+    from vmlaunch.runtime import fork
+
+    loading = fork._load
+
+    def fails_for_the_second(run_dir: Any, plan: Any, pid: int, **kwargs: Any) -> str | None:
+        return "(its QEMU said no)" if plan.name.endswith("-2") else loading(run_dir, plan, pid, **kwargs)
+
+    monkeypatch.setattr(fork, "_load", fails_for_the_second)
+    with pytest.raises(RuntimeFailure, match="kg-2 did not load"):
+        lab.fork("a", 3, name="kg-{i}")
+    assert not {"kg-1", "kg-2", "kg-3"} & set(status(lab))  # all of the fork rolled back
+    kept = lab.fork("a", 3, name="kg-{i}", keep_going=True)
+    assert [vm.name for vm in kept] == ["kg-1", "kg-3"]
+    rows = status(lab)
+    assert "kg-2" not in rows and rows["kg-1"]["state"] == rows["kg-3"]["state"] == "running"
+    assert not LabDir.of(lab.spec, "fk").vm("kg-2").path.exists()
+    assert vmlaunch("down", str(lab.spec), "kg-1", "kg-3", "--timeout", "0").returncode == 0
 
 
 @pytest.mark.parametrize(("args", "code", "words"), [

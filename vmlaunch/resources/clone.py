@@ -151,8 +151,8 @@ class CloneRecord:
 
 @attrs.frozen
 class CloneFiles(PerVm):
-    """The clone's folder in the lab dir, made empty and private (a folder left by another clone of
-    that name is emptied first: nothing of it is this clone's)."""
+    """The clone's folder in the lab dir, made empty and private. One there already is refused: it may
+    hold the disks of a VM left out of the spec since (`fork` names its clones around them)."""
 
     kind: ClassVar[str] = "clone"
 
@@ -170,10 +170,9 @@ class CloneFiles(PerVm):
         record = CloneRecord(self.vm, self.run_dir.path, self.lab_dir.path, self.lab_dir.lab)
         folder = self.lab_dir.vm(self.vm).path
         self.lab_dir.secure(create=True)
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISDIR(os.lstat(folder).st_mode):
-                shutil.rmtree(folder)
-            else:
-                os.unlink(folder)
-        os.mkdir(folder, 0o700)
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            raise RuntimeFailure(f"{folder} exists: it is no clone's, and may hold a VM's disks",
+                                 "give the clones other names (--name), or remove it") from None
         return record

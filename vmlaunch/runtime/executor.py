@@ -859,8 +859,8 @@ def settle_fork(run_dir: RunDir, timeout: float = 10.0, *, why: str | None = Non
         log.warning("%s", exc)
         return []
     forking = book.forking
-    if forking is None:
-        return []
+    if forking is None or (forking.pid == os.getpid() and why is None):
+        return []  # none, or this process's own fork, which takes a failing clone down (--keep-going)
     write_book(run_dir, attrs.evolve(book, forking=None))  # first: the take-down below finds it settled
     said = []
     journal = Journal.load(run_dir)
@@ -870,18 +870,23 @@ def settle_fork(run_dir: RunDir, timeout: float = 10.0, *, why: str | None = Non
         take_down(run_dir, clones, timeout=timeout)
         what = why or f"a fork of {forking.source} was interrupted (vmlaunch pid {forking.pid} is gone)"
         said.append(f"{what}: {', '.join(clones)} taken down")
-    if forking.paused:
-        pid = qemu.find_pid(run_dir.vm(forking.source), journal.vms[forking.source].pid) \
-            if forking.source in journal.vms else None
-        if pid is not None:
-            try:
-                with QuickQmp(run_dir.vm(forking.source).qmp, 5.0) as qmp:
-                    if qmp.cmd("query-status").get("status") in ("paused", "postmigrate", "finish-migrate"):
-                        qmp.cmd("cont")
-                        said.append(f"{forking.source}: resumed (the fork had paused it)")
-            except VmlaunchError as exc:
-                said.append(f"{forking.source}: could not be resumed ({exc}): `vmlaunch resume SPEC "
-                            f"{forking.source}`")
+    pid = qemu.find_pid(run_dir.vm(forking.source), journal.vms[forking.source].pid) \
+        if forking.source in journal.vms else None
+    if pid is not None:
+        try:
+            with QuickQmp(run_dir.vm(forking.source).qmp, 5.0) as qmp:
+                with contextlib.suppress(VmlaunchError):
+                    qmp.cmd("migrate_cancel")  # a save still under way
+                state = qmp.cmd("query-status").get("status")
+                if forking.paused and state in ("paused", "postmigrate", "finish-migrate"):
+                    qmp.cmd("cont")
+                    said.append(f"{forking.source}: resumed (the fork had paused it)")
+                elif state == "postmigrate":  # paused by its user: its disks back, still paused
+                    qmp.cmd("cont")
+                    qmp.cmd("stop")
+        except VmlaunchError as exc:
+            said.append(f"{forking.source}: could not be resumed ({exc}): `vmlaunch resume SPEC "
+                        f"{forking.source}`")
     for path in (run_dir.fork_state, run_dir.fork_memory):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

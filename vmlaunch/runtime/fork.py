@@ -89,6 +89,7 @@ class Forked:
     forwards: tuple[str, ...]  # its forwarding rules, with their host ports
     identity: tuple[str, ...]  # what its guest was given ("clock", "mac eth0 52:54:00:...", ...)
     ready: float  # seconds from the command's start to the clone running with its identity
+    same_identity: bool = False  # --same-identity: its addresses, as all else, are its source's
 
     def to_json(self) -> dict[str, object]:
         return attrs.asdict(self)
@@ -106,7 +107,7 @@ def members(lab: LabSpec) -> LabSpec:
         return lab
     try:
         book = read_book(run_dir)
-        if book.forking is not None and not _alive(book.forking.pid):
+        if book.forking is not None and not qemu.alive(book.forking.pid):
             try:
                 with locked(run_dir, 0):
                     executor.settle_fork(run_dir)
@@ -117,16 +118,6 @@ def members(lab: LabSpec) -> LabSpec:
         log.warning("%s", exc)
         return lab
     return forks.with_clones(lab, book.clones)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # --- refusals ----------------------------------------------------------------------------------------
@@ -191,7 +182,10 @@ def _fork(lab: LabSpec, host: Host, run_dir: RunDir, source: str, count: int, pa
         raise RuntimeFailure(f"{source} is not running: only a running VM can be forked",
                              f"start it with `vmlaunch up SPEC {source}`")
     refusals(lab, vm, count, host, list(running), shared_memory=shared_memory)
-    names = forks.names(pattern, source, count, {each.name for each in lab.vms} | set(journal.vms))
+    lab_dir = LabDir.of(lab.file, lab.name)
+    kept = {entry.name for entry in os.scandir(lab_dir.path)} if lab_dir.path.is_dir() else set()
+    # a folder of the lab dir may hold a VM's disks from before (a VM since left out of the spec)
+    names = forks.names(pattern, source, count, {each.name for each in lab.vms} | set(journal.vms) | kept)
     if same_identity:  # said first: what follows may take a while
         log.warning("--same-identity: the clones of %s keep its MACs in the guest, its addresses, "
                     "hostname, machine-id and SSH host keys; on a shared network they collide with "
@@ -234,6 +228,11 @@ def _check_channel(run_dir: RunDir, vm: VmSpec, same_identity: bool) -> None:
                              "is given its own identity (MACs, addresses, hostname, machine-id, SSH "
                              "host keys)", "--same-identity forks it anyway: the clones then keep "
                              f"{vm.name}'s identity")
+    from vmlaunch.runtime.control import read_run_state
+
+    with QuickQmp(run_dir.vm(vm.name).qmp, 10.0) as qmp:
+        if read_run_state(qmp) != "running":
+            return  # a paused guest cannot answer; its clones run, and are asked
     try:
         agent.run(run_dir, vm.name, "true", timeout=10.0, wait=10.0)
     except AgentError as exc:
@@ -327,13 +326,16 @@ def _make(lab: LabSpec, plan: Plan, host: Host, run_dir: RunDir, journal: Journa
                 call = getattr(resource, hook, None)
                 if call is not None and resource.owner in pids:
                     call(pids[resource.owner])
-        loaded = _load_all(run_dir, plans, pids, keep_going, ignore_shared=shared_memory)
+        by_name = {clone.name: clone for clone in clones}
+        loaded_at: dict[str, float] = {}
+        done_at: dict[str, float] = {}
+        identities = _bring_all(run_dir, lab, lab_dir, vm, plans, pids, by_name, keep_going,
+                                ignore_shared=shared_memory, loaded_at=loaded_at, done_at=done_at)
     finally:
         for path in (run_dir.fork_state, run_dir.fork_memory):  # the clones' mappings keep the RAM
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-    marks["loaded"] = time.monotonic()
-    plans = [each for each in plans if each.name in loaded]
+    plans = [each for each in plans if each.name in identities]
     for each in plans:
         if each.ssh_user:
             journal.vms[each.name] = attrs.evolve(journal.vms[each.name], ssh_port=executor.ssh_port(each))
@@ -342,26 +344,21 @@ def _make(lab: LabSpec, plan: Plan, host: Host, run_dir: RunDir, journal: Journa
         refresh = getattr(resource, "refresh", None)
         if refresh is not None and resource.owner is None:
             refresh(ctx)
-    by_name = {clone.name: clone for clone in clones}
-    done_at: dict[str, float] = {}
-    identities = _identities(run_dir, lab, lab_dir, vm, [by_name[each.name] for each in plans], keep_going,
-                             done_at)
-    marks["identities"] = time.monotonic()
-    log.info("fork of %s: prepared in %.2f s, saved (%s paused) in %.2f s, %d clone%s loaded in %.2f s, "
-             "given their identities in %.2f s", vm.name, marks["prepared"] - started, vm.name,
-             marks["saved"] - marks["prepared"], len(loaded), "" if len(loaded) == 1 else "s",
-             marks["loaded"] - marks["saved"], marks["identities"] - marks["loaded"])
+    if plans:
+        loaded, ready = max(loaded_at.values()), max(done_at.values())
+        log.info("fork of %s: prepared in %.2f s, saved (%s paused) in %.2f s, %d clone%s loaded in "
+                 "%.2f s and given their identities in %.2f s more", vm.name, marks["prepared"] - started,
+                 vm.name, marks["saved"] - marks["prepared"], len(plans), "" if len(plans) == 1 else "s",
+                 loaded - marks["saved"], ready - loaded)
     made = []
     for each in plans:
-        if each.name not in identities:
-            continue
         spec = lab.vm(each.name)
         clone = by_name[each.name]
         made.append(Forked(each.name, pids[each.name], tuple(nic.mac for nic in spec.nics),
                            tuple(address for address in clone.addresses if address),
                            journal.vms[each.name].ssh_port,
                            tuple(rule for _, rules in clone.forwards for rule in rules),
-                           identities[each.name], done_at[each.name] - started))
+                           identities[each.name], done_at[each.name] - started, clone.same_identity))
     from vmlaunch.runtime import events
 
     for forked in made:
@@ -414,9 +411,9 @@ def _save(run_dir: RunDir, source: str, book: Book, copies: Sequence[tuple[Path,
         if was_running:
             write_book(run_dir, attrs.evolve(book, forking=attrs.evolve(forking, paused=True)))
             qmp.cmd("stop")
+        params = qmp.cmd("query-migrate-parameters")
+        before = params.get("max-bandwidth") if isinstance(params, dict) else None
         try:
-            params = qmp.cmd("query-migrate-parameters")
-            before = params.get("max-bandwidth") if isinstance(params, dict) else None
             qmp.cmd("migrate-set-parameters", **{"max-bandwidth": BANDWIDTH})
             fd = os.open(run_dir.fork_state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | NOFOLLOW, 0o600)
             try:
@@ -434,12 +431,18 @@ def _save(run_dir: RunDir, source: str, book: Book, copies: Sequence[tuple[Path,
                 _wait_saved(qmp, source)
                 for each in copying:
                     each.result()
-            if isinstance(before, int):
-                qmp.cmd("migrate-set-parameters", **{"max-bandwidth": before})
         finally:
-            if was_running:
-                with contextlib.suppress(QmpError):
+            with contextlib.suppress(QmpError):
+                if isinstance(before, int):
+                    qmp.cmd("migrate-set-parameters", **{"max-bandwidth": before})
+                if was_running:
                     qmp.cmd("cont")
+                elif read_run_state(qmp) == "postmigrate":
+                    # A saved VM's disks are handed over (inactive) until it runs: a VM its user had
+                    # paused gets them back and stays paused, as it was.
+                    qmp.cmd("cont")
+                    qmp.cmd("stop")
+            if was_running:
                 write_book(run_dir, attrs.evolve(book, forking=attrs.evolve(forking, paused=False)))
 
 
@@ -509,23 +512,36 @@ def _template(run_dir: RunDir, plan: VmPlan, identity: dict[str, tuple[int, int]
         executor.clear_stale(plan.files)
 
 
-def _load_all(run_dir: RunDir, plans: Sequence[VmPlan], pids: dict[str, int], keep_going: bool, *,
-              ignore_shared: bool = False) -> list[str]:
-    """Each clone loads the saved state and runs; the names of those that do. One that fails is named;
-    without `keep_going` that fails the fork (all of it is rolled back), with it that clone alone is
-    taken down."""
+def _bring_all(run_dir: RunDir, lab: LabSpec, lab_dir: LabDir, source: VmSpec, plans: Sequence[VmPlan],
+               pids: dict[str, int], clones: dict[str, Clone], keep_going: bool, *, ignore_shared: bool,
+               loaded_at: dict[str, float], done_at: dict[str, float]) -> dict[str, tuple[str, ...]]:
+    """Each clone, on a thread of its own, loads the saved state, runs and is given its identity
+    (`_give`); clone -> what it was given, and when each had loaded and was ready (time.monotonic()).
+    One that fails is named; without `keep_going` that fails the fork (all of it is rolled back), with
+    it that clone alone is taken down."""
+
+    def bring(plan: VmPlan) -> tuple[str, ...] | str:
+        why = _load(run_dir, plan, pids[plan.name], ignore_shared=ignore_shared)
+        if why is not None:
+            return f"did not load {why}"
+        loaded_at[plan.name] = time.monotonic()
+        given = _give(run_dir, lab, lab_dir, source, clones[plan.name])
+        if isinstance(given, str):
+            return f"did not take its identity: {given}"
+        done_at[plan.name] = time.monotonic()
+        return given
+
     with ThreadPoolExecutor(len(plans)) as pool:
-        results = list(pool.map(lambda each: _load(run_dir, each, pids[each.name],
-                                                   ignore_shared=ignore_shared), plans))
-    failed = [(each.name, why) for each, why in zip(plans, results) if why is not None]
+        outcomes = dict(zip([plan.name for plan in plans], pool.map(bring, plans)))
+    failed = {name: why for name, why in outcomes.items() if isinstance(why, str)}
     if failed and not keep_going:
-        raise RuntimeFailure("; ".join(f"{name} did not load {why}" for name, why in failed),
-                             "the fork is rolled back; --keep-going keeps the clones that loaded")
-    for name, why in failed:
-        log.warning("%s did not load %s: removed (--keep-going keeps the others)", name, why)
+        raise RuntimeFailure("; ".join(f"{name} {why}" for name, why in failed.items()),
+                             "the fork is rolled back; --keep-going keeps the clones that did")
+    for name, why in failed.items():
+        log.warning("%s %s: removed (--keep-going keeps the others)", name, why)
     if failed:
-        executor.take_down(run_dir, [name for name, _ in failed])
-    return [each.name for each, why in zip(plans, results) if why is None]
+        executor.take_down(run_dir, list(failed))
+    return {name: given for name, given in outcomes.items() if not isinstance(given, str)}
 
 
 def _load(run_dir: RunDir, plan: VmPlan, pid: int, *, run: bool = True, ignore_shared: bool = False
@@ -653,56 +669,33 @@ exit 0
 """
 
 
-def _identities(run_dir: RunDir, lab: LabSpec, lab_dir: LabDir, source: VmSpec, clones: Sequence[Clone],
-                keep_going: bool, done_at: dict[str, float]) -> dict[str, tuple[str, ...]]:
-    """Give each clone its identity through its command channel (the IDENTITY script); clone -> what
-    was set, and in `done_at` when (time.monotonic()). A clone forked with --same-identity is given
-    none. One the guest refuses is named, and
-    fails the fork unless `keep_going` (then it alone is taken down)."""
-    if not clones:
-        return {}
-    if clones[0].same_identity:
-        done_at.update((clone.name, time.monotonic()) for clone in clones)
-        return {clone.name: () for clone in clones}
+def _give(run_dir: RunDir, lab: LabSpec, lab_dir: LabDir, source: VmSpec, clone: Clone
+          ) -> tuple[str, ...] | str:
+    """Give the clone its identity through its command channel (the IDENTITY script): what was set,
+    one line each, or why not. A clone forked with --same-identity is given none."""
+    if clone.same_identity:
+        return ()
+    spec = lab.vm(clone.name)
+    # the SSH NIC and NICs on user networks keep theirs (spec/forks.py: clone_spec says why)
+    macs = ",".join(f"{old.mac}={new.mac}" for old, new in zip(source.nics, spec.nics) if old.mac != new.mac)
+    addrs = ",".join(f"{new.mac}={old.ip}>{new.ip}" for old, new in zip(source.nics, spec.nics)
+                     if old.ip and new.ip and old.ip != new.ip)
+    keys = b""
+    if spec.cloud_init is not None:
+        from vmlaunch.guests import sshkeys
 
-    def give(clone: Clone) -> tuple[str, ...] | str:
-        spec = lab.vm(clone.name)
-        # the SSH NIC and NICs on user networks keep theirs (spec/forks.py: clone_spec says why)
-        macs = ",".join(f"{old.mac}={new.mac}" for old, new in zip(source.nics, spec.nics)
-                        if old.mac != new.mac)
-        addrs = ",".join(f"{new.mac}={old.ip}>{new.ip}" for old, new in zip(source.nics, spec.nics)
-                         if old.ip and new.ip and old.ip != new.ip)
-        keys = b""
-        if spec.cloud_init is not None:
-            from vmlaunch.guests import sshkeys
-
-            private, public = sshkeys.ensure_host_key(lab_dir, clone.name)
-            keys = f"{private.rstrip()}\n{public.strip()}\n".encode()
-        try:
-            result = agent.run(run_dir, clone.name, ["sh", "-c", IDENTITY, "identity", clone.name,
-                                                     uuid.uuid4().hex, f"{time.time():.3f}", macs, addrs],
-                               input=keys, timeout=IDENTITY_TIMEOUT, wait=IDENTITY_TIMEOUT)
-        except VmlaunchError as exc:
-            return str(exc)
-        if result.exit_code != 0:
-            return (f"the identity script exited with status {result.exit_code}: "
-                    f"{result.stderr[-300:].decode(errors='replace')!r}")
-        said = tuple(line for line in result.stdout.decode(errors="replace").splitlines() if line.strip())
-        done_at[clone.name] = time.monotonic()
-        return said
-
-    with ThreadPoolExecutor(len(clones)) as pool:
-        given = dict(zip([clone.name for clone in clones], pool.map(give, clones)))
-    failed = {name: why for name, why in given.items() if isinstance(why, str)}
-    if failed and not keep_going:
-        raise RuntimeFailure("; ".join(f"{name} did not take its identity: {why}"
-                                       for name, why in failed.items()),
-                             "the fork is rolled back; --keep-going keeps the clones that took theirs")
-    if failed:
-        for name, why in failed.items():
-            log.warning("%s did not take its identity: %s: removed", name, why)
-        executor.take_down(run_dir, list(failed))
-    return {name: what for name, what in given.items() if not isinstance(what, str)}
+        private, public = sshkeys.ensure_host_key(lab_dir, clone.name)
+        keys = f"{private.rstrip()}\n{public.strip()}\n".encode()
+    try:
+        result = agent.run(run_dir, clone.name, ["sh", "-c", IDENTITY, "identity", clone.name,
+                                                 uuid.uuid4().hex, f"{time.time():.3f}", macs, addrs],
+                           input=keys, timeout=IDENTITY_TIMEOUT, wait=IDENTITY_TIMEOUT)
+    except VmlaunchError as exc:
+        return str(exc)
+    if result.exit_code != 0:
+        return (f"the identity script exited with status {result.exit_code}: "
+                f"{result.stderr[-300:].decode(errors='replace')!r}")
+    return tuple(line for line in result.stdout.decode(errors="replace").splitlines() if line.strip())
 
 
 def describe(forked: Forked) -> str:
@@ -711,7 +704,8 @@ def describe(forked: Forked) -> str:
     if forked.macs:
         parts.append(f"MAC {', '.join(forked.macs)}")
     if forked.addresses:
-        parts.append(f"address {', '.join(forked.addresses)} (the next free)")
+        how = "its source's: --same-identity" if forked.same_identity else "the next free"
+        parts.append(f"address {', '.join(forked.addresses)} ({how})")
     if forked.ssh_port:
         parts.append(f"ssh 127.0.0.1:{forked.ssh_port}")
     if forked.forwards:
