@@ -225,6 +225,41 @@ def test_refusals_change_nothing(lab: Lab, args: list[str], code: int, words: st
     assert status(lab).keys() == before.keys()
 
 
+def test_what_cannot_be_copied_is_refused_before_anything_changes(lab: Lab) -> None:
+    """A held request (the pause would never end), a disk file swapped since `up` (a link to a host
+    file would be copied into the clone), a folder of the lab dir that is no clone's."""
+    spec = str(lab.spec)
+    before = status(lab)
+    assert vmlaunch("fault", spec, "a", "disk0", "hang", "--write").returncode == 0
+    try:
+        assert "hang" in vmlaunch("fault", spec).stdout
+        done = vmlaunch("fork", spec, "a")
+        assert done.returncode == EXIT_RUNTIME and "release" in done.stderr, done.stderr
+    finally:
+        assert vmlaunch("fault", spec, "a", "disk0", "clear").returncode == 0
+    data = lab.spec.parent / "data.raw"
+    os.rename(data, data.with_name("kept.raw"))
+    try:
+        secret = lab.spec.parent / "host-secret"
+        secret.write_text("not the guest's\n")
+        os.symlink(secret, data)
+        done = vmlaunch("fork", spec, "a")
+        assert done.returncode == EXIT_RUNTIME and "not the file" in done.stderr, done.stderr
+    finally:
+        os.unlink(data)
+        os.rename(data.with_name("kept.raw"), data)
+    stray = LabDir.of(lab.spec, "fk").path / "st-1"
+    stray.mkdir(parents=True)
+    try:
+        done = vmlaunch("fork", spec, "a", "--name", "st-{i}")
+        assert done.returncode == EXIT_USAGE and "st-1 exists" in done.stderr, done.stderr
+    finally:
+        stray.rmdir()
+    assert status(lab).keys() == before.keys()
+    assert not (lab.run_dir.path / "forks.json").exists() or json.loads(
+        (lab.run_dir.path / "forks.json").read_text())["forking"] is None
+
+
 def test_a_guest_without_a_channel_forks_with_the_same_identity_said_loudly(lab: Lab) -> None:
     done = vmlaunch("fork", str(lab.spec), "off", "--same-identity")
     assert done.returncode == 0, done.stderr

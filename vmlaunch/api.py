@@ -93,11 +93,11 @@ class Lab:
     @property
     def vms(self) -> tuple[str, ...]:
         """The names of the VMs this Lab brings up and down, in spec order, then the clones that are
-        up (a Lab made for some VMs, `vms=[...]`, has those alone)."""
+        up (a Lab made for some VMs, `vms=[...]`, has those and the clones it forked)."""
         planned = tuple(vm.name for vm in self.plan.vms)
-        if self.only:
-            return planned
-        return (*planned, *(vm.name for vm in self.model.vms if vm.name not in planned))
+        clones = [vm.name for vm in self.model.vms if vm.name not in planned
+                  and (not self.only or vm.name in self.only)]  # a Lab of some VMs: the clones it made
+        return (*planned, *clones)
 
     def fork(self, vm: str, count: int = 1, *, name: str | None = None, shared_memory: bool = False,
              keep_going: bool = False, same_identity: bool = False, timeout: float = 60.0) -> list[Vm]:
@@ -110,6 +110,8 @@ class Lab:
 
         made = fork.fork(self.spec_model, self.host, vm, count, pattern=name, shared_memory=shared_memory,
                          keep_going=keep_going, same_identity=same_identity, timeout=timeout)
+        if self.only:  # a Lab of some VMs drives (and takes down) the clones it made too
+            self.only = (*self.only, *(each.name for each in made))
         return [Vm(self, each.name) for each in made]
 
     @property
@@ -136,7 +138,13 @@ class Lab:
         from vmlaunch.guests.shareaccess import require_xattrs
 
         require_xattrs(self.spec_model, [vm.name for vm in self.plan.vms])
-        executor.up(self.plan, spec=str(self.spec_model.file), qemu_img=self.host.qemu.img,
+        plan, model = self.plan, self.model
+        if model is not self.spec_model:  # clones are up: the lab manager goes on watching them
+            names = [vm.name for vm in self.plan.vms]
+            kernels = prepare_kernels(model, self.host, names, build=True)
+            plan = compile_lab(model, self.host, names, kernels=kernels,
+                               running=running.where_running(self.run_dir, self.host.numa))
+        executor.up(plan, spec=str(self.spec_model.file), qemu_img=self.host.qemu.img,
                     wait_for=wait_for if wait_for is not None else self.wait_for,
                     timeout=timeout, wait_ssh=wait_ssh, parallel=_parallel(parallel))
 

@@ -27,8 +27,8 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
                       help="the clones' names, {i} being the number from 1 (default VM-{i}, counting on "
                       "after the VM's clones there are)")
     fork.add_argument("--shared-memory", action="store_true",
-                      help="the clones map the saved memory copy-on-write instead of loading it: faster, "
-                      "and the pages no clone changed are held once")
+                      help="the clones map one file of the saved memory copy-on-write instead of each "
+                      "loading it: the pages no clone changed are held once on the host")
     fork.add_argument("--keep-going", action="store_true",
                       help="a clone that fails to load or to take its identity is removed and the others "
                       "kept (default: the whole fork is rolled back)")

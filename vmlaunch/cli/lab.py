@@ -164,7 +164,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     from vmlaunch.runtime.fork import members
     from vmlaunch.runtime.running import where_running
 
-    lab = members(load_checked(args.spec, vms=args.vms))  # the manager goes on watching the clones
+    spec_lab = load_checked(args.spec, vms=args.vms)
+    # The lab's clones are its members (the lab manager goes on watching them), but `up` starts only
+    # the spec's VMs: a clone is made by `fork`, never booted afresh.
+    lab = members(spec_lab)
+    only = list(args.vms) or [vm.name for vm in spec_lab.vms]
     host = detect_host()
     from vmlaunch.host.confine import warn_if_off
 
@@ -172,8 +176,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from vmlaunch.guests.kernels import prepare
 
     # a kernel is decompressed into the cache here, once (not with --dry-run, which changes nothing)
-    kernels = prepare(lab, host, args.vms, build=not args.dry_run)
-    plan = compile_lab(lab, host, args.vms, kernels=kernels,
+    kernels = prepare(lab, host, only, build=not args.dry_run)
+    plan = compile_lab(lab, host, only, kernels=kernels,
                        running=where_running(RunDir.of(host.run_root, lab.name), host.numa))
     for note in plan.notes:
         log.info("note: %s", note)

@@ -93,10 +93,11 @@ def unpin(lab_dir: LabDir, vm: str) -> None:
     """Drop the VM's line from the lab's known_hosts (a clone that went down), keeping every other."""
     check_name(lab_dir.lab, "lab")
     check_name(vm, "VM")
-    if not lab_dir.ssh_dir.is_dir():
+    if not os.path.lexists(lab_dir.ssh_dir):
         return
+    ssh_dir = make_private_dir(lab_dir.ssh_dir)  # the user's own, never a link
     alias = lab_dir.host_alias(vm)
-    with _locked(lab_dir.ssh_dir):
+    with _locked(ssh_dir):
         try:
             old = read_own_file(lab_dir.known_hosts).splitlines()
         except FileNotFoundError:

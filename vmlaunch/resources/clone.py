@@ -25,7 +25,7 @@ from vmlaunch.errors import RuntimeFailure
 from vmlaunch.layout.labdir import LabDir
 from vmlaunch.layout.rundir import RunDir, open_in_run_dir
 from vmlaunch.resources.base import Context, PerVm
-from vmlaunch.spec.forks import Clone
+from vmlaunch.spec.forks import NAME, Clone
 
 BOOK_VERSION = 1
 MAX_SIZE = 4 << 20
@@ -41,10 +41,11 @@ class Forking:
     source: str
     clones: tuple[str, ...]
     paused: bool = False
+    lab_dir: str | None = None  # where the clones' folders go (removed when the fork is undone)
 
     def to_json(self) -> dict[str, Any]:
         return {"fork": self.fork, "pid": self.pid, "source": self.source, "clones": list(self.clones),
-                "paused": self.paused}
+                "paused": self.paused, "lab_dir": self.lab_dir}
 
     @classmethod
     def from_json(cls, doc: Any) -> Forking:
@@ -54,7 +55,12 @@ class Forking:
         if not (type(fork) is int and type(pid) is int and isinstance(source, str)
                 and isinstance(clones, list) and all(isinstance(name, str) for name in clones)):
             raise ValueError("a fork under way has a number, a pid, a source and its clones")
-        return cls(fork, pid, source, tuple(clones), bool(doc.get("paused", False)))
+        lab_dir = doc.get("lab_dir")
+        if not (lab_dir is None or (isinstance(lab_dir, str) and lab_dir.startswith("/"))):
+            raise ValueError("a fork's lab dir is an absolute path")
+        if not all(NAME.fullmatch(name) for name in (source, *clones)):
+            raise ValueError("a fork's source and clones are VM names")
+        return cls(fork, pid, source, tuple(clones), bool(doc.get("paused", False)), lab_dir)
 
 
 @attrs.frozen
@@ -130,13 +136,14 @@ class CloneRecord:
         from vmlaunch.guests.sshkeys import unpin
 
         labdir = LabDir(self.lab_dir, self.lab)
-        folder = labdir.vm(self.vm).path
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISDIR(os.lstat(folder).st_mode):  # a link planted there is removed, never followed
-                shutil.rmtree(folder)
-            else:
-                os.unlink(folder)
-        unpin(labdir, self.vm)
+        if labdir.secure():  # the user's own folder, writable by nobody else (else UnsafeDirectory)
+            folder = labdir.vm(self.vm).path
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISDIR(os.lstat(folder).st_mode):  # a link planted there: removed, not followed
+                    shutil.rmtree(folder)  # fd-based: no link inside is followed either
+                else:
+                    os.unlink(folder)
+            unpin(labdir, self.vm)
         run_dir = RunDir(self.run_dir)
         if run_dir.path.is_dir():
             try:

@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import re
+import shutil
 import stat
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -773,13 +774,14 @@ def down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, fo
 
 
 def take_down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.0, force: bool = False,
-              spec: str | os.PathLike[str] | None = None) -> bool:
-    """`down`, for a caller that holds the lab's lock (a fork that rolls its clones back)."""
+              spec: str | os.PathLike[str] | None = None, settle: bool = True) -> bool:
+    """`down`, for a caller that holds the lab's lock (a fork that rolls its clones back: `settle`
+    False, it settles the fork itself)."""
     journal = Journal.load(run_dir, force=force)
     if spec is not None:
         journal.check_spec(spec, force=force)
     snapshot.settle(run_dir, timeout + 30)  # a half-saved snapshot goes while QEMU can delete it
-    if not journal.unreadable and os.path.lexists(run_dir.forks):
+    if settle and not journal.unreadable and os.path.lexists(run_dir.forks):
         settle_fork(run_dir, timeout)  # a fork killed half-way: its clones go, its source runs
         journal = Journal.load(run_dir, force=force)
     if not journal.unreadable:  # what an `up` killed before journaling left (resources/registry.py)
@@ -848,9 +850,11 @@ def take_down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.
 
 def settle_fork(run_dir: RunDir, timeout: float = 10.0, *, why: str | None = None) -> list[str]:
     """Undo a `vmlaunch fork` that was killed half-way (its book still says a fork is under way, and the
-    caller holds the lab's lock, so the vmlaunch doing it is gone): its clones are taken down (QEMU,
-    taps, copies, pins), its source is resumed if the fork had paused it, its saved state removed.
-    Returns what was done, one line each, also said as warnings."""
+    caller holds the lab's lock, so the vmlaunch doing it is gone), or that fails (`why`): its source
+    first (a save still under way cancelled; resumed if the fork had paused it), then its clones
+    taken down (QEMU, taps, copies, pins), a clone folder made before it was journaled removed, its
+    saved state removed; the fork is struck from the book last, so a command killed meanwhile leaves
+    it for the next one. Returns what was done, one line each, also said as warnings."""
     from vmlaunch.resources.clone import BookError, read_book, write_book
 
     try:
@@ -861,36 +865,60 @@ def settle_fork(run_dir: RunDir, timeout: float = 10.0, *, why: str | None = Non
     forking = book.forking
     if forking is None or (forking.pid == os.getpid() and why is None):
         return []  # none, or this process's own fork, which takes a failing clone down (--keep-going)
-    write_book(run_dir, attrs.evolve(book, forking=None))  # first: the take-down below finds it settled
-    said = []
+    what = why or f"a fork of {forking.source} was interrupted (vmlaunch pid {forking.pid} is gone)"
+    said = _settle_source(run_dir, forking.source, forking.paused)
     journal = Journal.load(run_dir)
     clones = [name for name in forking.clones if name in journal.vms
               or any(entry.vm == name for entry in journal.resources)]
     if clones:
-        take_down(run_dir, clones, timeout=timeout)
-        what = why or f"a fork of {forking.source} was interrupted (vmlaunch pid {forking.pid} is gone)"
-        said.append(f"{what}: {', '.join(clones)} taken down")
-    pid = qemu.find_pid(run_dir.vm(forking.source), journal.vms[forking.source].pid) \
-        if forking.source in journal.vms else None
-    if pid is not None:
         try:
-            with QuickQmp(run_dir.vm(forking.source).qmp, 5.0) as qmp:
-                with contextlib.suppress(VmlaunchError):
-                    qmp.cmd("migrate_cancel")  # a save still under way
-                state = qmp.cmd("query-status").get("status")
-                if forking.paused and state in ("paused", "postmigrate", "finish-migrate"):
-                    qmp.cmd("cont")
-                    said.append(f"{forking.source}: resumed (the fork had paused it)")
-                elif state == "postmigrate":  # paused by its user: its disks back, still paused
-                    qmp.cmd("cont")
-                    qmp.cmd("stop")
-        except VmlaunchError as exc:
-            said.append(f"{forking.source}: could not be resumed ({exc}): `vmlaunch resume SPEC "
-                        f"{forking.source}`")
+            take_down(run_dir, clones, timeout=0, settle=False)  # copies of a moment ago: nothing to save
+            said.append(f"{what}: {', '.join(clones)} taken down")
+        except VmlaunchError as exc:  # what is left stays journaled: the lab's `down` tries again
+            said.append(f"{what}: {', '.join(clones)} not all taken down: {exc}")
+    if forking.lab_dir is not None:
+        journal = Journal.load(run_dir)
+        for name in forking.clones:  # made by the fork (it names clones around every folder there)
+            folder = LabDir(Path(forking.lab_dir), run_dir.lab).vm(name).path
+            if name not in journal.vms and not any(e.vm == name for e in journal.resources):
+                with contextlib.suppress(FileNotFoundError):
+                    if stat.S_ISDIR(os.lstat(folder).st_mode):
+                        shutil.rmtree(folder)
     for path in (run_dir.fork_state, run_dir.fork_memory):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-    write_book(run_dir, read_book(run_dir).without(set(forking.clones)))
+    book = read_book(run_dir)
+    write_book(run_dir, attrs.evolve(book.without(set(forking.clones)), forking=None))
     for line in said:
         log.warning("%s", line)
     return said
+
+
+MIGRATING = ("setup", "active", "cancelling", "pre-switchover", "device", "wait-unplug")
+
+
+def _settle_source(run_dir: RunDir, source: str, paused: bool) -> list[str]:
+    """The source of a fork that is settled: a save still under way cancelled (and waited for), then
+    resumed if the fork had paused it; paused by its user, its disks back (a saved VM's are handed
+    over until it runs) and paused still."""
+    journal = Journal.load(run_dir)
+    pid = qemu.find_pid(run_dir.vm(source), journal.vms[source].pid) if source in journal.vms else None
+    if pid is None:
+        return []
+    try:
+        with QuickQmp(run_dir.vm(source).qmp, 5.0) as qmp:
+            with contextlib.suppress(VmlaunchError):
+                qmp.cmd("migrate_cancel")
+            with contextlib.suppress(TimedOut):
+                wait_until(lambda: qmp.cmd("query-migrate").get("status") not in MIGRATING or None,
+                           10.0, interval=0.02)
+            state = qmp.cmd("query-status").get("status")
+            if paused and state in ("paused", "postmigrate"):
+                qmp.cmd("cont")
+                return [f"{source}: resumed (the fork had paused it)"]
+            if state == "postmigrate":
+                qmp.cmd("cont")
+                qmp.cmd("stop")
+    except VmlaunchError as exc:
+        return [f"{source}: could not be resumed ({exc}): `vmlaunch resume SPEC {source}`"]
+    return []

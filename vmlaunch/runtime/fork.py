@@ -39,6 +39,7 @@ import contextlib
 import logging
 import os
 import socket
+import stat
 import subprocess
 import time
 import uuid
@@ -182,6 +183,14 @@ def _fork(lab: LabSpec, host: Host, run_dir: RunDir, source: str, count: int, pa
         raise RuntimeFailure(f"{source} is not running: only a running VM can be forked",
                              f"start it with `vmlaunch up SPEC {source}`")
     refusals(lab, vm, count, host, list(running), shared_memory=shared_memory)
+    if run_dir.disk_faults.exists():
+        from vmlaunch.runtime.diskfault import held_requests
+
+        held = held_requests(run_dir, source)
+        if held:  # a pause waits for every request: it would never end
+            raise RuntimeFailure(f"{source} holds requests of {', '.join(held)} (`fault ... hang`): it "
+                                 "cannot pause for the fork while they wait", f"`vmlaunch fault SPEC "
+                                 f"{source} {held[0]} release` first")
     lab_dir = LabDir.of(lab.file, lab.name)
     kept = {entry.name for entry in os.scandir(lab_dir.path)} if lab_dir.path.is_dir() else set()
     # a folder of the lab dir may hold a VM's disks from before (a VM since left out of the spec)
@@ -198,12 +207,17 @@ def _fork(lab: LabSpec, host: Host, run_dir: RunDir, source: str, count: int, pa
         from vmlaunch.compile.compiler import compile_lab
 
         plan = compile_lab(with_new, host, names)
+        if shared_memory:
+            for each in plan.vms:
+                shared(each, run_dir.fork_memory, share=False)  # refused here, not once paused
+        copies = _copies(with_new, lab_dir, vm, names, running[source])
+        _room(run_dir, lab_dir, vm, copies, shared_memory)
         answered.result()
     book = Book(clones=(*book.clones, *clones), last=number,
-                forking=Forking(number, os.getpid(), source, tuple(names)))
+                forking=Forking(number, os.getpid(), source, tuple(names), lab_dir=str(lab_dir.path)))
     write_book(run_dir, book)  # before anything changes: a kill from here on is undone by the next command
     try:
-        made = _make(with_new, plan, host, run_dir, journal, vm, clones, book, keep_going, started,
+        made = _make(with_new, plan, host, run_dir, journal, vm, clones, book, copies, keep_going, started,
                      shared_memory)
     except BaseException as exc:
         from vmlaunch.core import signals
@@ -285,8 +299,8 @@ def free_ports(count: int) -> list[int]:
 
 
 def _make(lab: LabSpec, plan: Plan, host: Host, run_dir: RunDir, journal: Journal, vm: VmSpec,
-          clones: Sequence[Clone], book: Book, keep_going: bool, started: float, shared_memory: bool
-          ) -> list[Forked]:
+          clones: Sequence[Clone], book: Book, copies: Sequence[tuple[Path, Path]], keep_going: bool,
+          started: float, shared_memory: bool) -> list[Forked]:
     from vmlaunch.resources.guest import Nvram, Overlay
     from vmlaunch.resources.image import Image
 
@@ -301,12 +315,17 @@ def _make(lab: LabSpec, plan: Plan, host: Host, run_dir: RunDir, journal: Journa
     for resource in resources:
         record = resource.apply(ctx)
         journal.add(Entry(kind=resource.kind, key=resource.key, vm=resource.owner, record=record))
+    if clones[0].same_identity and lab_dir.vm(vm.name).host_pub.exists():
+        from vmlaunch.guests import sshkeys  # the guest keeps its source's host key: so does the pin
+
+        public = sshkeys.read_own_file(lab_dir.vm(vm.name).host_pub)
+        for name in names:
+            sshkeys.pin(lab_dir, name, public)
     plans = [attrs.evolve(each, argv=(*each.argv, "-incoming", "defer")) for each in plan.vms]
     for each in plans:
         executor.clear_stale(each.files)
         journal.vms[each.name] = VmEntry(pid=None, started=time.time(), accel=each.accel.accel.value)
     journal.save()
-    copies = _copies(lab, lab_dir, vm, names)
     marks = {"prepared": time.monotonic()}
     _save(run_dir, vm.name, book, copies)
     marks["saved"] = time.monotonic()
@@ -335,6 +354,9 @@ def _make(lab: LabSpec, plan: Plan, host: Host, run_dir: RunDir, journal: Journa
         for path in (run_dir.fork_state, run_dir.fork_memory):  # the clones' mappings keep the RAM
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+    if not identities:
+        raise RuntimeFailure(f"no clone of {vm.name} was made: each failed (said above)")
+    journal = Journal.load(run_dir)  # a clone --keep-going took down is gone from it
     plans = [each for each in plans if each.name in identities]
     for each in plans:
         if each.ssh_user:
@@ -367,29 +389,89 @@ def _make(lab: LabSpec, plan: Plan, host: Host, run_dir: RunDir, journal: Journa
     return made
 
 
-def _copies(lab: LabSpec, lab_dir: LabDir, vm: VmSpec, names: Sequence[str]) -> list[tuple[Path, Path]]:
-    """(the source's file, a clone's copy) for each writable disk of the source and each clone: its
-    overlay, each writable [[disk]], its UEFI variables."""
+def _copies(lab: LabSpec, lab_dir: LabDir, vm: VmSpec, names: Sequence[str], pid: int
+            ) -> list[tuple[Path, Path]]:
+    """(what to copy, a clone's copy) for each writable disk of the source and each clone: its
+    overlay, each writable [[disk]], its UEFI variables. What is copied is the file the source's QEMU
+    has open (`/proc/PID/fd/N`), never what its path names now: a path swapped since `up` (a link to
+    a file of the host's) is refused, as is a writable block device (a copy would read it whole)."""
     from vmlaunch.spec.model import Firmware
 
+    held = _open_files(pid)
+    wanted = [lab_dir.vm(vm.name).overlay] if vm.image is not None else []
+    wanted += [disk.file for disk in vm.disks if not disk.readonly]
+    wanted += [lab_dir.vm(vm.name).nvram] if vm.firmware is Firmware.UEFI else []
+    found = {}
+    for path in wanted:
+        opened = held.get(os.path.realpath(path))
+        if opened is None:
+            raise RuntimeFailure(f"{path} is not the file {vm.name}'s QEMU has open (it was replaced or "
+                                 "removed since `up`): its clones would not get the disk it writes",
+                                 f"put it back, or `vmlaunch down SPEC {vm.name}` and `up` it again")
+        if stat.S_ISBLK(os.stat(opened).st_mode):
+            raise RuntimeFailure(f"{vm.name}'s disk {path} is a block device: a fork would copy it whole "
+                                 "for each clone", "fork a VM whose writable disks are files")
+        found[path] = opened
     pairs = []
     for name in names:
         clone = lab.vm(name)
         if vm.image is not None:
-            pairs.append((lab_dir.vm(vm.name).overlay, lab_dir.vm(name).overlay))
+            pairs.append((found[lab_dir.vm(vm.name).overlay], lab_dir.vm(name).overlay))
         for disk, copy in zip(vm.disks, clone.disks):
             if not disk.readonly:
-                pairs.append((disk.file, copy.file))
+                pairs.append((found[disk.file], copy.file))
         if vm.firmware is Firmware.UEFI:
-            pairs.append((lab_dir.vm(vm.name).nvram, lab_dir.vm(name).nvram))
+            pairs.append((found[lab_dir.vm(vm.name).nvram], lab_dir.vm(name).nvram))
     return pairs
 
 
+def _open_files(pid: int) -> dict[str, Path]:
+    """The files a process has open: the path each names (as the kernel says) -> /proc/PID/fd/N."""
+    folder = Path(f"/proc/{pid}/fd")
+    found: dict[str, Path] = {}
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return found
+    for entry in entries:
+        with contextlib.suppress(OSError):
+            found.setdefault(os.readlink(folder / entry), folder / entry)
+    return found
+
+
+def _room(run_dir: RunDir, lab_dir: LabDir, vm: VmSpec, copies: Sequence[tuple[Path, Path]],
+          shared_memory: bool) -> None:
+    """Refuse a fork whose saved state (the VM's memory at most, and the shared RAM file with
+    --shared-memory) does not fit in the run dir's file system, or whose disk copies (what the
+    source's files hold) do not fit beside the spec."""
+    need = (vm.memory_mib << 20) * (2 if shared_memory else 1)
+    free = _free(run_dir.path)
+    if free is not None and free < need:
+        raise RuntimeFailure(f"the run dir {run_dir} has {free >> 20} MiB free, and a fork of {vm.name} "
+                             f"saves up to {need >> 20} MiB there", "free some, or set VMLAUNCH_RUN_DIR "
+                             "to a roomier place")
+    copied = sum(os.stat(source).st_blocks * 512 for source, _ in copies)
+    free = _free(lab_dir.path)
+    if copied and free is not None and free < copied:
+        raise RuntimeFailure(f"the copies of {vm.name}'s disks need {copied >> 20} MiB, and {lab_dir} has "
+                             f"{free >> 20} MiB free", "fewer clones, or free some room")
+
+
+def _free(path: Path) -> int | None:
+    try:
+        info = os.statvfs(path)
+    except OSError:
+        return None
+    return info.f_bavail * info.f_frsize
+
+
 def _copy(source: Path, target: Path) -> None:
+    """Copy what the source's QEMU has open (`source`: /proc/PID/fd/N) to a clone's new file (its
+    folder was just made, private), sparse, shared by reflink where the file system can."""
     done = subprocess.run(["cp", "--sparse=always", "--reflink=auto", "--no-preserve=all", "--",
                            str(source), str(target)], capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise RuntimeFailure(f"the copy of {source} for a clone failed: {done.stderr.strip()}",
+        raise RuntimeFailure(f"a copy of a disk for {target.parent.name} failed: {done.stderr.strip()}",
                              "is the file system full?")
     os.chmod(target, 0o600)
 

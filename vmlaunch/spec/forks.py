@@ -174,8 +174,8 @@ def clone_spec(lab: LabSpec, clone: Clone) -> VmSpec:
     """The VmSpec of `clone`: its source's under the clone's name, each NIC with a MAC derived for the
     clone (on a user network, the source's: see below), its address, and its user network's copy
     where that network forwards ports; each writable
-    disk a copy in the clone's folder of the lab dir (`VmDir.disk_copy`); no pinned CPUs or node (the
-    source's are the source's)."""
+    disk a copy in the clone's folder of the lab dir (`VmDir.disk_copy`). Its node and pinned CPUs
+    are the source's: the saved memory loads only into RAM laid out as the source's."""
     from vmlaunch.layout.labdir import LabDir
 
     source = lab.vm(clone.base)
@@ -188,15 +188,15 @@ def clone_spec(lab: LabSpec, clone: Clone) -> VmSpec:
         # A NIC on a user network keeps its MAC: that network is the clone's own QEMU's, and the DHCP
         # server in the state the clone copied ties the guest's address (the one forwarded to) to it.
         own_network = isinstance(lab.network(base), UserNetwork)
-        mac = nic.mac if own_network else derive_mac(lab.mac_prefix, lab.name, clone.name, index)
+        kept = own_network or clone.same_identity  # --same-identity: the guest keeps its MACs
+        mac = nic.mac if kept else derive_mac(lab.mac_prefix, lab.name, clone.name, index)
         nics.append(attrs.evolve(nic, mac=mac,
                                  ip=address if nic.ip is not None else None, network=network))
     folder = LabDir.of(lab.file, lab.name).vm(clone.name)
     disks = tuple(disk if disk.readonly else
                   attrs.evolve(disk, file=folder.disk_copy(index, disk.format.value), size=None, faults=())
                   for index, disk in enumerate(source.disks))
-    return attrs.evolve(source, name=clone.name, nics=tuple(nics), disks=disks, numa_node=None,
-                        cpu_pinning=())
+    return attrs.evolve(source, name=clone.name, nics=tuple(nics), disks=disks)
 
 
 def with_clones(lab: LabSpec, clones: Sequence[Clone]) -> LabSpec:
