@@ -86,7 +86,7 @@ class Lab:
     def model(self) -> LabSpec:
         """The lab as its spec describes it, with the clones `fork` made that are up (VMs of the lab
         until they go down)."""
-        from vmlaunch.runtime.fork import members
+        from vmlaunch.runtime.members import members
 
         return members(self.spec_model)
 

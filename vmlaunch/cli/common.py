@@ -104,7 +104,7 @@ def lab_vm(spec: str, *vms: str) -> tuple[RunDir, LabSpec]:
     they go down); each of `vms` must be one of its VMs."""
     from vmlaunch.layout.dirs import run_root
     from vmlaunch.layout.rundir import RunDir
-    from vmlaunch.runtime.fork import members
+    from vmlaunch.runtime.members import members
     from vmlaunch.spec.load import load_lab
 
     lab = members(load_lab(spec))

@@ -161,7 +161,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from vmlaunch.host.facts import detect_host
     from vmlaunch.layout.rundir import RunDir
     from vmlaunch.runtime import executor
-    from vmlaunch.runtime.fork import members
+    from vmlaunch.runtime.members import members
     from vmlaunch.runtime.running import where_running
 
     spec_lab = load_checked(args.spec, vms=args.vms)

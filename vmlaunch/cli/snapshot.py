@@ -85,7 +85,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 def _lab(spec: str) -> tuple[RunDir, LabSpec]:
     from vmlaunch.layout.dirs import run_root
     from vmlaunch.layout.rundir import RunDir
-    from vmlaunch.runtime.fork import members
+    from vmlaunch.runtime.members import members
     from vmlaunch.spec.load import load_lab
 
     lab = members(load_lab(spec))  # a clone is a VM of the lab: its disks are snapshotted with the others

@@ -13,7 +13,6 @@ import functools
 import logging
 import os
 import re
-import shutil
 import stat
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -877,13 +876,13 @@ def settle_fork(run_dir: RunDir, timeout: float = 10.0, *, why: str | None = Non
         except VmlaunchError as exc:  # what is left stays journaled: the lab's `down` tries again
             said.append(f"{what}: {', '.join(clones)} not all taken down: {exc}")
     if forking.lab_dir is not None:
+        from vmlaunch.resources.clone import CloneRecord
+
         journal = Journal.load(run_dir)
-        for name in forking.clones:  # made by the fork (it names clones around every folder there)
-            folder = LabDir(Path(forking.lab_dir), run_dir.lab).vm(name).path
+        for name in forking.clones:  # a folder made but not journaled (the fork names around any other)
             if name not in journal.vms and not any(e.vm == name for e in journal.resources):
-                with contextlib.suppress(FileNotFoundError):
-                    if stat.S_ISDIR(os.lstat(folder).st_mode):
-                        shutil.rmtree(folder)
+                CloneRecord(name, run_dir.path, Path(forking.lab_dir), run_dir.lab).undo(
+                    Context(lab=run_dir.lab), rollback=True)
     for path in (run_dir.fork_state, run_dir.fork_memory):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

@@ -53,16 +53,15 @@ from vmlaunch.compile.plan import Plan, VmPlan
 from vmlaunch.core.wait import TimedOut, wait_until
 from vmlaunch.errors import AgentError, RuntimeFailure, VmlaunchError
 from vmlaunch.host.facts import Host
-from vmlaunch.layout.dirs import run_root
 from vmlaunch.layout.labdir import LabDir
 from vmlaunch.layout.rundir import NOFOLLOW, RunDir
 from vmlaunch.qemu.opts import json_arg
 from vmlaunch.qemu.qmp import QmpError, QuickQmp
 from vmlaunch.resources.base import Context, Resource, preflight
-from vmlaunch.resources.clone import Book, BookError, CloneFiles, Forking, read_book, write_book
+from vmlaunch.resources.clone import Book, CloneFiles, Forking, read_book, write_book
 from vmlaunch.runtime import agent, executor, snapshot
 from vmlaunch.runtime import process as qemu
-from vmlaunch.runtime.journal import Entry, Journal, LabBusy, VmEntry, locked
+from vmlaunch.runtime.journal import Entry, Journal, VmEntry, locked
 from vmlaunch.runtime.running import running_vms
 from vmlaunch.spec import forks
 from vmlaunch.spec.forks import Clone
@@ -94,31 +93,6 @@ class Forked:
 
     def to_json(self) -> dict[str, object]:
         return attrs.asdict(self)
-
-
-# --- the lab's members -----------------------------------------------------------------------------
-
-
-def members(lab: LabSpec) -> LabSpec:
-    """The lab with the clones that are up as VMs of it (`spec/forks.with_clones`): what every command
-    that drives a running lab works on. A fork killed half-way is undone first (when nobody holds the
-    lab's lock; one under way is left to the vmlaunch doing it)."""
-    run_dir = RunDir.of(run_root(), lab.name)
-    if not os.path.lexists(run_dir.forks):
-        return lab
-    try:
-        book = read_book(run_dir)
-        if book.forking is not None and not qemu.alive(book.forking.pid):
-            try:
-                with locked(run_dir, 0):
-                    executor.settle_fork(run_dir)
-            except LabBusy:
-                pass
-            book = read_book(run_dir)
-    except BookError as exc:
-        log.warning("%s", exc)
-        return lab
-    return forks.with_clones(lab, book.clones)
 
 
 # --- refusals ----------------------------------------------------------------------------------------

@@ -218,10 +218,5 @@ def with_clones(lab: LabSpec, clones: Sequence[Clone]) -> LabSpec:
     return attrs.evolve(with_networks, vms=(*lab.vms, *vms))
 
 
-def static_networks(lab: LabSpec, vm: VmSpec) -> list[tuple[int, Network]]:
-    """The NICs of `vm` with a static address, with their networks."""
-    return [(index, lab.network(nic.network)) for index, nic in enumerate(vm.nics) if nic.ip is not None]
-
-
 def subnet_of(network: Network) -> str | None:
     return network.subnet if isinstance(network, (BridgeNetwork, SocketNetwork, TapNetwork)) else None
