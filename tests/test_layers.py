@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("compile",),
     ("runtime",),
     ("doctor", "export"),
+    ("multihost",),
     ("api",),
     ("cli", "pytest_plugin"),
     ("__init__", "__main__"),

@@ -151,7 +151,7 @@ def _wait_for_libvirtd() -> None:
 
 
 def clear_domains() -> None:
-    """Destroy and undefine every domain and network the private libvirtd has."""
+    """Destroy and undefine every domain, network and storage pool the private libvirtd has."""
     def names(*listing: str) -> list[str]:
         done = subprocess.run(["virsh", *CONNECT, *listing], capture_output=True, text=True, check=False)
         return [name for name in done.stdout.split() if name]
@@ -161,6 +161,9 @@ def clear_domains() -> None:
             subprocess.run(["virsh", *CONNECT, *action], capture_output=True, check=False, timeout=60)
     for name in names("net-list", "--all", "--name"):
         for action in (("net-destroy", name), ("net-undefine", name)):
+            subprocess.run(["virsh", *CONNECT, *action], capture_output=True, check=False, timeout=60)
+    for name in names("pool-list", "--all", "--name"):
+        for action in (("pool-destroy", name), ("pool-delete", name), ("pool-undefine", name)):
             subprocess.run(["virsh", *CONNECT, *action], capture_output=True, check=False, timeout=60)
 
 

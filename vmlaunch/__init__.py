@@ -2,7 +2,8 @@
 
 The package's rooms, lowest first (ARCHITECTURE.md says what each holds; tests/test_layers.py keeps a
 room from importing one above it): core/ and errors, layout/, qemu/, spec/, policy/, host/, guests/,
-resources/, compile/, runtime/, doctor/ and export/, api, cli/ and pytest_plugin, this package.
+resources/, compile/, runtime/, doctor/ and export/, multihost/, api, cli/ and pytest_plugin, this
+package.
 
 Kept tiny on purpose: the CLI imports this package first, so nothing heavy may be imported here. The
 public API is resolved on first use by `__getattr__` below.

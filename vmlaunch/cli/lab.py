@@ -136,6 +136,10 @@ def cmd_cmdline(args: argparse.Namespace) -> int:
     from vmlaunch.host.facts import detect_host
 
     lab = load_checked(args.spec, vms=args.vms)
+    if lab.hosts:
+        from vmlaunch.cli import hosts
+
+        return hosts.cmdline(args, lab)
     host = detect_host()
     # Writes nothing: a kernel not decompressed yet is said to be, and its bzImage is the command line
     plan = compile_lab(lab, host, args.vms, kernels=prepare(lab, host, args.vms, build=False))
@@ -165,6 +169,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     from vmlaunch.runtime.running import where_running
 
     spec_lab = load_checked(args.spec, vms=args.vms)
+    if spec_lab.hosts:
+        from vmlaunch.cli import hosts
+
+        return hosts.up(args, spec_lab)
     # The lab's clones are its members (the lab manager goes on watching them), but `up` starts only
     # the spec's VMs: a clone is made by `fork`, never booted afresh.
     lab = members(spec_lab)

@@ -118,6 +118,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     from vmlaunch.runtime.control import status
 
     run_dir, lab = lab_vm(args.spec)
+    if lab.hosts:
+        from vmlaunch.cli import hosts
+
+        return hosts.status(args, lab)
     rows = status(run_dir, [vm.name for vm in lab.vms], lab)
     if args.json:
         print(json.dumps({row.name: row.to_json() for row in rows}, indent=2))
@@ -190,7 +194,11 @@ def cmd_logs(args: argparse.Namespace) -> int:
         raise UsageError(f"one VM's console at a time, not {', '.join(args.vms)}",
                          "--events takes several VMs")
     (vm,) = args.vms
-    run_dir, _ = lab_vm(args.spec, vm)
+    run_dir, lab = lab_vm(args.spec, vm)
+    if lab.hosts:
+        from vmlaunch.cli import hosts
+
+        return hosts.logs(args, lab, vm)
     text = read_log(run_dir, vm, qemu_messages=args.qemu)
     if not is_up(run_dir, vm):
         kept = lastrun.path_of(run_dir.lab, vm, "qemu" if args.qemu else "serial")
@@ -236,7 +244,11 @@ def _print_events(args: argparse.Namespace) -> int:
 def cmd_console(args: argparse.Namespace) -> int:
     from vmlaunch.runtime.control import attach_console
 
-    run_dir, _ = lab_vm(args.spec, args.vm)
+    run_dir, lab = lab_vm(args.spec, args.vm)
+    if lab.hosts:
+        from vmlaunch.cli import hosts
+
+        return hosts.console(args, lab)
     attach_console(run_dir, args.vm)
     return 0
 
@@ -251,7 +263,12 @@ def cmd_ssh(args: argparse.Namespace) -> int:
     words = list(args.command)
     if words and words[0] == "--":
         words = words[1:]
-    argv = ssh_argv_of(run_dir, lab, args.vm, words or None)
+    if lab.hosts:
+        from vmlaunch.multihost.vms import ssh_argv
+
+        argv = ssh_argv(lab, args.vm, words or None)
+    else:
+        argv = ssh_argv_of(run_dir, lab, args.vm, words or None)
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for ssh (and the guest)
     try:
         return subprocess.run(argv, check=False).returncode
@@ -277,13 +294,13 @@ def cmd_balloon(args: argparse.Namespace) -> int:
         if not PAGE <= size <= memory:
             raise UsageError(f"SIZE: {bare_shown(args.size) or repr(args.size)} is not between 4K (a page) "
                              f"and the memory of {args.vm}, {spelled(memory)}")
+    if lab.hosts:
+        from vmlaunch.multihost import vms
+
+        print(f"{args.vm}: {format_size(vms.balloon(lab, args.vm, size))}")
+        return 0
     print(f"{args.vm}: {format_size(balloon(run_dir, args.vm, size, args.timeout, memory))}")
     return 0
-
-
-# How QEMU's human monitor starts the text of a command that failed (`human-monitor-command` itself
-# succeeds): an unknown command, and the errors its commands report.
-HMP_FAILURES = ("unknown command:", "Error: ")
 
 
 # How QEMU's human monitor starts the text of a command that failed (`human-monitor-command` itself

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import uuid
 import xml.etree.ElementTree as ET
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from vmlaunch.compile.compiler import (
@@ -181,7 +181,11 @@ def network_xml(lab: LabSpec, net: BridgeNetwork, *, bridge_mode: bool) -> str:
     return _text(root)
 
 
-def domain_xml(lab: LabSpec, vm: VmSpec, findings: Findings) -> str:
+def domain_xml(lab: LabSpec, vm: VmSpec, findings: Findings, *,
+               files: Callable[[Path], str] = str) -> str:
+    """The VM's domain. `files` gives the host's path of each file of this machine the domain uses
+    (its disks, seed, kernel, initrd and UEFI variables): a multi-host lab's volumes on its host
+    (multihost/engine.py); the same paths for an export."""
     path: KeyPath = ("vm", vm.name)
     name = qualified(lab, vm.name)
     root = ET.Element("domain", type=domain_type(vm))
@@ -206,7 +210,7 @@ def domain_xml(lab: LabSpec, vm: VmSpec, findings: Findings) -> str:
             ET.SubElement(numa, "memory", mode="strict", placement="auto")
         else:
             ET.SubElement(numa, "memory", mode="strict", nodeset=str(vm.numa_node))
-    _os(lab, vm, root)
+    _os(lab, vm, root, files)
     features = ET.SubElement(root, "features")
     ET.SubElement(features, "acpi")  # the power button `vmlaunch down` presses
     ET.SubElement(features, "apic")
@@ -215,7 +219,7 @@ def domain_xml(lab: LabSpec, vm: VmSpec, findings: Findings) -> str:
         ET.SubElement(tcg, "tb-cache", unit="MiB").text = str(TCG_CACHE_MIB)
     _cpu(vm, root)
     devices = ET.SubElement(root, "devices")
-    _disks(lab, vm, devices, findings)
+    _disks(lab, vm, devices, findings, files)
     ET.SubElement(devices, "controller", type="usb", model="none")  # -nodefaults: no USB
     if any(disk.bus is DiskBus.SCSI for disk in vm.disks):
         ET.SubElement(devices, "controller", type="scsi", index="0", model="virtio-scsi")
@@ -279,7 +283,7 @@ def _memory_backing(lab: LabSpec, vm: VmSpec, root: ET.Element, findings: Findin
         ET.SubElement(backing, "allocation", mode="immediate", threads=str(vm.cpus))
 
 
-def _os(lab: LabSpec, vm: VmSpec, root: ET.Element) -> None:
+def _os(lab: LabSpec, vm: VmSpec, root: ET.Element, files: Callable[[Path], str]) -> None:
     uefi = vm.firmware is Firmware.UEFI
     os_ = ET.SubElement(root, "os", firmware="efi") if uefi else ET.SubElement(root, "os")
     ET.SubElement(os_, "type", arch="x86_64", machine=vm.machine).text = "hvm"
@@ -287,11 +291,11 @@ def _os(lab: LabSpec, vm: VmSpec, root: ET.Element) -> None:
         # OVMF as vmlaunch picks it (no Secure Boot), its variables the VM's own, kept in the lab dir
         firmware = ET.SubElement(os_, "firmware")
         ET.SubElement(firmware, "feature", enabled="no", name="secure-boot")
-        ET.SubElement(os_, "nvram").text = str(LabDir.of(lab.file, lab.name).vm(vm.name).nvram)
+        ET.SubElement(os_, "nvram").text = files(LabDir.of(lab.file, lab.name).vm(vm.name).nvram)
     if vm.kernel is not None:
-        ET.SubElement(os_, "kernel").text = str(vm.kernel)
+        ET.SubElement(os_, "kernel").text = files(vm.kernel)
     if vm.initrd is not None:
-        ET.SubElement(os_, "initrd").text = str(vm.initrd)
+        ET.SubElement(os_, "initrd").text = files(vm.initrd)
     if vm.append is not None:
         ET.SubElement(os_, "cmdline").text = vm.append
 
@@ -322,7 +326,8 @@ def _cpu(vm: VmSpec, root: ET.Element) -> None:
             ET.SubElement(cpu, "feature", policy="disable", name=flag)
 
 
-def _disks(lab: LabSpec, vm: VmSpec, devices: ET.Element, findings: Findings) -> None:
+def _disks(lab: LabSpec, vm: VmSpec, devices: ET.Element, findings: Findings,
+           files: Callable[[Path], str]) -> None:
     lab_dir = LabDir.of(lab.file, lab.name)
     used = {"vd": 0, "sd": 0}
     for index, (path, disk) in enumerate(boot_disks(lab_dir, vm)):
@@ -342,7 +347,7 @@ def _disks(lab: LabSpec, vm: VmSpec, devices: ET.Element, findings: Findings) ->
         if disk.read_error is not None:
             options["rerror_policy"] = disk.read_error.value
         ET.SubElement(element, "driver", options)
-        ET.SubElement(element, "source", file=str(disk.file))
+        ET.SubElement(element, "source", file=files(disk.file))
         ET.SubElement(element, "target", dev=_disk_name(prefix, used[prefix]), bus=bus)
         used[prefix] += 1
         ET.SubElement(element, "serial").text = f"disk{index}"  # the guest finds it by vmlaunch's name
@@ -356,7 +361,7 @@ def _disks(lab: LabSpec, vm: VmSpec, devices: ET.Element, findings: Findings) ->
     if vm.cloud_init is not None:  # the NoCloud seed `up` writes, read-only on virtio
         element = ET.SubElement(devices, "disk", type="file", device="disk")
         ET.SubElement(element, "driver", name="qemu", type="raw")
-        ET.SubElement(element, "source", file=str(lab_dir.vm(vm.name).seed))
+        ET.SubElement(element, "source", file=files(lab_dir.vm(vm.name).seed))
         ET.SubElement(element, "target", dev=_disk_name("vd", used["vd"]), bus="virtio")
         ET.SubElement(element, "readonly")
 

@@ -15,6 +15,12 @@ from vmlaunch.resources.manager import ManagerRecord
 from vmlaunch.resources.netem import NetemRecord
 from vmlaunch.resources.pci import PciRecord
 from vmlaunch.resources.placement import PlacementRecord
+from vmlaunch.resources.remote import (
+    RemoteDomainRecord,
+    RemoteLinkRecord,
+    RemoteNetworkRecord,
+    RemotePoolRecord,
+)
 from vmlaunch.resources.script import ScriptRecord
 from vmlaunch.resources.tap import TapRecord
 from vmlaunch.resources.vmuser import VmUserClaimRecord, VmUserRecord
@@ -35,6 +41,10 @@ RECORDS: dict[str, type[Record]] = {record.kind: record for record in (
     VmUserRecord,
     VmUserClaimRecord,
     CloneRecord,
+    RemotePoolRecord,
+    RemoteNetworkRecord,
+    RemoteLinkRecord,
+    RemoteDomainRecord,
 )}
 
 # Kinds that keep claims outside the journal (a bridge shared between labs: bridge_registry.py), each a

@@ -22,6 +22,7 @@ from vmlaunch.host.confine import Confinement
 from vmlaunch.layout import lastrun
 from vmlaunch.layout.rundir import RunDir, VmFiles, open_in_run_dir
 from vmlaunch.qemu.qmp import Qmp, QmpError, QuickQmp
+from vmlaunch.resources.remote import RemoteDomainRecord
 from vmlaunch.runtime import events as event_log
 from vmlaunch.runtime import process as qemu
 from vmlaunch.runtime.events import IoError
@@ -404,7 +405,8 @@ class LabUp:
 
 
 def labs_up(root: Path) -> list[LabUp]:
-    """Every lab with a run dir under `root` (vmlaunch's: marked) and a VM in its journal, by name.
+    """Every lab with a run dir under `root` (vmlaunch's: marked) and a VM in its journal (a QEMU of
+    vmlaunch's, or a domain on a libvirt host), by name.
     A run dir whose journal cannot be read is a warning, not the end of the list."""
     try:
         entries = sorted(os.listdir(root))
@@ -424,6 +426,12 @@ def labs_up(root: Path) -> list[LabUp]:
             journal = Journal.load(run_dir)
         except (VmlaunchError, OSError) as exc:
             log.warning("%s: %s", run_dir, exc)
+            continue
+        remote = {e.record.vm: e.record.host for e in journal.resources
+                  if isinstance(e.record, RemoteDomainRecord)}
+        if remote:  # a lab on libvirt hosts: where each VM is (`status` asks the hosts how it is)
+            labs.append(LabUp(entry, journal.spec, {name: f"on host {host}" for name, host in remote.items()},
+                              os.stat(run_dir.state).st_mtime, str(run_dir)))
             continue
         if not journal.vms:
             continue

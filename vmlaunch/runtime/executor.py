@@ -354,6 +354,9 @@ def _settle(journal: Journal, vms: Iterable[str]) -> list[str]:
     return []
 
 
+settle_journal = _settle  # for the multi-host engine's rollback (multihost/engine.py)
+
+
 def _never_ran(journal: Journal, running: dict[str, int]) -> list[str]:
     """The VMs among `running` whose guest never ran (`qemu.NEVER_RAN`): an `up` was killed before it
     let them run. Their QEMUs are stopped, for this `up` to start them anew."""

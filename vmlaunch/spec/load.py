@@ -53,6 +53,7 @@ from vmlaunch.spec.model import (
     DiskFormat,
     FaultKind,
     Firmware,
+    HostSpec,
     HugepageSize,
     Image,
     LabMemory,
@@ -699,9 +700,106 @@ class _Builder:
         memory = self.lab_memory(vms)
         placement = self.lab_placement(vms)
         boot_parallel = self.value(("lab",), lab, "boot_parallel") if lab_ok else None
+        hosts = tuple(self.hosts())
+        self.check_hosts(hosts, vms, networks)
         return LabSpec(name=name, file=self.file, source=self.source, networks=networks, vms=vms,
                        mac_prefix=prefix.lower(), images=images, memory=memory, placement=placement,
-                       boot_parallel=boot_parallel)
+                       boot_parallel=boot_parallel, hosts=hosts)
+
+    def hosts(self) -> Iterator[HostSpec]:
+        """`[host.NAME]`: libvirt hosts (spec/hosts.py reads their URIs)."""
+        from vmlaunch.spec.hosts import BadUri, is_ip, parse_uri
+
+        tunnels: dict[str, KeyPath] = {}
+        for host_name, raw in self.table(("host",)).items():
+            path: KeyPath = ("host", host_name)
+            if not self.is_valid(path):
+                continue
+            try:
+                uri = parse_uri(raw["uri"])
+            except BadUri as exc:
+                self.problems.add((*path, "uri"), f"{_shown(raw['uri'])} is not a libvirt URI: {exc}",
+                                  "for example qemu:///system, or qemu+ssh://root@host/system")
+                continue
+            address = raw.get("address")
+            if address is not None and not is_ip(address):
+                self.problems.add((*path, "address"), f"{_shown(address)} is not an IP address",
+                                  "the host's address on the network that carries the lab's tunnels")
+                continue
+            tunnel = address or uri.hostname
+            if tunnel and tunnel in tunnels:
+                self.problems.add((*path, "address" if address else "uri"), f"host {host_name} has the "
+                                  f"address {tunnel} of host {tunnels[tunnel][1]} too",
+                                  "each host of the lab is another machine")
+                continue
+            if tunnel:
+                tunnels[tunnel] = path
+            yield HostSpec(name=host_name, uri=raw["uri"], address=address)
+
+    def check_hosts(self, hosts: tuple[HostSpec, ...], vms: tuple[VmSpec, ...],
+                    networks: tuple[Network, ...]) -> None:
+        """What a lab on libvirt hosts cannot have, and VMs pinned to hosts that are not there."""
+        from vmlaunch.spec.hosts import parse_uri, tunnel_address
+
+        declared = set(self.table(("host",)))
+        known = {host.name for host in hosts}
+        for vm in vms:
+            if vm.host is None:
+                continue
+            if not declared:
+                self.problems.add(("vm", vm.name, "host"), f"host {_shown(vm.host)} is not a [host.NAME] "
+                                  "of this lab", "add [host.NAME] with uri = \"qemu+ssh://...\"")
+            elif vm.host not in known and vm.host not in declared:
+                self.problems.add(("vm", vm.name, "host"), f"no [host.{vm.host}] in this lab",
+                                  f"hosts: {', '.join(sorted(declared))}")
+        if not hosts:
+            return
+        for vm in vms:
+            path: KeyPath = ("vm", vm.name)
+            if vm.pci and vm.host is None:
+                self.problems.add((*path, "pci"), "PCI pass-through is a device of one host: a VM of a "
+                                  "lab on libvirt hosts with one needs its host = \"NAME\"")
+            if vm.shares:
+                self.problems.add((*path, "share"), "a VM on a libvirt host has no shares: the folder "
+                                  "would have to be on that host", "copy files in with `vmlaunch cp` "
+                                  "or a cloud-init write_files")
+            if vm.ssh:
+                self.problems.add((*path, "ssh"), "a VM on a libvirt host is reached over a lab network "
+                                  "(`vmlaunch ssh` jumps through its host): ssh = true's forwarded port "
+                                  "is this machine's", "give it a NIC on a bridge network with a subnet")
+        for net in networks:
+            path = ("network", net.name)
+            if not isinstance(net, (BridgeNetwork, UserNetwork)):
+                self.problems.add((*path, "type"), f"a lab on libvirt hosts has bridge and user networks, "
+                                  f"not {net.type.value} networks")
+            elif isinstance(net, UserNetwork) and net.forward:
+                self.problems.add((*path, "forward"), "libvirt's user network has no port forwards",
+                                  "reach the VMs over a bridge network (`vmlaunch ssh` jumps through "
+                                  "the VM's host)")
+            elif isinstance(net, BridgeNetwork):
+                for key in ("uplink", "up_script", "down_script"):
+                    if getattr(net, key) is not None:
+                        self.problems.add((*path, key), f"{key} is a set-up of this machine: a lab on "
+                                          "libvirt hosts makes its bridges on them, joined by VXLAN")
+                pinned = {vm.host for vm in vms if vm.host is not None
+                          and any(nic.network == net.name for nic in vm.nics)}
+                by_name = {host.name: host for host in hosts}
+                if len(pinned) > 1:
+                    for name in sorted(pinned):
+                        host = by_name.get(name)
+                        if host is None:
+                            continue
+                        uri = parse_uri(host.uri)
+                        if not uri.shell:
+                            self.problems.add(("host", name, "uri"), f"network {net.name} spans hosts "
+                                              f"{', '.join(sorted(pinned))}: its VXLAN link is set up on "
+                                              f"each host over SSH, and host {name} is reached over "
+                                              f"{uri.transport}", "reach it with qemu+ssh://, or keep the "
+                                              "network's VMs on one host")
+                        elif tunnel_address(host) is None:
+                            self.problems.add(("host", name), f"network {net.name} spans hosts: host "
+                                              f"{name} needs its address on the network between them",
+                                              "add address = \"192.0.2.10\"")
 
     def images(self) -> Iterator[Image]:
         for image_name, raw in self.table(("image",)).items():
@@ -978,8 +1076,8 @@ class _Builder:
         guest = self.guest(path, raw)
         if not self.is_valid(path) or queries or memory is None or not sata_ok:
             return None  # the schema or a check above said why
-        given: dict[str, Any] = {key: raw[key] for key in ("cpus", "cpu_model", "machine", "append",
-                                                            "fast_boot", "numa_node", "agent") if key in raw}
+        keys = ("cpus", "cpu_model", "machine", "append", "fast_boot", "numa_node", "agent", "host")
+        given: dict[str, Any] = {key: raw[key] for key in keys if key in raw}
         if "cpu_pinning" in raw:
             given["cpu_pinning"] = tuple(raw["cpu_pinning"])
         if "accel" in raw:

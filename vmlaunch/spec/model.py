@@ -408,6 +408,7 @@ class VmSpec:
     # On by default: a test rig expects `screenshot` to show the guest's screen, as a libvirt or
     # NixOS-test VM has one. Left out, on a machine or QEMU without VGA, the VM has none (compiler).
     video: Video = Video.STD
+    host: str | None = None  # the [host.NAME] it runs on (a multi-host lab); None: placement's
 
 
 def agent_on(vm: VmSpec) -> bool:
@@ -425,6 +426,15 @@ def needs_lab_dir(vm: VmSpec) -> bool:
 
 
 @attrs.frozen
+class HostSpec:
+    """`[host.NAME]`: a libvirt host the lab's VMs may run on (spec/hosts.py reads its URI)."""
+
+    name: str
+    uri: str  # any libvirt URI: qemu:///system, qemu+ssh://root@host/system?keyfile=...
+    address: str | None = None  # its address on the network carrying the lab's tunnels; None: the URI's host
+
+
+@attrs.frozen
 class LabSpec:
     """The lab as the spec describes it (the lab brought up is `api.Lab`)."""
 
@@ -438,6 +448,13 @@ class LabSpec:
     memory: LabMemory = LabMemory()
     placement: LabPlacement = LabPlacement()
     boot_parallel: int | None = None  # how many VMs boot at once (`up` waiting); None: from the host
+    hosts: tuple[HostSpec, ...] = ()  # libvirt hosts: none, and the lab runs here as vmlaunch's QEMUs
+
+    def host(self, name: str) -> HostSpec:
+        for host in self.hosts:
+            if host.name == name:
+                return host
+        raise KeyError(name)
 
     def image(self, name: str) -> Image:
         for image in self.images:

@@ -1,0 +1,727 @@
+"""`up` of a lab on libvirt hosts: all or nothing, every host worked on at once.
+
+1. Connect to every host at once; one that does not answer stops `up` before anything changes (exit 3).
+2. Place each VM (policy/hostplace.py) from each host's free memory and CPUs; VMs that are up stay.
+3. Plan each host's share: the lab's pool and its volumes (kernels, initrds, base images uploaded, each
+   VM's overlay backed by its base, its disks, its cloud-init seed), a libvirt network per lab network
+   used there (its MTU lowered by VXLAN's 50 bytes when it spans hosts), the VXLAN link joining it to
+   the other hosts' bridges, and the domains.
+4. Refuse a pool, network, domain, bridge or link of a name the plan uses that the journal does not
+   say this lab made (exit 3, nothing changed).
+5. Make it: a thread per host, each step journaled as soon as it is done. A failure anywhere (a host
+   whose libvirtd dies, a refusal) stops every thread and undoes what this `up` made, on every host
+   it can reach; what it could not undo is named with its host and stays journaled for `down` (exit 4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shlex
+import threading
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from vmlaunch.core import signals
+from vmlaunch.errors import HostError, RuntimeFailure, VmlaunchError
+from vmlaunch.export import Findings, qualified
+from vmlaunch.export.libvirt import domain_xml, network_xml
+from vmlaunch.host import remote
+from vmlaunch.layout.dirs import run_root
+from vmlaunch.layout.labdir import LabDir
+from vmlaunch.layout.rundir import RunDir
+from vmlaunch.policy.hostplace import HostRoom, place
+from vmlaunch.resources.base import Context
+from vmlaunch.resources.remote import (
+    RemoteDomainRecord,
+    RemoteLinkRecord,
+    RemoteNetworkRecord,
+    RemotePoolRecord,
+)
+from vmlaunch.runtime.journal import Entry, Journal, locked
+from vmlaunch.spec.hosts import (
+    VXLAN_PORT,
+    parse_uri,
+    pool_name,
+    spanning,
+    spanning_mtu,
+    tunnel_address,
+    vni,
+    vxlan_name,
+)
+from vmlaunch.spec.model import Accel, BridgeNetwork, DiskFormat, LabSpec
+
+log = logging.getLogger(__name__)
+POOL_ROOT = "/var/lib/libvirt/images"  # where libvirt keeps images on a Debian host
+CHUNK = 1 << 20
+
+
+@attrs.frozen
+class HostFacts:
+    """What a host says of itself through libvirt."""
+
+    name: str
+    uri: str
+    free_mib: int
+    cpus: int
+    kvm: bool
+    libvirt_version: int
+    hypervisor: str
+
+    @property
+    def version(self) -> str:
+        major, rest = divmod(self.libvirt_version, 1_000_000)
+        return f"{major}.{rest // 1000}.{rest % 1000}"
+
+
+@attrs.frozen
+class Volume:
+    name: str
+    format: str  # raw | qcow2
+    source: Path | None = None  # uploaded from this machine
+    size: int = 0  # bytes, for a volume made empty (or an overlay's virtual size)
+    backing: str | None = None  # an overlay: the name of the volume it is backed by
+
+
+@attrs.frozen
+class NetworkPlan:
+    name: str  # LAB-NET, as the libvirt network
+    bridge: str
+    xml: str
+    link: str | None = None  # the VXLAN link, for a network that spans hosts
+    vni: int = 0
+    local: str | None = None  # this host's tunnel address
+    peers: tuple[str, ...] = ()  # the other hosts' tunnel addresses
+    mtu: int | None = None
+
+
+@attrs.frozen
+class DomainPlan:
+    vm: str
+    name: str  # LAB-VM
+    xml: str
+
+
+@attrs.frozen
+class HostPlan:
+    host: str
+    uri: str
+    pool: str
+    pool_path: str
+    volumes: tuple[Volume, ...]
+    networks: tuple[NetworkPlan, ...]
+    domains: tuple[DomainPlan, ...]
+
+
+@attrs.frozen
+class Plan:
+    lab: LabSpec = attrs.field(repr=False)
+    placement: Mapping[str, str]
+    placed_by: Mapping[str, str]  # vm -> "pinned" | "placed" | "up already"
+    hosts: tuple[HostPlan, ...]
+    facts: Mapping[str, HostFacts]
+
+
+# --- connecting -----------------------------------------------------------------------------------
+
+
+def _parallel(
+    items: list[Any], work: Callable[[Any], Any]
+) -> tuple[dict[Any, Any], dict[Any, BaseException]]:
+    """`work(item)` for every item at once, each on a thread: results and failures by item."""
+    results: dict[Any, Any] = {}
+    failures: dict[Any, BaseException] = {}
+
+    def one(item: Any) -> None:
+        try:
+            results[item] = work(item)
+        except BaseException as exc:  # said by the caller
+            failures[item] = exc
+
+    threads = [threading.Thread(target=one, args=(item,), daemon=True) for item in items]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results, failures
+
+
+def host_facts(name: str, uri: str) -> HostFacts:
+    conn = remote.connect(name, uri)
+    libvirt = remote.binding()
+    try:
+        _, memory_mib, cpus, *_ = conn.getInfo()
+        free = conn.getFreeMemory() >> 20
+        caps = conn.getDomainCapabilities(None, "x86_64", None, "kvm", 0) if _kvm_listed(conn) else ""
+        return HostFacts(
+            name=name,
+            uri=uri,
+            free_mib=int(free),
+            cpus=int(cpus),
+            kvm=bool(caps),
+            libvirt_version=int(conn.getLibVersion()),
+            hypervisor=str(conn.getType()),
+        )
+    except libvirt.libvirtError as exc:
+        raise remote.HostUnreachable(
+            f"host {name} ({uri}) does not answer: {remote.libvirt_error(exc)}"
+        ) from None
+
+
+def _kvm_listed(conn: Any) -> bool:
+    caps = ET.fromstring(conn.getCapabilities())
+    return any(domain.get("type") == "kvm" for domain in caps.iter("domain"))
+
+
+def connect_all(lab: LabSpec) -> dict[str, HostFacts]:
+    """Every host's facts, asked at once; HostUnreachable (exit 3) names every host that failed."""
+    results, failures = _parallel(
+        [host.name for host in lab.hosts], lambda name: host_facts(name, lab.host(name).uri)
+    )
+    if failures:
+        said = "\n".join(f"  {exc}" for exc in failures.values())
+        first = next(iter(failures.values()))
+        if not isinstance(first, VmlaunchError):
+            raise first
+        raise remote.HostUnreachable(
+            f"lab {lab.name}: {len(failures)} of {len(lab.hosts)} hosts cannot be "
+            f"reached, nothing was changed:\n{said}",
+            "start libvirtd there, check the URIs, or take those hosts out of the spec",
+        )
+    return {host.name: results[host.name] for host in lab.hosts}
+
+
+# --- the plan -------------------------------------------------------------------------------------
+
+
+def placed_before(journal: Journal) -> dict[str, str]:
+    """Where the journal says the lab's VMs are: vm -> host."""
+    return {e.record.vm: e.record.host for e in journal.resources if isinstance(e.record, RemoteDomainRecord)}
+
+
+def make_plan(lab: LabSpec, facts: Mapping[str, HostFacts], before: Mapping[str, str]) -> Plan:
+    rooms = {
+        name: HostRoom(memory_mib=fact.free_mib, cpus=fact.cpus, shell=parse_uri(fact.uri).shell)
+        for name, fact in facts.items()
+    }
+    pinned = attrs.evolve(
+        lab, vms=tuple(attrs.evolve(vm, host=before.get(vm.name, vm.host)) for vm in lab.vms)
+    )
+    # memory of VMs up already is counted in the host's free memory: not again
+    rooms_left = dict(rooms)
+    for vm in pinned.vms:
+        if vm.name in before:
+            room = rooms_left[before[vm.name]]
+            rooms_left[before[vm.name]] = attrs.evolve(room, memory_mib=room.memory_mib + vm.memory_mib)
+    placement = place(pinned, rooms_left)
+    placed_by = {
+        vm.name: "up already" if vm.name in before else "pinned" if vm.host else "placed" for vm in lab.vms
+    }
+    spans = spanning(lab, placement)
+    hosted = attrs.evolve(
+        lab,
+        networks=tuple(
+            attrs.evolve(net, mtu=spanning_mtu(net))
+            if isinstance(net, BridgeNetwork) and net.name in spans
+            else net
+            for net in lab.networks
+        ),
+    )
+    plans = tuple(
+        _host_plan(hosted, host.name, host.uri, facts[host.name], placement, spans) for host in lab.hosts
+    )
+    return Plan(lab=lab, placement=placement, placed_by=placed_by, hosts=plans, facts=facts)
+
+
+def _host_plan(
+    lab: LabSpec,
+    host: str,
+    uri: str,
+    fact: HostFacts,
+    placement: Mapping[str, str],
+    spans: Mapping[str, tuple[str, ...]],
+) -> HostPlan:
+    pool = pool_name(lab.name)
+    pool_path = f"{POOL_ROOT}/{pool}"
+    vms = [vm for vm in lab.vms if placement[vm.name] == host]
+    volumes: dict[str, Volume] = {}
+    files: dict[Path, str] = {}
+
+    def volume(local: Path, vol: Volume) -> None:
+        volumes.setdefault(vol.name, vol)
+        files[local] = f"{pool_path}/{vol.name}"
+
+    lab_dir = LabDir.of(lab.file, lab.name)
+    for vm in vms:
+        if vm.kernel is not None:
+            volume(vm.kernel, Volume(f"{vm.name}-kernel", "raw", source=vm.kernel))
+        if vm.initrd is not None:
+            volume(vm.initrd, Volume(f"{vm.name}-initrd", "raw", source=vm.initrd))
+        if vm.image is not None:
+            image = lab.image(vm.image)
+            base = f"base-{image.name}.qcow2"
+            volumes.setdefault(base, Volume(base, "qcow2", source=None))  # the file: at `up` (_sources)
+            volume(
+                lab_dir.vm(vm.name).overlay,
+                Volume(f"{vm.name}-root.qcow2", "qcow2", size=vm.disk_size or 0, backing=base),
+            )
+        for index, disk in enumerate(vm.disks):
+            fmt = "qcow2" if disk.format is DiskFormat.QCOW2 else "raw"
+            volume(
+                disk.file,
+                Volume(
+                    f"{vm.name}-disk{index}.{fmt}",
+                    fmt,
+                    source=disk.file if disk.file.exists() else None,
+                    size=disk.size or 0,
+                ),
+            )
+        if vm.cloud_init is not None:
+            volume(
+                lab_dir.vm(vm.name).seed,
+                Volume(f"{vm.name}-seed.iso", "raw", source=lab_dir.vm(vm.name).seed),
+            )
+        files[lab_dir.vm(vm.name).nvram] = f"{pool_path}/{vm.name}-VARS.fd"
+    used = {nic.network for vm in vms for nic in vm.nics}
+    networks = []
+    for net in lab.networks:
+        if net.name not in used or not isinstance(net, BridgeNetwork):
+            continue
+        xml = network_xml(lab, net, bridge_mode=False)
+        if net.name in spans:
+            peers = tuple(str(tunnel_address(lab.host(other))) for other in spans[net.name] if other != host)
+            networks.append(
+                NetworkPlan(
+                    qualified(lab, net.name),
+                    net.bridge,
+                    xml,
+                    link=vxlan_name(lab.name, net.name),
+                    vni=vni(lab.name, net.name),
+                    local=tunnel_address(lab.host(host)),
+                    peers=peers,
+                    mtu=net.mtu,
+                )
+            )
+        else:
+            networks.append(NetworkPlan(qualified(lab, net.name), net.bridge, xml))
+    findings = Findings(lab)
+    domains = []
+    for vm in vms:
+        run = vm if vm.accel is not Accel.AUTO or fact.kvm else attrs.evolve(vm, accel=Accel.TCG)
+        xml = domain_xml(lab, run, findings, files=lambda path: files.get(path, str(path)))
+        domains.append(DomainPlan(vm.name, qualified(lab, vm.name), xml))
+    return HostPlan(
+        host=host,
+        uri=uri,
+        pool=pool,
+        pool_path=pool_path,
+        volumes=tuple(volumes.values()),
+        networks=tuple(networks),
+        domains=tuple(domains),
+    )
+
+
+def describe(plan: Plan) -> Iterator[str]:
+    """What `up` would do, host by host: for `cmdline` and `up --dry-run`."""
+    for host in plan.hosts:
+        fact = plan.facts[host.host]
+        yield (
+            f"host {host.host} ({host.uri}): libvirt {fact.version}, {fact.hypervisor} "
+            f"{'with KVM' if fact.kvm else 'without KVM (TCG)'}, {fact.free_mib} MiB free, {fact.cpus} CPUs"
+        )
+        for dom in host.domains:
+            vm = plan.lab.vm(dom.vm)
+            yield (f"  {dom.vm}: {vm.memory_mib} MiB, {vm.cpus} vCPUs ({plan.placed_by[dom.vm]}), "
+                   f"domain {dom.name}")
+        if host.volumes:
+            yield f"  pool {host.pool} ({host.pool_path}): {', '.join(vol.name for vol in host.volumes)}"
+        for net in host.networks:
+            link = (
+                f", VXLAN {net.link} (VNI {net.vni}, UDP {VXLAN_PORT}) from {net.local} to "
+                f"{', '.join(net.peers)}, MTU {net.mtu}"
+                if net.link
+                else ""
+            )
+            yield f"  network {net.name}: bridge {net.bridge}{link}"
+
+
+# --- refusing what is not ours ---------------------------------------------------------------------
+
+
+def _foreign(plan: HostPlan, journal: Journal) -> list[str]:
+    """Names the plan would define on the host that exist there, made by someone else."""
+    libvirt = remote.binding()
+    conn = remote.connect(plan.host, plan.uri)
+    mine = {(e.kind, e.key) for e in journal.resources}
+    found = []
+    try:
+        pools = {pool.name() for pool in conn.listAllStoragePools(0)}
+        nets = {net.name() for net in conn.listAllNetworks(0)}
+        doms = {dom.name() for dom in conn.listAllDomains(0)}
+    except libvirt.libvirtError as exc:
+        raise remote.HostUnreachable(f"host {plan.host} ({plan.uri}): {remote.libvirt_error(exc)}") from None
+    if plan.pool in pools and ("remote-pool", f"{plan.host}/{plan.pool}") not in mine:
+        found.append(f"storage pool {plan.pool}")
+    for net in plan.networks:
+        if net.name in nets and ("remote-network", f"{plan.host}/{net.name}") not in mine:
+            found.append(f"network {net.name}")
+    for dom in plan.domains:
+        if dom.name in doms and ("remote-domain", f"{plan.host}/{dom.name}") not in mine:
+            found.append(f"domain {dom.name}")
+    links = {
+        net.bridge: net for net in plan.networks if ("remote-network", f"{plan.host}/{net.name}") not in mine
+    }
+    links.update(
+        {
+            net.link: net
+            for net in plan.networks
+            if net.link and ("remote-link", f"{plan.host}/{net.link}") not in mine
+        }
+    )
+    if links and parse_uri(plan.uri).shell:
+        names = " ".join(shlex.quote(name) for name in links)
+        out = remote.shell(
+            plan.host,
+            plan.uri,
+            f'for n in {names}; do ip link show dev "$n" >/dev/null 2>&1 && echo "$n"; done; true\n',
+        )
+        found += [f"link {name}" for name in out.split()]
+    return found
+
+
+def refuse_foreign(plans: tuple[HostPlan, ...], journal: Journal) -> None:
+    results, failures = _parallel(list(plans), lambda plan: _foreign(plan, journal))
+    if failures:
+        raise next(iter(failures.values()))
+    said = [f"  host {plan.host}: {', '.join(results[plan])}" for plan in plans if results[plan]]
+    if said:
+        raise HostError(
+            "up would define names that exist on the hosts and were not made by this lab; "
+            "nothing was changed:\n" + "\n".join(said),
+            "remove them there, or rename the lab ([lab] name)",
+        )
+
+
+# --- making it ------------------------------------------------------------------------------------
+
+
+class Cancelled(Exception):
+    """Another host failed: this one stops."""
+
+
+class _Run:
+    """One `up`: the journal (written by every host's thread under a lock) and what this up made."""
+
+    def __init__(self, journal: Journal) -> None:
+        self.journal = journal
+        self.lock = threading.Lock()
+        self.made: list[Entry] = []
+        self.stop = threading.Event()
+
+    def has(self, kind: str, key: str) -> bool:
+        with self.lock:
+            return self.journal.has(kind, key)
+
+    def add(self, entry: Entry) -> None:
+        with self.lock, signals.held():
+            self.journal.add(entry)
+            self.made.append(entry)
+
+    def check(self) -> None:
+        if self.stop.is_set():
+            raise Cancelled
+
+
+def _upload(conn: Any, volume: Any, source: Path, run: _Run) -> None:
+    size = source.stat().st_size
+    stream = conn.newStream(0)
+    volume.upload(stream, 0, size, 0)
+    try:
+        with open(source, "rb") as file:
+            while True:
+                run.check()
+                chunk = file.read(CHUNK)
+                if not chunk:
+                    break
+                _send(stream, chunk)
+        stream.finish()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            stream.abort()
+        raise
+
+
+def _send(stream: Any, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        sent = stream.send(bytes(view[:CHUNK]))
+        if sent < 0:
+            raise RuntimeFailure("the host stopped taking the upload")
+        view = view[sent:]
+
+
+def _volume_xml(vol: Volume, capacity: int, backing_path: str | None) -> str:
+    root = ET.Element("volume")
+    ET.SubElement(root, "name").text = vol.name
+    ET.SubElement(root, "capacity", unit="bytes").text = str(capacity)
+    target = ET.SubElement(root, "target")
+    ET.SubElement(target, "format", type=vol.format)
+    if backing_path is not None:
+        backing = ET.SubElement(root, "backingStore")
+        ET.SubElement(backing, "path").text = backing_path
+        ET.SubElement(backing, "format", type="qcow2")
+    return ET.tostring(root, encoding="unicode")
+
+
+def _pool_xml(plan: HostPlan) -> str:
+    root = ET.Element("pool", type="dir")
+    ET.SubElement(root, "name").text = plan.pool
+    target = ET.SubElement(root, "target")
+    ET.SubElement(target, "path").text = plan.pool_path
+    return ET.tostring(root, encoding="unicode")
+
+
+def _vxlan_script(net: NetworkPlan) -> str:
+    link, bridge = shlex.quote(str(net.link)), shlex.quote(net.bridge)
+    lines = [
+        f"ip link add {link} type vxlan id {net.vni} local {shlex.quote(str(net.local))} "
+        f"dstport {VXLAN_PORT} nolearning",
+        *(f"bridge fdb append 00:00:00:00:00:00 dev {link} dst {shlex.quote(peer)}" for peer in net.peers),
+        f"ip link set {link} mtu {net.mtu} master {bridge} up",
+    ]
+    return "set -e\n" + "\n".join(lines) + "\n"
+
+
+def _work(plan: HostPlan, run: _Run, sources: Mapping[str, Path], sizes: Mapping[str, int]) -> None:
+    """Make the host's share of the lab, journaling each thing made."""
+    libvirt = remote.binding()
+    conn = remote.connect(plan.host, plan.uri)
+    key = f"{plan.host}/{plan.pool}"
+    try:
+        run.check()
+        if plan.volumes or any("-VARS.fd" in dom.xml for dom in plan.domains):
+            if not run.has("remote-pool", key):
+                pool = conn.storagePoolDefineXML(_pool_xml(plan), 0)
+                run.add(
+                    Entry(
+                        "remote-pool",
+                        key,
+                        None,
+                        RemotePoolRecord(
+                            host=plan.host,
+                            uri=plan.uri,
+                            name=plan.pool,
+                            uuid=pool.UUIDString(),
+                            path=plan.pool_path,
+                        ),
+                    )
+                )
+                pool.build(0)
+                pool.create(0)
+            pool = conn.storagePoolLookupByName(plan.pool)
+            if not pool.isActive():
+                pool.create(0)
+            pool.refresh(0)
+            have = set(pool.listVolumes())
+            for vol in plan.volumes:
+                run.check()
+                if vol.name in have:
+                    continue
+                source = vol.source or sources.get(vol.name)
+                backing = f"{plan.pool_path}/{vol.backing}" if vol.backing else None
+                capacity = (
+                    (vol.size or sizes.get(str(vol.backing), 0))
+                    if vol.backing
+                    else (source.stat().st_size if source is not None else vol.size)
+                )
+                made = pool.createXML(_volume_xml(vol, capacity, backing), 0)
+                if source is not None and vol.backing is None:
+                    _upload(conn, made, source, run)
+        for net in plan.networks:
+            run.check()
+            key = f"{plan.host}/{net.name}"
+            if not run.has("remote-network", key):
+                made_net = conn.networkDefineXML(net.xml)
+                run.add(
+                    Entry(
+                        "remote-network",
+                        key,
+                        None,
+                        RemoteNetworkRecord(
+                            host=plan.host,
+                            uri=plan.uri,
+                            name=net.name,
+                            uuid=made_net.UUIDString(),
+                            bridge=net.bridge,
+                        ),
+                    )
+                )
+            libvirt_net = conn.networkLookupByName(net.name)
+            if not libvirt_net.isActive():
+                libvirt_net.create()
+            if net.link and not run.has("remote-link", f"{plan.host}/{net.link}"):
+                run.check()
+                # journaled first: a link half made is removed by its undo (which looks for it)
+                run.add(
+                    Entry(
+                        "remote-link",
+                        f"{plan.host}/{net.link}",
+                        None,
+                        RemoteLinkRecord(host=plan.host, uri=plan.uri, name=net.link, vni=net.vni),
+                    )
+                )
+                remote.shell(plan.host, plan.uri, _vxlan_script(net))
+        for dom in plan.domains:
+            run.check()
+            key = f"{plan.host}/{dom.name}"
+            if not run.has("remote-domain", key):
+                made_dom = conn.defineXML(dom.xml)
+                run.add(
+                    Entry(
+                        "remote-domain",
+                        key,
+                        dom.vm,
+                        RemoteDomainRecord(
+                            host=plan.host, uri=plan.uri, name=dom.name, uuid=made_dom.UUIDString(), vm=dom.vm
+                        ),
+                    )
+                )
+            domain = conn.lookupByName(dom.name)
+            if not domain.isActive():
+                domain.create()
+    except libvirt.libvirtError as exc:
+        why = remote.libvirt_error(exc)
+        if not conn.isAlive():
+            remote.forget(plan.uri, why)
+        raise RuntimeFailure(f"host {plan.host}: {why}") from None
+
+
+def _sources(lab: LabSpec, plan: Plan) -> tuple[dict[str, Path], dict[str, int]]:
+    """The base images' files on this machine (pulled when they are not), by volume name, with their
+    virtual sizes; and each VM's seed, written."""
+    sources: dict[str, Path] = {}
+    sizes: dict[str, int] = {}
+    for name in sorted({vm.image for vm in lab.vms if vm.image is not None}):
+        image = lab.image(name)
+        if image.catalog is not None:
+            from vmlaunch.guests.catalog_images import ensure as ensure_catalog
+
+            path = ensure_catalog(image)
+        else:
+            from vmlaunch.guests.images import ensure
+
+            path = ensure(image)
+        from vmlaunch.guests.images import image_info
+
+        info = image_info(path, image.format)
+        if info.format is not DiskFormat.QCOW2:
+            raise HostError(
+                f"image {name} is {info.format.value}: a lab on libvirt hosts backs its overlays "
+                "with qcow2 images",
+                "convert it: qemu-img convert -O qcow2",
+            )
+        sources[f"base-{name}.qcow2"] = path
+        sizes[f"base-{name}.qcow2"] = info.virtual_size
+    lab_dir = LabDir.of(lab.file, lab.name)
+    for vm in lab.vms:
+        if vm.cloud_init is not None and plan.placed_by[vm.name] != "up already":
+            from vmlaunch.resources.guest import Seed
+
+            Seed(vm=vm.name, lab=lab, lab_dir=lab_dir, management_mac=None).apply(Context(lab=lab.name))
+    return sources, sizes
+
+
+def _roll_back(run: _Run) -> list[str]:
+    """Undo what this up made, newest first, every host at once. What could not be undone, said."""
+    by_host: dict[str, list[Entry]] = {}
+    for entry in run.made:
+        by_host.setdefault(getattr(entry.record, "host", ""), []).append(entry)
+    left: list[str] = []
+
+    def undo(host: str) -> None:
+        for entry in reversed(by_host[host]):
+            try:
+                entry.record.undo(Context(lab=""), rollback=True)
+            except VmlaunchError as exc:
+                with run.lock:
+                    left.append(str(exc))
+                continue
+            with run.lock, contextlib.suppress(OSError):
+                run.journal.drop(entry)
+
+    with signals.held():
+        _parallel(list(by_host), undo)
+    return left
+
+
+def up(
+    lab: LabSpec,
+    *,
+    spec: str | os.PathLike[str],
+    timeout: float = 60.0,
+    dry_run: bool = False,
+    force: bool = False,
+) -> Plan:
+    """Bring the lab up on its hosts; the plan it followed."""
+    run_dir = RunDir.of(run_root(), lab.name)
+    if dry_run:
+        journal = Journal.load(run_dir)
+        return make_plan(lab, connect_all(lab), placed_before(journal))
+    with locked(run_dir, timeout + 30):
+        journal = Journal.load(run_dir, force=False)
+        journal.check_spec(spec, force=force)
+        journal.spec = os.path.realpath(spec)
+        facts = connect_all(lab)
+        plan = make_plan(lab, facts, placed_before(journal))
+        refuse_foreign(plan.hosts, journal)
+        sources, sizes = _sources(lab, plan)
+        run = _Run(journal)
+        failures: dict[Any, BaseException] = {}
+        try:
+
+            def work(host: HostPlan) -> None:
+                try:
+                    _work(host, run, sources, sizes)
+                except BaseException:
+                    run.stop.set()  # the other hosts stop too
+                    raise
+
+            _, failures = _parallel(list(plan.hosts), work)
+        except BaseException:  # Ctrl-C while the threads work
+            run.stop.set()
+            left = _roll_back(run)
+            _finish(run_dir, journal)
+            if left:
+                log.warning("rolling back, could not undo:\n%s", "\n".join(left))
+            raise
+        if failures:
+            real = [(host, exc) for host, exc in failures.items() if not isinstance(exc, Cancelled)]
+            first = real[0][1] if real else next(iter(failures.values()))
+            if real and not isinstance(first, VmlaunchError):
+                _roll_back(run)
+                _finish(run_dir, journal)
+                raise first
+            left = _roll_back(run)
+            _finish(run_dir, journal)
+            said = "\n".join(f"  {exc}" for _, exc in real)
+            if left:
+                raise RuntimeFailure(
+                    f"up failed, and what it made could not all be undone:\n{said}\n"
+                    "left:\n" + "\n".join(f"  {line}" for line in left),
+                    "bring the host back, then `vmlaunch down SPEC` removes the rest",
+                )
+            raise RuntimeFailure(f"up failed; what it made on every host was undone:\n{said}")
+        return plan
+
+
+def _finish(run_dir: RunDir, journal: Journal) -> None:
+    """After a rollback: the journal saved, or the run dir removed when nothing is left in it."""
+    from vmlaunch.runtime.executor import settle_journal
+
+    for problem in settle_journal(journal, ()):
+        log.warning("%s", problem)
