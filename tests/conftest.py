@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,20 @@ def test_guest() -> Path:
     if done.returncode != 0:
         pytest.fail(f"building the test guest failed:\n{done.stdout}\n{done.stderr}")
     return GUEST_DIR
+
+
+@pytest.fixture(scope="session")
+def libvirt_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Three libvirt hosts reached over SSH, built once per session (tools/libvirt_hosts.py): private
+    libvirtds with an sshd each in namespaces of their own, on an underlay whose switch namespace is
+    the client vmlaunch runs in (`rig.run_client`). Torn down after the session."""
+    if os.geteuid() != 0:  # pragma: no cover - CI and the README's machines run as root
+        pytest.skip("the rig of libvirt hosts needs root (mount and network namespaces)")
+    from tools.libvirt_hosts import LibvirtHosts
+
+    with LibvirtHosts(Path(tempfile.mkdtemp(prefix="vlh-")), count=3) as rig:
+        yield rig
+    shutil.rmtree(rig.work, ignore_errors=True)
 
 
 def netns_argv(argv: list[str]) -> list[str]:

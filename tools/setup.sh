@@ -24,10 +24,15 @@ PYTHON=${PYTHON:-python3}
 # gpgv and debian-keyring: `image pull` checks the signature of Debian's checksum files with Debian's
 # role keys (guests/catalog_images.py); gpg and gpg-agent: the tests sign a mirror's checksum files
 # with a key of their own. graphviz: `dot`, which draws `vmlaunch graph --format svg|png` (and the
-# manual's picture of the demo lab).
+# manual's picture of the demo lab). libvirt-dev, pkg-config, gcc and python3-dev: pip builds
+# libvirt's Python binding (libvirt-python, the `hosts` extra) against them, for labs on libvirt hosts;
+# openssh-server: `sshd`, which each host of the tests' rig of libvirt hosts runs in its namespace
+# (tools/libvirt_hosts.py; installing it starts no daemon where policy-rc.d forbids it, and the rig
+# never uses the host's own).
 DEB_PACKAGES=(qemu-system-x86 qemu-utils iproute2 util-linux ovmf openssh-client zsh ethtool fdisk e2fsprogs
               libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients libxml2-utils iptables zstd lz4
-              nftables gpgv gpg gpg-agent debian-keyring graphviz)
+              nftables gpgv gpg gpg-agent debian-keyring graphviz libvirt-dev pkg-config gcc python3-dev
+              openssh-server)
 # Debian's own Python makes a venv only with python3-venv (ensurepip).
 if [ ! -x .venv/bin/python ]; then
     case $(readlink -f "$(command -v "$PYTHON" || echo "$PYTHON")") in
@@ -57,7 +62,7 @@ stamp=.venv/.installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
     # compat: a plain path in a .pth, not an import hook that costs ~20 ms at every start-up
-    .venv/bin/python -m pip install -q -e '.[test]' --config-settings editable_mode=compat
+    .venv/bin/python -m pip install -q -e '.[test,hosts]' --config-settings editable_mode=compat
     touch "$stamp"
 fi
 

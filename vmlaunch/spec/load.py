@@ -1160,7 +1160,8 @@ class _Builder:
                 given["budget_mib"] = budget
                 floors = sum(balloon_min_mib(vm) if vm.balloon.policy is BalloonPolicy.AUTO else vm.memory_mib
                              for vm in vms)
-                if vms and floors > budget:
+                per_host = bool(self.table(("host",)))  # on libvirt hosts the budget holds per host
+                if vms and floors > budget and not per_host:
                     self.problems.add((*path, "budget"), f"{format_size(budget << 20)} is below what the VMs "
                                       f"keep at least ({format_size(floors << 20)}: the balloon.min of VMs "
                                       "with policy = \"auto\", the memory of the others)",
