@@ -24,7 +24,7 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
 def cmd_doctor(args: argparse.Namespace) -> int:
     import json
 
-    from vmlaunch.doctor.findings import Status
+    from vmlaunch.doctor.findings import Finding, Status
     from vmlaunch.doctor.run import doctor, render
 
     lab = None
@@ -32,15 +32,24 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         from vmlaunch.spec.load import load_lab
 
         lab = load_lab(args.spec)
-    host_findings, lab_findings = doctor(lab)
-    every = [*host_findings, *lab_findings]
+    hosts: list[tuple[str, list[Finding]]] = []
+    if lab is not None and lab.hosts:  # its VMs run on its libvirt hosts: each is checked
+        from vmlaunch.multihost.doctor import checks
+
+        hosts = checks(lab)
+        host_findings, lab_findings = doctor(None)
+    else:
+        host_findings, lab_findings = doctor(lab)
+    every = [*host_findings, *lab_findings, *(f for _, found in hosts for f in found)]
     if args.json:
         print(json.dumps({"host": [f.to_json() for f in host_findings],
                           "lab": [f.to_json() for f in lab_findings] if lab is not None else None,
+                          "hosts": {title.split()[2]: [f.to_json() for f in found] for title, found in hosts},
                           "failed": any(f.status is Status.FAIL for f in every)}, indent=2))
     else:
         sections = [("host", host_findings)]
-        if lab is not None:
+        if lab is not None and not lab.hosts:
             sections.append((f"lab {lab.name} ({lab.file})", lab_findings))
+        sections += hosts
         print("\n".join(render(sections)))
     return 1 if any(f.status is Status.FAIL for f in every) else 0

@@ -130,7 +130,7 @@ class Plan:
 # --- connecting -----------------------------------------------------------------------------------
 
 
-def _parallel(
+def parallel(
     items: list[Any], work: Callable[[Any], Any]
 ) -> tuple[dict[Any, Any], dict[Any, BaseException]]:
     """`work(item)` for every item at once, each on a thread: results and failures by item."""
@@ -180,7 +180,7 @@ def _kvm_listed(conn: Any) -> bool:
 
 def connect_all(lab: LabSpec) -> dict[str, HostFacts]:
     """Every host's facts, asked at once; HostUnreachable (exit 3) names every host that failed."""
-    results, failures = _parallel(
+    results, failures = parallel(
         [host.name for host in lab.hosts], lambda name: host_facts(name, lab.host(name).uri)
     )
     if failures:
@@ -395,7 +395,7 @@ def _foreign(plan: HostPlan, journal: Journal) -> list[str]:
 
 
 def refuse_foreign(plans: tuple[HostPlan, ...], journal: Journal) -> None:
-    results, failures = _parallel(list(plans), lambda plan: _foreign(plan, journal))
+    results, failures = parallel(list(plans), lambda plan: _foreign(plan, journal))
     if failures:
         raise next(iter(failures.values()))
     said = [f"  host {plan.host}: {', '.join(results[plan])}" for plan in plans if results[plan]]
@@ -655,7 +655,7 @@ def _roll_back(run: _Run) -> list[str]:
                 run.journal.drop(entry)
 
     with signals.held():
-        _parallel(list(by_host), undo)
+        parallel(list(by_host), undo)
     return left
 
 
@@ -691,7 +691,7 @@ def up(
                     run.stop.set()  # the other hosts stop too
                     raise
 
-            _, failures = _parallel(list(plan.hosts), work)
+            _, failures = parallel(list(plan.hosts), work)
         except BaseException:  # Ctrl-C while the threads work
             run.stop.set()
             left = _roll_back(run)
