@@ -21,6 +21,12 @@ from vmlaunch.resources.netem import NetemRecord
 from vmlaunch.resources.pci import PciRecord
 from vmlaunch.resources.placement import PlacementRecord
 from vmlaunch.resources.registry import RECORDS
+from vmlaunch.resources.remote import (
+    RemoteDomainRecord,
+    RemoteLinkRecord,
+    RemoteNetworkRecord,
+    RemotePoolRecord,
+)
 from vmlaunch.resources.script import ScriptEnv, ScriptRecord
 from vmlaunch.resources.tap import TapRecord
 from vmlaunch.resources.vmuser import VmUserClaimRecord, VmUserRecord
@@ -56,6 +62,13 @@ SAMPLES = [
     Entry("vm-user-claim", "b", "b", VmUserClaimRecord("b", 1879048193, "/run/vmlaunch")),
     Entry("netem", "vl-abcdefghijkl", "a", NetemRecord("vl-abcdefghijkl", "vliabcdefghijkl", "a", 0)),
     Entry("clone", "a-1", "a-1", CloneRecord("a-1", Path("/run/vmlaunch/l"), Path("/l/.vmlaunch/l"), "l")),
+    Entry("remote-pool", "h1/vmlaunch-l", None,
+          RemotePoolRecord("h1", "qemu+ssh://h1/system", "vmlaunch-l", "7e1c", "/var/lib/libvirt/images/l")),
+    Entry("remote-network", "h1/l-lan", None,
+          RemoteNetworkRecord("h1", "qemu:///system", "l-lan", "a1", "vlb1")),
+    Entry("remote-link", "h1/vx0a", None,
+          RemoteLinkRecord("h1", "qemu:///system", "vx0a", 4242)),
+    Entry("remote-domain", "h1/l-a", "a", RemoteDomainRecord("h1", "qemu:///system", "l-a", "b2", "a")),
 ]
 
 
@@ -78,7 +91,7 @@ def good(resources: list[Any] | None = None, **changes: Any) -> dict[str, Any]:
 def test_registry_covers_every_record_kind() -> None:
     assert set(RECORDS) == {"image", "bridge", "tap", "pci", "labdir", "vmfile", "hugepages",
                             "manager", "ksm", "placement", "script", "vm-user", "vm-user-claim", "netem",
-                            "clone"}
+                            "clone", "remote-pool", "remote-network", "remote-link", "remote-domain"}
     assert {e.kind for e in SAMPLES} == set(RECORDS)
 
 

@@ -57,7 +57,9 @@ def vl(libvirt_hosts: Any, run_dir: Path) -> Iterator[Any]:
     env = {**os.environ, "VMLAUNCH_RUN_DIR": str(run_dir)}
 
     def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        return libvirt_hosts.run_client([sys.executable, "-m", "vmlaunch", *args], env=env, timeout=timeout)
+        done: subprocess.CompletedProcess[str] = libvirt_hosts.run_client(
+            [sys.executable, "-m", "vmlaunch", *args], env=env, timeout=timeout)
+        return done
 
     yield run
     for host in libvirt_hosts.hosts:  # whatever a failing test left: the next one starts clean
@@ -71,7 +73,8 @@ def nothing_on(rig: Any, lab: str = "mh") -> dict[str, list[str]]:
     for host in rig.hosts:
         found = [f"domain {n}" for n in host.names("list", "--all", "--name") if n.startswith(f"{lab}-")]
         found += [f"pool {n}" for n in host.names("pool-list", "--all", "--name") if n == f"vmlaunch-{lab}"]
-        found += [f"network {n}" for n in host.names("net-list", "--all", "--name") if n.startswith(f"{lab}-")]
+        found += [f"network {n}" for n in host.names("net-list", "--all", "--name")
+                  if n.startswith(f"{lab}-")]
         found += [f"link {n}" for n in host.links() if n.startswith(("vx", "vlb"))]
         if found:
             left[host.name] = found
@@ -82,7 +85,7 @@ def wait_for_log(vl: Any, spec_file: Path, vm: str, texts: list[str], timeout: f
     deadline = time.monotonic() + timeout
     out = ""
     while time.monotonic() < deadline:
-        out = vl("logs", str(spec_file), vm).stdout
+        out = str(vl("logs", str(spec_file), vm).stdout)
         if all(text in out for text in texts):
             return out
         time.sleep(1)

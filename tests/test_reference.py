@@ -168,6 +168,10 @@ def test_the_output_does_not_depend_on_the_terminal(monkeypatch: pytest.MonkeyPa
 # --- the defaults are the loader's -----------------------------------------------------------------
 
 # One spec with every table: each key the spec leaves out takes its default.
+# A lab on a libvirt host (MINIMAL has what such a lab refuses: shares, tap and socket networks)
+HOSTED = ('[lab]\nname = "h"\n[host.h1]\nuri = "qemu:///system"\n[vm.a]\nmemory = 64\n'
+          '[[vm.a.disk]]\nfile = "a.img"\nsize = "16M"\n')
+
 MINIMAL = """\
 [lab]
 name = "ref"
@@ -240,7 +244,10 @@ def _built(tmp_path: Path) -> dict[type, list[tuple[object, dict[str, Any]]]]:
     a, b = lab.vm("a"), lab.vm("b")
     vm_a = raw["vm"]["a"]
     assert b.cloud_init is not None
+    hosted_raw = tomllib.loads(HOSTED)
+    hosted = parse_lab(HOSTED.encode(), file)
     return {
+        model.HostSpec: [(hosted.host("h1"), hosted_raw["host"]["h1"])],
         model.LabSpec: [(lab, raw["lab"])],
         model.LabMemory: [(lab.memory, raw["lab"]["memory"])],
         model.LabPlacement: [(lab.placement, raw["lab"]["placement"])],

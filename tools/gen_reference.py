@@ -66,6 +66,7 @@ MODELS: dict[str, type] = {
     "#/$defs/cloudInit": model.CloudInit,
     "#/$defs/share": model.Share,
     "#/$defs/image": model.Image,
+    "#/$defs/host": model.HostSpec,
 }
 # Keys whose model field is named otherwise (a unit in the name, a plural). None: no one field holds
 # the key, so its x-default says what it is.

@@ -31,7 +31,7 @@ from typing import IO, Any
 
 if __package__ in (None, ""):  # run as a script (the switch's namespace): the repository's root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tools.private_libvirt import PrivateLibvirt, ensure_libvirt, run  # noqa: E402
+from tools.private_libvirt import LIBVIRT_DIRS, PrivateLibvirt, _make_dirs, ensure_libvirt, run  # noqa: E402
 
 SWITCH = "--switch"
 READY = "switch ready"
@@ -143,11 +143,16 @@ class LibvirtHosts:
         self.hosts: list[Host] = []
         self.switch: subprocess.Popen[str] | None = None
         self.log: IO[Any] | None = None
+        self.made: list[Path] = []  # mount points made on the machine, removed once every host is gone
 
     def __enter__(self) -> LibvirtHosts:
         ensure_libvirt(("openssh-server", "openssh-client"))
         self.work.mkdir(parents=True, exist_ok=True)
         try:
+            # made once, here: hosts started at once would race for them, and one host's teardown
+            # must not remove a mount point the others still use
+            for path in LIBVIRT_DIRS:
+                self.made += _make_dirs(Path(path))
             run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.key))
             self.log = open(self.work / "switch.log", "w")  # noqa: SIM115 - closed by close()
             self.switch = subprocess.Popen(
@@ -266,6 +271,10 @@ class LibvirtHosts:
         if self.log is not None:
             self.log.close()
             self.log = None
+        for folder in reversed(self.made):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        self.made = []
 
 
 if __name__ == "__main__":
