@@ -221,3 +221,59 @@ def test_a_name_someone_else_made_is_refused(libvirt_hosts: Any, vl: Any, tmp_pa
     finally:
         rig.hosts[1].virsh("net-undefine", "mh-lan", check=False)
     assert nothing_on(rig) == {}
+
+
+def test_an_up_killed_half_way_is_undone_by_the_next_up(libvirt_hosts: Any, vl: Any, run_dir: Path,
+                                                         tmp_path: Path, test_guest: Path) -> None:
+    rig = libvirt_hosts
+    lab = spec(tmp_path, rig, test_guest, {"a": "h1", "b": "h2"})
+    env = {**os.environ, "VMLAUNCH_RUN_DIR": str(run_dir)}
+    up = subprocess.Popen(rig.client_argv(sys.executable, "-m", "vmlaunch", "up", str(lab)), env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):
+            if rig.hosts[1].names("pool-list", "--all", "--name") or up.poll() is not None:
+                break
+            time.sleep(0.02)
+    finally:
+        up.kill()
+        up.wait()
+    again = vl("up", str(lab))
+    assert again.returncode == 0, again.stderr
+    for host, vm in zip(rig.hosts, "ab"):
+        assert host.names("list", "--name") == [f"mh-{vm}"]
+    assert vl("down", str(lab)).returncode == 0
+    assert nothing_on(rig) == {}
+    assert not (run_dir / "mh").exists()
+
+
+def test_an_image_vm_gets_its_base_overlay_and_seed_as_volumes(libvirt_hosts: Any, vl: Any, tmp_path: Path,
+                                                                test_guest: Path) -> None:
+    rig = libvirt_hosts
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(tmp_path / "tiny.qcow2"), "32M"], check=True)
+    lab = spec(tmp_path, rig, test_guest, {"a": "h2"},
+               extra='[image.tiny]\nfile = "tiny.qcow2"\n')
+    text = lab.read_text().replace('accel = "tcg"\n', 'accel = "tcg"\nimage = "tiny"\ndisk_size = "64M"\n')
+    lab.write_text(text)
+    done = vl("up", str(lab))
+    try:
+        assert done.returncode == 0, done.stderr
+        host = rig.hosts[1]
+        volumes = host.virsh("vol-list", "vmlaunch-mh").stdout
+        for name in ("base-tiny.qcow2", "a-root.qcow2", "a-seed.iso", "a-kernel", "a-initrd"):
+            assert name in volumes, volumes
+        info = host.run("qemu-img", "info", "--output=json", "-U",
+                        "/var/lib/libvirt/images/vmlaunch-mh/a-root.qcow2").stdout
+        assert json.loads(info)["backing-filename"].endswith("base-tiny.qcow2")
+        assert json.loads(info)["virtual-size"] == 64 << 20
+        xml = host.virsh("dumpxml", "mh-a").stdout
+        assert "/var/lib/libvirt/images/vmlaunch-mh/a-seed.iso" in xml
+        argv = rig.run_client([sys.executable, "-c", "import sys, vmlaunch.multihost.vms as v; "
+                               "from vmlaunch.spec.load import load_lab; "
+                               f"print(v.ssh_argv(load_lab({str(lab)!r}), 'a', ['true']))"],
+                              env={**os.environ, "VMLAUNCH_RUN_DIR": os.environ.get("VMLAUNCH_RUN_DIR", "")})
+        assert "-W %h:%p root@10.77.0.12" in argv.stdout and "@10.9.0.11" in argv.stdout, argv.stderr
+    finally:
+        down = vl("down", str(lab))
+    assert down.returncode == 0, down.stderr
+    assert nothing_on(rig) == {}

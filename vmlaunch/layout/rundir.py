@@ -56,8 +56,9 @@ EVENTS = "events.jsonl"  # the lab's event log (runtime/events.py)
 FORKS = "forks.json"  # the lab's clones, and a fork under way (runtime/fork.py)
 FORK_STATE = "fork.state"  # a forked VM's saved state, while the fork copies it
 FORK_MEMORY = "fork.mem"  # the RAM the clones of `fork --shared-memory` map, while they start
+HOSTS_UP = "hosts-up"  # an `up` on libvirt hosts under way, or killed half-way (multihost/engine.py)
 LAB_FILES = (MANAGER_LOG, MANAGER_CONFIG, MANAGER_STATE, INTENT, WIRE, WIRE_LOCK, DISK_FAULTS, EVENTS,
-             FORKS, FORK_STATE, FORK_MEMORY)
+             FORKS, FORK_STATE, FORK_MEMORY, HOSTS_UP)
 NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -217,6 +218,10 @@ class RunDir:
     @property
     def forks(self) -> Path:
         return self.path / FORKS
+
+    @property
+    def hosts_up(self) -> Path:
+        return self.path / HOSTS_UP
 
     @property
     def fork_state(self) -> Path:

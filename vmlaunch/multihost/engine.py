@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 
 from vmlaunch.core import signals
+from vmlaunch.core.fsutil import write_atomic
 from vmlaunch.errors import HostError, RuntimeFailure, VmlaunchError
 from vmlaunch.export import Findings, qualified
 from vmlaunch.export.libvirt import domain_xml, network_xml
@@ -628,11 +629,14 @@ def _sources(lab: LabSpec, plan: Plan) -> tuple[dict[str, Path], dict[str, int]]
         sources[f"base-{name}.qcow2"] = path
         sizes[f"base-{name}.qcow2"] = info.virtual_size
     lab_dir = LabDir.of(lab.file, lab.name)
-    for vm in lab.vms:
-        if vm.cloud_init is not None and plan.placed_by[vm.name] != "up already":
-            from vmlaunch.resources.guest import Seed
+    seeded = [vm for vm in lab.vms if vm.cloud_init is not None and plan.placed_by[vm.name] != "up already"]
+    if seeded:  # written here (the lab dir keeps the lab's SSH keys, as on this machine), then uploaded
+        from vmlaunch.resources.guest import LabDirResource, Seed
 
-            Seed(vm=vm.name, lab=lab, lab_dir=lab_dir, management_mac=None).apply(Context(lab=lab.name))
+        ctx = Context(lab=lab.name)
+        LabDirResource(lab_dir).apply(ctx)
+        for vm in seeded:
+            Seed(vm=vm.name, lab=lab, lab_dir=lab_dir, management_mac=None).apply(ctx)
     return sources, sizes
 
 
@@ -675,12 +679,22 @@ def up(
     with locked(run_dir, timeout + 30):
         journal = Journal.load(run_dir, force=False)
         journal.check_spec(spec, force=force)
+        if os.path.lexists(run_dir.hosts_up):  # an up killed half-way (the lock is ours: it is dead)
+            from vmlaunch.runtime.executor import take_down
+
+            log.warning("an earlier up of lab %s was stopped half-way: undoing what it made first", lab.name)
+            take_down(run_dir, timeout=0, spec=spec, force=force)
+            with contextlib.suppress(FileNotFoundError):
+                run_dir.hosts_up.unlink()
+            journal = Journal.load(run_dir, force=False)
         journal.spec = os.path.realpath(spec)
         facts = connect_all(lab)
         plan = make_plan(lab, facts, placed_before(journal))
         refuse_foreign(plan.hosts, journal)
         sources, sizes = _sources(lab, plan)
         run = _Run(journal)
+        run_dir.create()
+        write_atomic(run_dir.hosts_up, "")  # until every host is done, or what was made is undone
         failures: dict[Any, BaseException] = {}
         try:
 
@@ -692,31 +706,40 @@ def up(
                     raise
 
             _, failures = parallel(list(plan.hosts), work)
-        except BaseException:  # Ctrl-C while the threads work
+        except BaseException:  # Ctrl-C while the threads work: they stop at their next step
             run.stop.set()
-            left = _roll_back(run)
-            _finish(run_dir, journal)
-            if left:
-                log.warning("rolling back, could not undo:\n%s", "\n".join(left))
+            _fail(run_dir, run, [])
             raise
         if failures:
-            real = [(host, exc) for host, exc in failures.items() if not isinstance(exc, Cancelled)]
-            first = real[0][1] if real else next(iter(failures.values()))
-            if real and not isinstance(first, VmlaunchError):
-                _roll_back(run)
-                _finish(run_dir, journal)
-                raise first
-            left = _roll_back(run)
-            _finish(run_dir, journal)
-            said = "\n".join(f"  {exc}" for _, exc in real)
+            real = [exc for exc in failures.values() if not isinstance(exc, Cancelled)]
+            if real and not isinstance(real[0], VmlaunchError):
+                _fail(run_dir, run, [])
+                raise real[0]  # a bug: its traceback, after the rollback
+            said = "\n".join(f"  {exc}" for exc in real)
+            left = _fail(run_dir, run, real)
             if left:
                 raise RuntimeFailure(
-                    f"up failed, and what it made could not all be undone:\n{said}\n"
-                    "left:\n" + "\n".join(f"  {line}" for line in left),
+                    f"up failed, and what it made could not all be undone:\n{said}\nleft:\n"
+                    + "\n".join(f"  {line}" for line in left),
                     "bring the host back, then `vmlaunch down SPEC` removes the rest",
                 )
             raise RuntimeFailure(f"up failed; what it made on every host was undone:\n{said}")
+        with contextlib.suppress(FileNotFoundError):
+            run_dir.hosts_up.unlink()
         return plan
+
+
+def _fail(run_dir: RunDir, run: _Run, real: list[BaseException]) -> list[str]:
+    """Roll back what this up made; the marker goes once nothing it made is left undone."""
+    with signals.held():
+        left = _roll_back(run)
+        if not left:
+            with contextlib.suppress(FileNotFoundError):
+                run_dir.hosts_up.unlink()
+        _finish(run_dir, run.journal)
+    if left:
+        log.warning("rolling back, could not undo:\n%s", "\n".join(left))
+    return left
 
 
 def _finish(run_dir: RunDir, journal: Journal) -> None:

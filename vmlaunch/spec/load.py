@@ -701,6 +701,9 @@ class _Builder:
         placement = self.lab_placement(vms)
         boot_parallel = self.value(("lab",), lab, "boot_parallel") if lab_ok else None
         hosts = tuple(self.hosts())
+        if self.table(("host",)):  # on libvirt hosts, `ssh` reaches a VM through its host: no forward here
+            vms = tuple(vm if "ssh" in self.table(("vm", vm.name)) else attrs.evolve(vm, ssh=False)
+                        for vm in vms)
         self.check_hosts(hosts, vms, networks)
         return LabSpec(name=name, file=self.file, source=self.source, networks=networks, vms=vms,
                        mac_prefix=prefix.lower(), images=images, memory=memory, placement=placement,
