@@ -250,7 +250,8 @@ def test_an_up_killed_half_way_is_undone_by_the_next_up(libvirt_hosts: Any, vl: 
 def test_an_image_vm_gets_its_base_overlay_and_seed_as_volumes(libvirt_hosts: Any, vl: Any, tmp_path: Path,
                                                                 test_guest: Path) -> None:
     rig = libvirt_hosts
-    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(tmp_path / "tiny.qcow2"), "32M"], check=True)
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(tmp_path / "tiny.qcow2"), "32M"],
+                   check=True)
     lab = spec(tmp_path, rig, test_guest, {"a": "h2"},
                extra='[image.tiny]\nfile = "tiny.qcow2"\n')
     text = lab.read_text().replace('accel = "tcg"\n', 'accel = "tcg"\nimage = "tiny"\ndisk_size = "64M"\n')
