@@ -45,7 +45,9 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
         commands, "up", cmd_up, help="bring the lab (or the VMs named) up",
         description="Create what the lab needs on the host (images, bridges, taps, PCI bindings) and "
         "start every VM, in parallel; return when each runs and answers QMP. VMs already running are "
-        "left alone. Any failure undoes everything this run did.", spec=True, vms=ONLY)
+        "left alone. Any failure undoes everything this run did. A lab with [host.NAME] tables runs on "
+        "those libvirt hosts instead, all or nothing (the manual's \"Across several hosts\").",
+        spec=True, vms=ONLY)
     up.add_argument("--dry-run", action="store_true",
                     help="print the host actions and each QEMU command line; change nothing")
     up.add_argument("--wait-for", metavar="TEXT",
@@ -120,9 +122,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
         for net in lab.networks
     )
     disks = sum(len(vm.disks) + (vm.image is not None) for vm in lab.vms)  # an image: its overlay
+    hosts = (f", {count(len(lab.hosts), 'libvirt host')} ({', '.join(host.name for host in lab.hosts)})"
+             if lab.hosts else "")
     print(f"{args.spec}: valid: lab {lab.name}: {count(len(lab.vms), 'VM')} "
           f"({', '.join(vm.name for vm in lab.vms)}), {count(len(lab.networks), 'network')}"
-          f"{f' ({nets})' if nets else ''}, {count(disks, 'disk')}")
+          f"{f' ({nets})' if nets else ''}, {count(disks, 'disk')}{hosts}")
     return 0
 
 
