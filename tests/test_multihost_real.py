@@ -278,3 +278,56 @@ def test_an_image_vm_gets_its_base_overlay_and_seed_as_volumes(libvirt_hosts: An
         down = vl("down", str(lab))
     assert down.returncode == 0, down.stderr
     assert nothing_on(rig) == {}
+
+
+def test_down_of_one_vm_leaves_the_others_and_the_host_is_on_the_network(
+        libvirt_hosts: Any, vl: Any, tmp_path: Path, test_guest: Path) -> None:
+    rig = libvirt_hosts
+    lab = spec(tmp_path, rig, test_guest, {"a": "h1", "b": "h2"})
+    assert vl("up", str(lab)).returncode == 0
+    try:
+        # the host has an address on the lab network (the subnet's first on h1, its last on h2):
+        # `vmlaunch ssh` jumps through it to the VM's address
+        wait_for_log(vl, lab, "a", ["VMLAUNCH-GUEST-READY"])
+        # (a TCP connection to the guest's closed port 22 refused: the guest answered from the host)
+        probe = rig.hosts[0].run(sys.executable, "-c", "import errno, socket; s = socket.socket(); "
+                                 "s.settimeout(10); print(errno.errorcode.get(s.connect_ex(('10.9.0.11', 22))))")
+        assert probe.stdout.strip() == "ECONNREFUSED", probe.stdout + probe.stderr
+        assert "10.9.0.254/24" in rig.hosts[1].run("ip", "-br", "addr").stdout
+        done = vl("down", str(lab), "b")
+        assert done.returncode == 0, done.stderr
+        assert rig.hosts[1].names("list", "--all", "--name") == []
+        assert rig.hosts[0].names("list", "--name") == ["mh-a"]
+        rows = json.loads(vl("status", str(lab), "--json").stdout)
+        assert (rows["a"]["state"], rows["b"]["state"]) == ("running", "down")
+    finally:
+        assert vl("down", str(lab)).returncode == 0
+    assert nothing_on(rig) == {}
+
+
+def test_ctrl_c_during_up_undoes_it_on_every_host(libvirt_hosts: Any, vl: Any, run_dir: Path,
+                                                  tmp_path: Path, test_guest: Path) -> None:
+    import signal
+
+    rig = libvirt_hosts
+    lab = spec(tmp_path, rig, test_guest, {"a": "h1", "b": "h2", "c": "h3"})
+    env = {**os.environ, "VMLAUNCH_RUN_DIR": str(run_dir)}
+    up = subprocess.Popen(rig.client_argv(sys.executable, "-m", "vmlaunch", "up", str(lab)), env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            if rig.hosts[2].names("pool-list", "--all", "--name") or up.poll() is not None:
+                break
+            time.sleep(0.02)
+        up.send_signal(signal.SIGINT)
+        _, err = up.communicate(timeout=120)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode in (0, 130), err  # 0: it was done before the signal came
+    if up.returncode == 130:
+        assert "Traceback" not in err
+        assert nothing_on(rig) == {}
+        assert not (run_dir / "mh").exists()
+    assert vl("down", str(lab)).returncode == 0
+    assert nothing_on(rig) == {}

@@ -98,7 +98,8 @@ def private_libvirt(work: Path) -> Iterator[None]:
             run("mount", "--bind", str(private), path)
             mounted.append(path)
         Path("/etc/libvirt/qemu.conf").write_text(QEMU_CONF)
-        for sub in ("boot", "images"):  # virt-install keeps its cloud-init seed in the first
+        # virt-install keeps its cloud-init seed in boot; a network with an address keeps its MACs in dnsmasq
+        for sub in ("boot", "images", "dnsmasq"):
             Path("/var/lib/libvirt", sub).mkdir(exist_ok=True)
         # domains' logs, as Debian's libvirt-daemon-system makes it (serial console logs go there)
         Path("/var/log/libvirt/qemu").mkdir(mode=0o750, exist_ok=True)

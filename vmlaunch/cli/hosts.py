@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import Any
 
 from vmlaunch.errors import UsageError
 from vmlaunch.spec.model import LabSpec
@@ -58,6 +59,7 @@ def cmdline(args: argparse.Namespace, lab: LabSpec) -> int:
     from vmlaunch.multihost import engine
 
     plan = engine.up(lab, spec=args.spec, dry_run=True)
+    said_findings(plan)
     only = set(args.vms)
     domains = {
         dom.vm: (host.host, dom.xml)
@@ -131,3 +133,14 @@ def console(args: argparse.Namespace, lab: LabSpec) -> int:
             f"cannot run {argv[0]}: {exc.strerror or exc}",
             "install libvirt's clients: apt-get install libvirt-clients",
         ) from None
+
+
+def said_findings(plan: Any) -> None:
+    """What of the spec the domains cannot carry (the export's findings), once each."""
+    seen = set()
+    for host in plan.hosts:
+        for line in host.findings:
+            if "memory.budget" in line or line in seen:  # on hosts the budget is placement's, per host
+                continue
+            seen.add(line)
+            log.warning("not on libvirt hosts: %s", line)

@@ -24,6 +24,7 @@ from vmlaunch.errors import HostError
 from vmlaunch.spec.hosts import SSH_PORT, HostUri, parse_uri
 
 CONNECT_TIMEOUT = 10.0
+KEEPALIVE_INTERVAL, KEEPALIVE_COUNT = 5, 3  # a host silent for 15 s is gone
 LIBVIRT_PORTS = {"tcp": 16509, "tls": 16514}
 
 _lock = threading.Lock()
@@ -45,8 +46,30 @@ def binding() -> Any:
             "run `make setup`, or: apt-get install libvirt-dev pkg-config && "
             ".venv/bin/pip install 'libvirt-python>=9.0'",
         ) from None
-    libvirt.registerErrorHandler(lambda *_: None, None)  # errors are raised, not also printed
+    _start_events(libvirt)
     return libvirt
+
+
+_events_started = False
+
+
+def _start_events(libvirt: Any) -> None:
+    """Once per process: libvirt's default event loop on a thread of its own, which its keepalive
+    needs (a host that stops answering, its network cut, is dropped in 15 s instead of hanging a
+    call), and errors raised, not also printed."""
+    global _events_started
+    with _lock:
+        if _events_started:
+            return
+        _events_started = True
+        libvirt.registerErrorHandler(lambda *_: None, None)
+        libvirt.virEventRegisterDefaultImpl()
+
+    def loop() -> None:
+        while True:
+            libvirt.virEventRunDefaultImpl()
+
+    threading.Thread(target=loop, name="libvirt-events", daemon=True).start()
 
 
 def libvirt_error(exc: Exception) -> str:
@@ -62,6 +85,10 @@ def _probe(uri: HostUri) -> str | None:
         return None
     port = uri.port or (SSH_PORT if uri.ssh else LIBVIRT_PORTS.get(uri.transport))
     if port is None:
+        return None
+    try:
+        socket.getaddrinfo(uri.hostname, port, type=socket.SOCK_STREAM)
+    except OSError:  # a name only the SSH configuration knows (a Host alias): SSH itself finds it
         return None
     try:
         with socket.create_connection((uri.hostname, port), timeout=CONNECT_TIMEOUT):
@@ -85,6 +112,8 @@ def connect(name: str, uri_text: str) -> Any:
     if why is None:
         try:
             conn = libvirt.open(uri_text)
+            with contextlib.suppress(libvirt.libvirtError):  # a local connection has none
+                conn.setKeepAlive(KEEPALIVE_INTERVAL, KEEPALIVE_COUNT)
         except libvirt.libvirtError as exc:
             why = libvirt_error(exc)
     with _lock:

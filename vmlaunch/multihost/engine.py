@@ -19,7 +19,9 @@ import contextlib
 import logging
 import os
 import shlex
+import socket
 import threading
+import uuid
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -31,7 +33,7 @@ from vmlaunch.core import signals
 from vmlaunch.core.fsutil import write_atomic
 from vmlaunch.errors import HostError, RuntimeFailure, VmlaunchError
 from vmlaunch.export import Findings, qualified
-from vmlaunch.export.libvirt import domain_xml, network_xml
+from vmlaunch.export.libvirt import UUID_NAMESPACE, domain_xml, network_xml
 from vmlaunch.host import remote
 from vmlaunch.layout.dirs import run_root
 from vmlaunch.layout.labdir import LabDir
@@ -47,6 +49,8 @@ from vmlaunch.resources.remote import (
 from vmlaunch.runtime.journal import Entry, Journal, locked
 from vmlaunch.spec.hosts import (
     VXLAN_PORT,
+    host_addresses,
+    is_ip,
     parse_uri,
     pool_name,
     spanning,
@@ -99,6 +103,9 @@ class NetworkPlan:
     local: str | None = None  # this host's tunnel address
     peers: tuple[str, ...] = ()  # the other hosts' tunnel addresses
     mtu: int | None = None
+    address: str | None = (
+        None  # the host's own on the bridge ("10.9.0.1/24"): `vmlaunch ssh` jumps through it
+    )
 
 
 @attrs.frozen
@@ -117,6 +124,7 @@ class HostPlan:
     volumes: tuple[Volume, ...]
     networks: tuple[NetworkPlan, ...]
     domains: tuple[DomainPlan, ...]
+    findings: tuple[str, ...] = ()  # what of the spec the domains cannot carry (the export's problems)
 
 
 @attrs.frozen
@@ -132,9 +140,13 @@ class Plan:
 
 
 def parallel(
-    items: list[Any], work: Callable[[Any], Any]
+    items: list[Any], work: Callable[[Any], Any], *, interrupted: Callable[[], None] | None = None
 ) -> tuple[dict[Any, Any], dict[Any, BaseException]]:
-    """`work(item)` for every item at once, each on a thread: results and failures by item."""
+    """`work(item)` for every item at once, each on a thread: results and failures by item.
+
+    Interrupted while waiting (Ctrl-C), it calls `interrupted` (which tells the threads to stop), waits
+    for every thread with signals held, and raises the interruption: nothing runs on behind a caller
+    that then rolls back."""
     results: dict[Any, Any] = {}
     failures: dict[Any, BaseException] = {}
 
@@ -147,8 +159,16 @@ def parallel(
     threads = [threading.Thread(target=one, args=(item,), daemon=True) for item in items]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    try:
+        for thread in threads:
+            thread.join()
+    except BaseException:
+        if interrupted is not None:
+            interrupted()
+        with signals.held():
+            for thread in threads:
+                thread.join()
+        raise
     return results, failures
 
 
@@ -157,7 +177,10 @@ def host_facts(name: str, uri: str) -> HostFacts:
     libvirt = remote.binding()
     try:
         _, memory_mib, cpus, *_ = conn.getInfo()
-        free = conn.getFreeMemory() >> 20
+        stats = conn.getMemoryStats(libvirt.VIR_NODE_MEMORY_STATS_ALL_CELLS, 0)
+        # free, and what the host gives back when asked (its page cache and buffers): MemFree alone
+        # makes a host with a warm cache look full
+        free = (stats.get("free", 0) + stats.get("cached", 0) + stats.get("buffers", 0)) >> 10
         caps = conn.getDomainCapabilities(None, "x86_64", None, "kvm", 0) if _kvm_listed(conn) else ""
         return HostFacts(
             name=name,
@@ -206,8 +229,20 @@ def placed_before(journal: Journal) -> dict[str, str]:
 
 
 def make_plan(lab: LabSpec, facts: Mapping[str, HostFacts], before: Mapping[str, str]) -> Plan:
+    """Where each VM goes, and what each host gets. A HostError (exit 3) before anything changes: no
+    room, a VM up on a host the spec no longer has, a tunnel address that is not known."""
+    gone = sorted({host for host in before.values() if host not in facts})
+    if gone:
+        raise HostError(
+            f"lab {lab.name} has VMs up on hosts the spec no longer has: {', '.join(gone)}",
+            f"put them back in the spec, or `vmlaunch down {lab.file}` first",
+        )
     rooms = {
-        name: HostRoom(memory_mib=fact.free_mib, cpus=fact.cpus, shell=parse_uri(fact.uri).shell)
+        name: HostRoom(
+            memory_mib=fact.free_mib,
+            cpus=fact.cpus,
+            shell=parse_uri(fact.uri).shell and tunnel_address(lab.host(name)) is not None,
+        )
         for name, fact in facts.items()
     }
     pinned = attrs.evolve(
@@ -224,19 +259,42 @@ def make_plan(lab: LabSpec, facts: Mapping[str, HostFacts], before: Mapping[str,
         vm.name: "up already" if vm.name in before else "pinned" if vm.host else "placed" for vm in lab.vms
     }
     spans = spanning(lab, placement)
+    tunnels = {host: _tunnel(lab, host) for hosts in spans.values() for host in hosts}
     hosted = attrs.evolve(
         lab,
         networks=tuple(
-            attrs.evolve(net, mtu=spanning_mtu(net))
+            attrs.evolve(net, mtu=spanning_mtu(net, ipv6=any(":" in tunnels[h] for h in spans[net.name])))
             if isinstance(net, BridgeNetwork) and net.name in spans
             else net
             for net in lab.networks
         ),
     )
     plans = tuple(
-        _host_plan(hosted, host.name, host.uri, facts[host.name], placement, spans) for host in lab.hosts
+        _host_plan(hosted, host.name, host.uri, facts[host.name], placement, spans, tunnels)
+        for host in lab.hosts
     )
     return Plan(lab=lab, placement=placement, placed_by=placed_by, hosts=plans, facts=facts)
+
+
+def _tunnel(lab: LabSpec, host: str) -> str:
+    """The host's address for the lab's tunnels: `address`, or its URI's host (looked up here when it is
+    a name)."""
+    found = tunnel_address(lab.host(host))
+    if found is None:
+        raise HostError(
+            f"host {host} carries a network that spans hosts, and has no address for its tunnels",
+            f'add address = "IP" to [host.{host}]',
+        )
+    if is_ip(found):
+        return found
+    try:
+        return str(socket.getaddrinfo(found, None, type=socket.SOCK_DGRAM)[0][4][0])
+    except OSError as exc:
+        raise HostError(
+            f"host {host}: its name {found} does not resolve here ({exc}), and the lab's tunnels "
+            "need its address",
+            f'add address = "IP" to [host.{host}]',
+        ) from None
 
 
 def _host_plan(
@@ -246,6 +304,7 @@ def _host_plan(
     fact: HostFacts,
     placement: Mapping[str, str],
     spans: Mapping[str, tuple[str, ...]],
+    tunnels: Mapping[str, str],
 ) -> HostPlan:
     pool = pool_name(lab.name)
     pool_path = f"{POOL_ROOT}/{pool}"
@@ -293,9 +352,13 @@ def _host_plan(
     for net in lab.networks:
         if net.name not in used or not isinstance(net, BridgeNetwork):
             continue
+        carriers = spans.get(net.name, (host,))
+        address = host_addresses(lab, net, carriers).get(host)
+        if not parse_uri(uri).shell:
+            address = None  # set over SSH, as `vmlaunch ssh` jumps over SSH
         xml = network_xml(lab, net, bridge_mode=False)
         if net.name in spans:
-            peers = tuple(str(tunnel_address(lab.host(other))) for other in spans[net.name] if other != host)
+            peers = tuple(tunnels[other] for other in carriers if other != host)
             networks.append(
                 NetworkPlan(
                     qualified(lab, net.name),
@@ -303,13 +366,14 @@ def _host_plan(
                     xml,
                     link=vxlan_name(lab.name, net.name),
                     vni=vni(lab.name, net.name),
-                    local=tunnel_address(lab.host(host)),
+                    local=tunnels[host],
                     peers=peers,
                     mtu=net.mtu,
+                    address=address,
                 )
             )
         else:
-            networks.append(NetworkPlan(qualified(lab, net.name), net.bridge, xml))
+            networks.append(NetworkPlan(qualified(lab, net.name), net.bridge, xml, address=address))
     findings = Findings(lab)
     domains = []
     for vm in vms:
@@ -324,6 +388,7 @@ def _host_plan(
         volumes=tuple(volumes.values()),
         networks=tuple(networks),
         domains=tuple(domains),
+        findings=tuple(str(problem) for problem in findings.sorted()),
     )
 
 
@@ -337,8 +402,10 @@ def describe(plan: Plan) -> Iterator[str]:
         )
         for dom in host.domains:
             vm = plan.lab.vm(dom.vm)
-            yield (f"  {dom.vm}: {vm.memory_mib} MiB, {vm.cpus} vCPUs ({plan.placed_by[dom.vm]}), "
-                   f"domain {dom.name}")
+            yield (
+                f"  {dom.vm}: {vm.memory_mib} MiB, {vm.cpus} vCPUs ({plan.placed_by[dom.vm]}), "
+                f"domain {dom.name}"
+            )
         if host.volumes:
             yield f"  pool {host.pool} ({host.pool_path}): {', '.join(vol.name for vol in host.volumes)}"
         for net in host.networks:
@@ -348,7 +415,8 @@ def describe(plan: Plan) -> Iterator[str]:
                 if net.link
                 else ""
             )
-            yield f"  network {net.name}: bridge {net.bridge}{link}"
+            own = f", the host's address {net.address}" if net.address else ""
+            yield f"  network {net.name}: bridge {net.bridge}{own}{link}"
 
 
 # --- refusing what is not ours ---------------------------------------------------------------------
@@ -384,6 +452,10 @@ def _foreign(plan: HostPlan, journal: Journal) -> list[str]:
             if net.link and ("remote-link", f"{plan.host}/{net.link}") not in mine
         }
     )
+    if parse_uri(plan.uri).shell and ("remote-pool", f"{plan.host}/{plan.pool}") not in mine:
+        folder = shlex.quote(plan.pool_path)
+        if remote.shell(plan.host, plan.uri, f"test -e {folder} && echo there; true\n").strip():
+            found.append(f"folder {plan.pool_path} (the pool's)")
     if links and parse_uri(plan.uri).shell:
         names = " ".join(shlex.quote(name) for name in links)
         out = remote.shell(
@@ -439,11 +511,16 @@ class _Run:
 
 
 def _upload(conn: Any, volume: Any, source: Path, run: _Run) -> None:
-    size = source.stat().st_size
+    size = _size_of(source)
     stream = conn.newStream(0)
     volume.upload(stream, 0, size, 0)
     try:
-        with open(source, "rb") as file:
+        file = open(source, "rb")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        stream.abort()
+        raise HostError(f"cannot read {source}: {exc.strerror or exc}") from None
+    try:
+        with file:
             while True:
                 run.check()
                 chunk = file.read(CHUNK)
@@ -482,6 +559,7 @@ def _volume_xml(vol: Volume, capacity: int, backing_path: str | None) -> str:
 def _pool_xml(plan: HostPlan) -> str:
     root = ET.Element("pool", type="dir")
     ET.SubElement(root, "name").text = plan.pool
+    ET.SubElement(root, "uuid").text = str(uuid.uuid5(UUID_NAMESPACE, f"pool:{plan.host}:{plan.pool}"))
     target = ET.SubElement(root, "target")
     ET.SubElement(target, "path").text = plan.pool_path
     return ET.tostring(root, encoding="unicode")
@@ -498,8 +576,14 @@ def _vxlan_script(net: NetworkPlan) -> str:
     return "set -e\n" + "\n".join(lines) + "\n"
 
 
+def _uuid_of(xml: str) -> str:
+    """The UUID a definition carries (the export's builders and `_pool_xml` give each one)."""
+    return str(ET.fromstring(xml).findtext("uuid"))
+
+
 def _work(plan: HostPlan, run: _Run, sources: Mapping[str, Path], sizes: Mapping[str, int]) -> None:
-    """Make the host's share of the lab, journaling each thing made."""
+    """Make the host's share of the lab. Each pool, network, link and domain is journaled before it is
+    defined (its UUID is in its XML): killed in between, the record's undo finds it, or finds it gone."""
     libvirt = remote.binding()
     conn = remote.connect(plan.host, plan.uri)
     key = f"{plan.host}/{plan.pool}"
@@ -507,7 +591,7 @@ def _work(plan: HostPlan, run: _Run, sources: Mapping[str, Path], sizes: Mapping
         run.check()
         if plan.volumes or any("-VARS.fd" in dom.xml for dom in plan.domains):
             if not run.has("remote-pool", key):
-                pool = conn.storagePoolDefineXML(_pool_xml(plan), 0)
+                xml = _pool_xml(plan)
                 run.add(
                     Entry(
                         "remote-pool",
@@ -517,15 +601,15 @@ def _work(plan: HostPlan, run: _Run, sources: Mapping[str, Path], sizes: Mapping
                             host=plan.host,
                             uri=plan.uri,
                             name=plan.pool,
-                            uuid=pool.UUIDString(),
+                            uuid=_uuid_of(xml),
                             path=plan.pool_path,
                         ),
                     )
                 )
-                pool.build(0)
-                pool.create(0)
+                conn.storagePoolDefineXML(xml, 0)
             pool = conn.storagePoolLookupByName(plan.pool)
             if not pool.isActive():
+                pool.build(0)  # its folder (kept when it is there already)
                 pool.create(0)
             pool.refresh(0)
             have = set(pool.listVolumes())
@@ -535,19 +619,22 @@ def _work(plan: HostPlan, run: _Run, sources: Mapping[str, Path], sizes: Mapping
                     continue
                 source = vol.source or sources.get(vol.name)
                 backing = f"{plan.pool_path}/{vol.backing}" if vol.backing else None
-                capacity = (
-                    (vol.size or sizes.get(str(vol.backing), 0))
-                    if vol.backing
-                    else (source.stat().st_size if source is not None else vol.size)
-                )
+                if vol.backing:
+                    capacity = vol.size or sizes.get(str(vol.backing), 0)
+                else:
+                    capacity = _size_of(source) if source is not None else vol.size
                 made = pool.createXML(_volume_xml(vol, capacity, backing), 0)
                 if source is not None and vol.backing is None:
-                    _upload(conn, made, source, run)
+                    try:
+                        _upload(conn, made, source, run)
+                    except BaseException:
+                        with contextlib.suppress(Exception):
+                            made.delete(0)  # never a half-uploaded volume left for a later up
+                        raise
         for net in plan.networks:
             run.check()
             key = f"{plan.host}/{net.name}"
             if not run.has("remote-network", key):
-                made_net = conn.networkDefineXML(net.xml)
                 run.add(
                     Entry(
                         "remote-network",
@@ -557,17 +644,22 @@ def _work(plan: HostPlan, run: _Run, sources: Mapping[str, Path], sizes: Mapping
                             host=plan.host,
                             uri=plan.uri,
                             name=net.name,
-                            uuid=made_net.UUIDString(),
+                            uuid=_uuid_of(net.xml),
                             bridge=net.bridge,
                         ),
                     )
                 )
+                conn.networkDefineXML(net.xml)
             libvirt_net = conn.networkLookupByName(net.name)
             if not libvirt_net.isActive():
                 libvirt_net.create()
+            if net.address is not None:  # the host's own on the bridge, for `vmlaunch ssh`'s jump
+                bridge = shlex.quote(net.bridge)
+                remote.shell(
+                    plan.host, plan.uri, f"ip addr replace {shlex.quote(net.address)} dev {bridge}\n"
+                )
             if net.link and not run.has("remote-link", f"{plan.host}/{net.link}"):
                 run.check()
-                # journaled first: a link half made is removed by its undo (which looks for it)
                 run.add(
                     Entry(
                         "remote-link",
@@ -581,25 +673,35 @@ def _work(plan: HostPlan, run: _Run, sources: Mapping[str, Path], sizes: Mapping
             run.check()
             key = f"{plan.host}/{dom.name}"
             if not run.has("remote-domain", key):
-                made_dom = conn.defineXML(dom.xml)
                 run.add(
                     Entry(
                         "remote-domain",
                         key,
                         dom.vm,
                         RemoteDomainRecord(
-                            host=plan.host, uri=plan.uri, name=dom.name, uuid=made_dom.UUIDString(), vm=dom.vm
+                            host=plan.host, uri=plan.uri, name=dom.name, uuid=_uuid_of(dom.xml), vm=dom.vm
                         ),
                     )
                 )
+                conn.defineXML(dom.xml)
             domain = conn.lookupByName(dom.name)
             if not domain.isActive():
                 domain.create()
     except libvirt.libvirtError as exc:
         why = remote.libvirt_error(exc)
-        if not conn.isAlive():
+        alive = False
+        with contextlib.suppress(Exception):
+            alive = bool(conn.isAlive())
+        if not alive:
             remote.forget(plan.uri, why)
         raise RuntimeFailure(f"host {plan.host}: {why}") from None
+
+
+def _size_of(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError as exc:
+        raise HostError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
 def _sources(lab: LabSpec, plan: Plan) -> tuple[dict[str, Path], dict[str, int]]:
@@ -705,9 +807,8 @@ def up(
                     run.stop.set()  # the other hosts stop too
                     raise
 
-            _, failures = parallel(list(plan.hosts), work)
-        except BaseException:  # Ctrl-C while the threads work: they stop at their next step
-            run.stop.set()
+            _, failures = parallel(list(plan.hosts), work, interrupted=run.stop.set)
+        except BaseException:  # Ctrl-C: the threads stopped at their next step, and are done
             _fail(run_dir, run, [])
             raise
         if failures:

@@ -11,14 +11,16 @@ the object of that name still has the UUID the record keeps: one made since by s
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 from typing import Any, ClassVar
 
 import attrs
 
-from vmlaunch.errors import HostError, RuntimeFailure
+from vmlaunch.errors import HostError, RuntimeFailure, VmlaunchError
 from vmlaunch.host import remote
 from vmlaunch.resources.base import Context
+from vmlaunch.spec.hosts import parse_uri
 
 
 def _conn(record: Any) -> Any:
@@ -68,7 +70,11 @@ class RemotePoolRecord:
             if pool.UUIDString() != self.uuid:
                 return  # not the pool this lab made
             if not pool.isActive():
-                pool.create(0)
+                try:
+                    pool.create(0)
+                except libvirt.libvirtError:  # never built (an up killed right after defining it)
+                    pool.undefine()
+                    return
             pool.refresh(0)
             for volume in pool.listAllVolumes(0):
                 volume.delete(0)
@@ -196,6 +202,14 @@ class RemoteDomainRecord:
             if _dead(exc):
                 remote.forget(self.uri, remote.libvirt_error(exc))
             raise _left(self.host, f"domain {self.name}", exc) from None
+
+    def _remove_log(self) -> None:
+        """The serial console log the domain wrote on its host (where vmlaunch can run commands)."""
+        if not parse_uri(self.uri).shell:
+            return
+        log = shlex.quote(f"/var/log/libvirt/qemu/{self.name}-serial.log")
+        with contextlib.suppress(VmlaunchError):
+            remote.shell(self.host, self.uri, f"rm -f {log}\n")
 
     def describe(self) -> str:
         return f"host {self.host}: domain {self.name} (VM {self.vm})"

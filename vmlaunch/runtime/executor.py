@@ -813,6 +813,9 @@ def take_down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.
 
         failures += netem.undo_at_down(run_dir, run_dir.lab, list(stopped) if journal.vms else None)
     remaining_vms = set(journal.vms)
+    if only:  # a lab on libvirt hosts: its other domains stay, and what they use
+        remaining_vms |= {e.vm for e in journal.resources if e.kind == "remote-domain" and e.vm is not None
+                          and e.vm not in only}
     failures += _undo_wire(run_dir, set(stopped), whole_lab=not remaining_vms)
     ctx = Context(lab=run_dir.lab)
     for entry in reversed(list(journal.resources)):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import re
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import attrs
@@ -23,6 +24,7 @@ from vmlaunch.spec.model import BridgeNetwork, HostSpec, LabSpec
 
 VXLAN_PORT = 4789  # IANA's VXLAN port: what `doctor` checks each host's firewall lets in
 VXLAN_OVERHEAD = 50  # outer Ethernet 14 + IPv4 20 + UDP 8 + VXLAN 8: what a spanning network's MTU loses
+VXLAN_OVERHEAD_V6 = 70  # over IPv6: its header is 40 bytes
 DEFAULT_MTU = 1500
 SSH_PORT = 22
 # Transports whose host vmlaunch can work on itself: the local machine, or SSH as the URI says it.
@@ -107,7 +109,13 @@ def parse_uri(uri: str) -> HostUri:
     try:
         port = parts.port
     except ValueError:
-        raise BadUri("the URI's port is not a number from 1 to 65535") from None
+        port = -1
+    if port is not None and not 1 <= port <= 65535:
+        raise BadUri("the URI's port is not a number from 1 to 65535")
+    if parts.hostname and not re.fullmatch(r"[A-Za-z0-9_.:\[\]-]+", parts.hostname) or \
+            (parts.hostname or "").startswith("-") or (parts.username or "").startswith("-"):
+        raise BadUri("the URI's host and user are names or addresses (letters, digits, '.', '-', '_', ':'), "
+                     "not starting with '-'")
     query = parse_qs(parts.query)
     keyfile = query.get("keyfile", [None])[-1]
     hostname = parts.hostname
@@ -160,10 +168,29 @@ def pool_name(lab: str) -> str:
     return f"vmlaunch-{lab}"
 
 
-def spanning_mtu(net: BridgeNetwork) -> int:
-    """A spanning network's MTU: its own (1500 when it says none) less the encapsulation. The underlay
-    between the hosts must carry packets of the network's own MTU."""
-    return (net.mtu or DEFAULT_MTU) - VXLAN_OVERHEAD
+def spanning_mtu(net: BridgeNetwork, *, ipv6: bool = False) -> int:
+    """A spanning network's MTU: its own (1500 when it says none) less the encapsulation (50 bytes over
+    IPv4, 70 over IPv6). The underlay between the hosts must carry packets of the network's own MTU."""
+    return (net.mtu or DEFAULT_MTU) - (VXLAN_OVERHEAD_V6 if ipv6 else VXLAN_OVERHEAD)
+
+
+def host_addresses(lab: LabSpec, net: BridgeNetwork, hosts: tuple[str, ...]) -> dict[str, str]:
+    """Each host's own address on a bridge network with a subnet, which `vmlaunch ssh` jumps through:
+    the subnet's first host address (a gateway's by custom, never given to a NIC by the subnet) for the
+    network's first host, then its last, last but one ... for the others. An address a NIC of the lab
+    has is skipped: that host gets none."""
+    if net.subnet is None:
+        return {}
+    subnet = ipaddress.ip_network(net.subnet, strict=False)
+    used = {nic.ip.split("/")[0] for vm in lab.vms for nic in vm.nics if nic.ip and nic.network == net.name}
+    found = {}
+    for index, host in enumerate(hosts):
+        if subnet.num_addresses < 4 + index:
+            break
+        address = subnet.network_address + 1 if index == 0 else subnet.broadcast_address - index
+        if str(address) not in used:
+            found[host] = f"{address}/{subnet.prefixlen}"
+    return found
 
 
 def spanning(lab: LabSpec, placement: dict[str, str]) -> dict[str, tuple[str, ...]]:

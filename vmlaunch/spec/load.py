@@ -714,6 +714,7 @@ class _Builder:
         from vmlaunch.spec.hosts import BadUri, is_ip, parse_uri
 
         tunnels: dict[str, KeyPath] = {}
+        uris: dict[str, str] = {}
         for host_name, raw in self.table(("host",)).items():
             path: KeyPath = ("host", host_name)
             if not self.is_valid(path):
@@ -729,6 +730,11 @@ class _Builder:
                 self.problems.add((*path, "address"), f"{_shown(address)} is not an IP address",
                                   "the host's address on the network that carries the lab's tunnels")
                 continue
+            if raw["uri"] in uris:
+                self.problems.add((*path, "uri"), f"host {host_name} has the URI of host {uris[raw['uri']]}",
+                                  "each host of the lab is another libvirtd")
+                continue
+            uris[raw["uri"]] = host_name
             tunnel = address or uri.hostname
             if tunnel and tunnel in tunnels:
                 self.problems.add((*path, "address" if address else "uri"), f"host {host_name} has the "
@@ -762,10 +768,14 @@ class _Builder:
             if vm.pci and vm.host is None:
                 self.problems.add((*path, "pci"), "PCI pass-through is a device of one host: a VM of a "
                                   "lab on libvirt hosts with one needs its host = \"NAME\"")
+            for key in ("numa_node", "cpu_pinning"):
+                if getattr(vm, key) not in (None, ()) and vm.host is None:
+                    self.problems.add((*path, key), f"{key} names a NUMA node or CPUs of one host: a VM of a "
+                                      "lab on libvirt hosts with it needs its host = \"NAME\"")
             if vm.shares:
                 self.problems.add((*path, "share"), "a VM on a libvirt host has no shares: the folder "
-                                  "would have to be on that host", "copy files in with `vmlaunch cp` "
-                                  "or a cloud-init write_files")
+                                  "would have to be on that host", "copy files in with a cloud-init "
+                                  "write_files, or over `vmlaunch ssh`")
             if vm.ssh:
                 self.problems.add((*path, "ssh"), "a VM on a libvirt host is reached over a lab network "
                                   "(`vmlaunch ssh` jumps through its host): ssh = true's forwarded port "
