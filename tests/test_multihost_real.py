@@ -291,7 +291,8 @@ def test_down_of_one_vm_leaves_the_others_and_the_host_is_on_the_network(
         wait_for_log(vl, lab, "a", ["VMLAUNCH-GUEST-READY"])
         # (a TCP connection to the guest's closed port 22 refused: the guest answered from the host)
         probe = rig.hosts[0].run(sys.executable, "-c", "import errno, socket; s = socket.socket(); "
-                                 "s.settimeout(10); print(errno.errorcode.get(s.connect_ex(('10.9.0.11', 22))))")
+                                 "s.settimeout(10); "
+                                 "print(errno.errorcode.get(s.connect_ex(('10.9.0.11', 22))))")
         assert probe.stdout.strip() == "ECONNREFUSED", probe.stdout + probe.stderr
         assert "10.9.0.254/24" in rig.hosts[1].run("ip", "-br", "addr").stdout
         done = vl("down", str(lab), "b")
