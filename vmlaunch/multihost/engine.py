@@ -581,31 +581,29 @@ def _uuid_of(xml: str) -> str:
     return str(ET.fromstring(xml).findtext("uuid"))
 
 
+def _claim(run: _Run, record: Any, vm: str | None = None) -> bool:
+    """Journal `record` (a pool, network, link or domain about to be made) unless the journal has it:
+    whether it is to be made now."""
+    key = f"{record.host}/{record.name}"
+    if run.has(record.kind, key):
+        return False
+    run.add(Entry(record.kind, key, vm, record))
+    return True
+
+
 def _work(plan: HostPlan, run: _Run, sources: Mapping[str, Path], sizes: Mapping[str, int]) -> None:
     """Make the host's share of the lab. Each pool, network, link and domain is journaled before it is
     defined (its UUID is in its XML): killed in between, the record's undo finds it, or finds it gone."""
     libvirt = remote.binding()
     conn = remote.connect(plan.host, plan.uri)
-    key = f"{plan.host}/{plan.pool}"
+    where = {"host": plan.host, "uri": plan.uri}
     try:
         run.check()
         if plan.volumes or any("-VARS.fd" in dom.xml for dom in plan.domains):
-            if not run.has("remote-pool", key):
-                xml = _pool_xml(plan)
-                run.add(
-                    Entry(
-                        "remote-pool",
-                        key,
-                        None,
-                        RemotePoolRecord(
-                            host=plan.host,
-                            uri=plan.uri,
-                            name=plan.pool,
-                            uuid=_uuid_of(xml),
-                            path=plan.pool_path,
-                        ),
-                    )
-                )
+            xml = _pool_xml(plan)
+            if _claim(
+                run, RemotePoolRecord(**where, name=plan.pool, uuid=_uuid_of(xml), path=plan.pool_path)
+            ):
                 conn.storagePoolDefineXML(xml, 0)
             pool = conn.storagePoolLookupByName(plan.pool)
             if not pool.isActive():
@@ -615,74 +613,26 @@ def _work(plan: HostPlan, run: _Run, sources: Mapping[str, Path], sizes: Mapping
             have = set(pool.listVolumes())
             for vol in plan.volumes:
                 run.check()
-                if vol.name in have:
-                    continue
-                source = vol.source or sources.get(vol.name)
-                backing = f"{plan.pool_path}/{vol.backing}" if vol.backing else None
-                if vol.backing:
-                    capacity = vol.size or sizes.get(str(vol.backing), 0)
-                else:
-                    capacity = _size_of(source) if source is not None else vol.size
-                made = pool.createXML(_volume_xml(vol, capacity, backing), 0)
-                if source is not None and vol.backing is None:
-                    try:
-                        _upload(conn, made, source, run)
-                    except BaseException:
-                        with contextlib.suppress(Exception):
-                            made.delete(0)  # never a half-uploaded volume left for a later up
-                        raise
+                if vol.name not in have:
+                    _volume(conn, pool, plan, vol, run, sources.get(vol.name), sizes)
         for net in plan.networks:
             run.check()
-            key = f"{plan.host}/{net.name}"
-            if not run.has("remote-network", key):
-                run.add(
-                    Entry(
-                        "remote-network",
-                        key,
-                        None,
-                        RemoteNetworkRecord(
-                            host=plan.host,
-                            uri=plan.uri,
-                            name=net.name,
-                            uuid=_uuid_of(net.xml),
-                            bridge=net.bridge,
-                        ),
-                    )
-                )
+            record = RemoteNetworkRecord(**where, name=net.name, uuid=_uuid_of(net.xml), bridge=net.bridge)
+            if _claim(run, record):
                 conn.networkDefineXML(net.xml)
             libvirt_net = conn.networkLookupByName(net.name)
             if not libvirt_net.isActive():
                 libvirt_net.create()
             if net.address is not None:  # the host's own on the bridge, for `vmlaunch ssh`'s jump
-                bridge = shlex.quote(net.bridge)
-                remote.shell(
-                    plan.host, plan.uri, f"ip addr replace {shlex.quote(net.address)} dev {bridge}\n"
-                )
-            if net.link and not run.has("remote-link", f"{plan.host}/{net.link}"):
-                run.check()
-                run.add(
-                    Entry(
-                        "remote-link",
-                        f"{plan.host}/{net.link}",
-                        None,
-                        RemoteLinkRecord(host=plan.host, uri=plan.uri, name=net.link, vni=net.vni),
-                    )
-                )
+                script = f"ip addr replace {shlex.quote(net.address)} dev {shlex.quote(net.bridge)}\n"
+                remote.shell(plan.host, plan.uri, script)
+            if net.link and _claim(run, RemoteLinkRecord(**where, name=net.link, vni=net.vni)):
                 remote.shell(plan.host, plan.uri, _vxlan_script(net))
         for dom in plan.domains:
             run.check()
-            key = f"{plan.host}/{dom.name}"
-            if not run.has("remote-domain", key):
-                run.add(
-                    Entry(
-                        "remote-domain",
-                        key,
-                        dom.vm,
-                        RemoteDomainRecord(
-                            host=plan.host, uri=plan.uri, name=dom.name, uuid=_uuid_of(dom.xml), vm=dom.vm
-                        ),
-                    )
-                )
+            if _claim(
+                run, RemoteDomainRecord(**where, name=dom.name, uuid=_uuid_of(dom.xml), vm=dom.vm), dom.vm
+            ):
                 conn.defineXML(dom.xml)
             domain = conn.lookupByName(dom.name)
             if not domain.isActive():
@@ -695,6 +645,26 @@ def _work(plan: HostPlan, run: _Run, sources: Mapping[str, Path], sizes: Mapping
         if not alive:
             remote.forget(plan.uri, why)
         raise RuntimeFailure(f"host {plan.host}: {why}") from None
+
+
+def _volume(
+    conn: Any, pool: Any, plan: HostPlan, vol: Volume, run: _Run, base: Path | None, sizes: Mapping[str, int]
+) -> None:
+    """Make one volume of the lab's pool: uploaded from this machine, empty, or an overlay of its base."""
+    source = vol.source or base
+    backing = f"{plan.pool_path}/{vol.backing}" if vol.backing else None
+    if vol.backing:
+        capacity = vol.size or sizes.get(vol.backing, 0)
+    else:
+        capacity = _size_of(source) if source is not None else vol.size
+    made = pool.createXML(_volume_xml(vol, capacity, backing), 0)
+    if source is not None and vol.backing is None:
+        try:
+            _upload(conn, made, source, run)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                made.delete(0)  # never a half-uploaded volume left for a later up
+            raise
 
 
 def _size_of(path: Path) -> int:
@@ -809,15 +779,15 @@ def up(
 
             _, failures = parallel(list(plan.hosts), work, interrupted=run.stop.set)
         except BaseException:  # Ctrl-C: the threads stopped at their next step, and are done
-            _fail(run_dir, run, [])
+            _fail(run_dir, run)
             raise
         if failures:
             real = [exc for exc in failures.values() if not isinstance(exc, Cancelled)]
             if real and not isinstance(real[0], VmlaunchError):
-                _fail(run_dir, run, [])
+                _fail(run_dir, run)
                 raise real[0]  # a bug: its traceback, after the rollback
             said = "\n".join(f"  {exc}" for exc in real)
-            left = _fail(run_dir, run, real)
+            left = _fail(run_dir, run)
             if left:
                 raise RuntimeFailure(
                     f"up failed, and what it made could not all be undone:\n{said}\nleft:\n"
@@ -830,7 +800,7 @@ def up(
         return plan
 
 
-def _fail(run_dir: RunDir, run: _Run, real: list[BaseException]) -> list[str]:
+def _fail(run_dir: RunDir, run: _Run) -> list[str]:
     """Roll back what this up made; the marker goes once nothing it made is left undone."""
     with signals.held():
         left = _roll_back(run)
