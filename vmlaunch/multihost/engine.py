@@ -452,18 +452,18 @@ def _foreign(plan: HostPlan, journal: Journal) -> list[str]:
             if net.link and ("remote-link", f"{plan.host}/{net.link}") not in mine
         }
     )
-    if parse_uri(plan.uri).shell and ("remote-pool", f"{plan.host}/{plan.pool}") not in mine:
-        folder = shlex.quote(plan.pool_path)
-        if remote.shell(plan.host, plan.uri, f"test -e {folder} && echo there; true\n").strip():
-            found.append(f"folder {plan.pool_path} (the pool's)")
-    if links and parse_uri(plan.uri).shell:
-        names = " ".join(shlex.quote(name) for name in links)
-        out = remote.shell(
-            plan.host,
-            plan.uri,
-            f'for n in {names}; do ip link show dev "$n" >/dev/null 2>&1 && echo "$n"; done; true\n',
-        )
-        found += [f"link {name}" for name in out.split()]
+    if not parse_uri(plan.uri).shell:
+        return found
+    # one SSH round trip: the links of those names, and the pool's folder when the pool is not ours
+    script = "".join(
+        f"ip link show dev {shlex.quote(name)} >/dev/null 2>&1 && echo link {shlex.quote(name)}\n"
+        for name in links
+    )
+    if ("remote-pool", f"{plan.host}/{plan.pool}") not in mine and (plan.volumes or plan.domains):
+        script += f"test -e {shlex.quote(plan.pool_path)} && echo folder\n"
+    if script:
+        for line in remote.shell(plan.host, plan.uri, script + "true\n").splitlines():
+            found.append(f"folder {plan.pool_path} (the pool's)" if line == "folder" else line)
     return found
 
 
@@ -573,7 +573,7 @@ def _vxlan_script(net: NetworkPlan) -> str:
         *(f"bridge fdb append 00:00:00:00:00:00 dev {link} dst {shlex.quote(peer)}" for peer in net.peers),
         f"ip link set {link} mtu {net.mtu} master {bridge} up",
     ]
-    return "set -e\n" + "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
 
 
 def _uuid_of(xml: str) -> str:
@@ -623,11 +623,13 @@ def _work(plan: HostPlan, run: _Run, sources: Mapping[str, Path], sizes: Mapping
             libvirt_net = conn.networkLookupByName(net.name)
             if not libvirt_net.isActive():
                 libvirt_net.create()
+            script = ""  # one SSH round trip for the host's side of the network
             if net.address is not None:  # the host's own on the bridge, for `vmlaunch ssh`'s jump
-                script = f"ip addr replace {shlex.quote(net.address)} dev {shlex.quote(net.bridge)}\n"
-                remote.shell(plan.host, plan.uri, script)
+                script += f"ip addr replace {shlex.quote(net.address)} dev {shlex.quote(net.bridge)}\n"
             if net.link and _claim(run, RemoteLinkRecord(**where, name=net.link, vni=net.vni)):
-                remote.shell(plan.host, plan.uri, _vxlan_script(net))
+                script += _vxlan_script(net)
+            if script:
+                remote.shell(plan.host, plan.uri, "set -e\n" + script)
         for dom in plan.domains:
             run.check()
             if _claim(
