@@ -184,13 +184,15 @@ def stop(pidfile: Path) -> None:
 
 
 def kill_namespace_mates() -> None:
-    """SIGKILL every other process in this mount namespace (a QEMU a failed test left running)."""
-    own = os.readlink("/proc/self/ns/mnt")
+    """SIGKILL every other process in this mount or network namespace: a QEMU a failed test left
+    running. libvirt runs each QEMU in a mount namespace of its own, but in libvirtd's network
+    namespace, which is private here: so a QEMU is found even when its libvirtd is dead."""
+    own = {ns: os.readlink(f"/proc/self/ns/{ns}") for ns in ("mnt", "net")}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
             continue
         with contextlib.suppress(OSError):
-            if os.readlink(proc / "ns" / "mnt") == own:
+            if any(os.readlink(proc / "ns" / ns) == found for ns, found in own.items()):
                 os.kill(int(proc.name), signal.SIGKILL)
 
 
