@@ -35,21 +35,6 @@ from tools.libvirt_hosts import LibvirtHosts  # noqa: E402
 GUEST = ROOT / "examples" / "guest"
 
 
-def spec(folder: Path, rig: LibvirtHosts, hosts: dict[str, str], name: str) -> Path:
-    text = f'[lab]\nname = "{name}"\n'
-    for host in rig.hosts:
-        text += f'[host.{host.name}]\nuri = "{host.uri}"\n'
-    text += '[network.lan]\nsubnet = "10.9.0.0/24"\n'
-    for index, (vm, where) in enumerate(hosts.items()):
-        address = f"10.9.0.{11 + index}"
-        text += (f'[vm.{vm}]\nmemory = "128M"\naccel = "tcg"\nhost = "{where}"\nkernel = "{GUEST}/vmlinuz"\n'
-                 f'initrd = "{GUEST}/initrd.gz"\nappend = "console=ttyS0 vl.ip=eth0:{address}/24"\n'
-                 f'[[vm.{vm}.nic]]\nnetwork = "lan"\nip = "{address}/24"\n')
-    path = folder / f"{name}.toml"
-    path.write_text(text)
-    return path
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
@@ -63,8 +48,10 @@ def main() -> int:
     samples: dict[str, list[float]] = {"two hosts": [], "one host": []}
     try:
         with LibvirtHosts(work / "rig", count=2) as rig:
-            specs = {"two hosts": spec(work, rig, {"a": "h1", "b": "h2"}, "bhtwo"),
-                     "one host": spec(work, rig, {"a": "h1", "b": "h1"}, "bhone")}
+            placements: dict[str, dict[str, str | None]] = {"two hosts": {"a": "h1", "b": "h2"},
+                                                             "one host": {"a": "h1", "b": "h1"}}
+            specs = {arm: rig.guest_lab(work / f"lab{index}.toml", GUEST, vms, name=f"bh{index}")
+                     for index, (arm, vms) in enumerate(placements.items())}
 
             def up_down(arm: str) -> float:
                 start = time.monotonic()

@@ -68,7 +68,8 @@ SAMPLES = [
           RemoteNetworkRecord("h1", "qemu:///system", "l-lan", "a1", "vlb1")),
     Entry("remote-link", "h1/vx0a", None,
           RemoteLinkRecord("h1", "qemu:///system", "vx0a", 4242)),
-    Entry("remote-domain", "h1/l-a", "a", RemoteDomainRecord("h1", "qemu:///system", "l-a", "b2", "a")),
+    Entry("remote-domain", "h1/l-a", "a", RemoteDomainRecord("h1", "qemu:///system", "l-a", "b2", "a",
+                                                             "/var/log/libvirt/qemu/l-a-serial.log")),
 ]
 
 

@@ -13,7 +13,6 @@ with an sshd each, reached over `qemu+ssh://`, vmlaunch running in the rig's cli
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import subprocess
@@ -33,22 +32,8 @@ PING = "for i in $(seq 90); do ping -c 1 -W 1 {peer} >/dev/null && break; done; 
 def spec(folder: Path, rig: Any, guest: Path, vms: dict[str, str | None], *, name: str = "mh",
          extra: str = "", scripts: dict[str, str] | None = None) -> Path:
     """A lab of test guests on network lan (10.9.0.0/24), VM -> its host (None: placed)."""
-    text = f'[lab]\nname = "{name}"\n{extra}'
-    for host in rig.hosts:
-        text += f'[host.{host.name}]\nuri = "{host.uri}"\n'
-    text += '[network.lan]\nsubnet = "10.9.0.0/24"\n'
-    for index, (vm, host) in enumerate(vms.items()):
-        address = f"10.9.0.{11 + index}"
-        run = ""
-        if scripts and vm in scripts:
-            run = " vl.run=" + base64.b64encode(scripts[vm].encode()).decode()
-        text += (f'[vm.{vm}]\nmemory = "128M"\naccel = "tcg"\n' + (f'host = "{host}"\n' if host else "")
-                 + f'kernel = "{guest}/vmlinuz"\ninitrd = "{guest}/initrd.gz"\n'
-                 f'append = "console=ttyS0 vl.ip=eth0:{address}/24{run}"\n'
-                 f'[[vm.{vm}.nic]]\nnetwork = "lan"\nip = "{address}/24"\n')
-    path = folder / "lab.toml"
-    path.write_text(text)
-    return path
+    lab: Path = rig.guest_lab(folder / "lab.toml", guest, vms, name=name, extra=extra, scripts=scripts)
+    return lab
 
 
 @pytest.fixture
@@ -68,7 +53,7 @@ def vl(libvirt_hosts: Any, run_dir: Path) -> Iterator[Any]:
 
 
 def nothing_on(rig: Any, lab: str = "mh") -> dict[str, list[str]]:
-    """What of lab `lab` each host has: domains, pools, networks, links."""
+    """What of lab `lab` each host has: domains, pools, networks, links, serial console logs."""
     left = {}
     for host in rig.hosts:
         found = [f"domain {n}" for n in host.names("list", "--all", "--name") if n.startswith(f"{lab}-")]
@@ -76,6 +61,8 @@ def nothing_on(rig: Any, lab: str = "mh") -> dict[str, list[str]]:
         found += [f"network {n}" for n in host.names("net-list", "--all", "--name")
                   if n.startswith(f"{lab}-")]
         found += [f"link {n}" for n in host.links() if n.startswith(("vx", "vlb"))]
+        found += [f"log {n}" for n in host.run("ls", "/var/log/libvirt/qemu").stdout.split()
+                  if n.startswith(f"{lab}-") and n.endswith("-serial.log")]
         if found:
             left[host.name] = found
     return left

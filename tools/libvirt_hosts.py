@@ -20,6 +20,7 @@ Standard library only. Needs root.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import subprocess
 import sys
@@ -251,6 +252,27 @@ class LibvirtHosts:
         return subprocess.run(
             self.client_argv(*argv), capture_output=True, text=True, timeout=timeout, env=env, check=False
         )
+
+    def guest_lab(self, path: Path, guest: Path, vms: dict[str, str | None], *, name: str = "mh",
+                  extra: str = "", scripts: dict[str, str] | None = None) -> Path:
+        """Write a lab spec of the rig's hosts and of test guests (`guest`: examples/guest), each VM
+        (name -> its host, None: placed) on network lan (10.9.0.0/24) at 10.9.0.11, .12, ...; `scripts`:
+        a shell script a VM runs once up (the guest's `vl.run`); `extra`: more of the [lab] table."""
+        text = f'[lab]\nname = "{name}"\n{extra}'
+        for host in self.hosts:
+            text += f'[host.{host.name}]\nuri = "{host.uri}"\n'
+        text += '[network.lan]\nsubnet = "10.9.0.0/24"\n'
+        for index, (vm, where) in enumerate(vms.items()):
+            address = f"10.9.0.{11 + index}"
+            run = ""
+            if scripts and vm in scripts:
+                run = " vl.run=" + base64.b64encode(scripts[vm].encode()).decode()
+            text += (f'[vm.{vm}]\nmemory = "128M"\naccel = "tcg"\n' + (f'host = "{where}"\n' if where else "")
+                     + f'kernel = "{guest}/vmlinuz"\ninitrd = "{guest}/initrd.gz"\n'
+                     f'append = "console=ttyS0 vl.ip=eth0:{address}/24{run}"\n'
+                     f'[[vm.{vm}.nic]]\nnetwork = "lan"\nip = "{address}/24"\n')
+        path.write_text(text)
+        return path
 
     def close(self) -> None:
         for host in self.hosts:

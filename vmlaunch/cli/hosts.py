@@ -46,9 +46,9 @@ def up(args: argparse.Namespace, lab: LabSpec) -> int:
         for line in engine.describe(plan):
             print(line)
         return 0
-    for vm in lab.vms:
-        host = plan.placement[vm.name]
-        print(f"{vm.name}: running on host {host} ({plan.placed_by[vm.name]}), domain {lab.name}-{vm.name}")
+    for host in plan.hosts:
+        for dom in host.domains:
+            print(f"{dom.vm}: running on host {host.host} ({plan.placed_by[dom.vm]}), domain {dom.name}")
     return 0
 
 

@@ -22,6 +22,7 @@ import base64
 import binascii
 import contextlib
 import errno
+import ipaddress
 import os
 import re
 import shlex
@@ -107,9 +108,12 @@ def unpin(lab_dir: LabDir, vm: str) -> None:
             write_atomic(lab_dir.known_hosts, "".join(f"{each}\n" for each in kept), 0o600)
 
 
-def ssh_argv(lab_dir: LabDir, vm: str, user: str, port: int, command: Sequence[str] | None) -> list[str]:
+def ssh_argv(lab_dir: LabDir, vm: str, user: str, port: int, command: Sequence[str] | None, *,
+             address: str = "127.0.0.1", jump: Sequence[str] | None = None) -> list[str]:
     """The OpenSSH command line that logs `user` into the VM through its forwarded 127.0.0.1 `port`,
-    with the lab's key, checking the host key pinned under the VM's alias.
+    with the lab's key, checking the host key pinned under the VM's alias. A VM on a libvirt host is
+    reached at its `address` on a lab network, through `jump`: the ssh command line (its options, the
+    host last) to its host, which forwards the connection (`ssh -W`, as the ProxyCommand).
 
     `command` (words, like an argv) runs in the guest exactly as given: ssh joins its arguments into
     one string for the remote shell, so each word is quoted for a POSIX shell here, and ssh's exit
@@ -136,9 +140,15 @@ def ssh_argv(lab_dir: LabDir, vm: str, user: str, port: int, command: Sequence[s
         raise ValueError(f"{port!r} is not a TCP port")
     if command is not None and (isinstance(command, str) or not command):
         raise ValueError("the command is a non-empty sequence of words (None: a login shell)")
+    ipaddress.ip_address(address)  # ValueError for anything else
+    proxy = []
+    if jump is not None:  # ssh expands % tokens in a ProxyCommand: the jump's own words keep theirs
+        *options, host = (shlex.quote(word).replace("%", "%%") for word in jump)
+        proxy = ["-o", f"ProxyCommand={' '.join(options)} -W %h:%p {host}"]
     argv = [
         _binary("ssh"),
         "-F", "/dev/null",
+        *proxy,
         "-p", str(port),
         "-o", f"IdentityFile={_option_value(_ssh_path(lab_dir.lab_key))}",
         "-o", f"HostKeyAlias={lab_dir.host_alias(vm)}",
@@ -152,7 +162,7 @@ def ssh_argv(lab_dir: LabDir, vm: str, user: str, port: int, command: Sequence[s
         "-o", "BatchMode=yes",
         "-o", "LogLevel=ERROR",
         "-o", f"ConnectTimeout={CONNECT_TIMEOUT}",
-        f"{user}@127.0.0.1",
+        f"{user}@{address}",
     ]
     if command is not None:
         argv += ["--", *(shlex.quote(word) for word in command)]

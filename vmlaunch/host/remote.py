@@ -127,24 +127,20 @@ def connect(name: str, uri_text: str) -> Any:
         return conn
 
 
-def forget(uri_text: str, why: str) -> None:
-    """A connection that failed in use (its libvirtd died): not used again by this process."""
-    with _lock:
-        conn = _open.pop(uri_text, None)
-        broken[uri_text] = why
-    if conn is not None:
+def failed(uri_text: str, conn: Any, exc: Exception) -> str:
+    """libvirt's words for a call on `conn` that failed. When the connection itself is gone (its
+    libvirtd died, the host went silent), it is forgotten: later calls of this process fail at once."""
+    why = libvirt_error(exc)
+    alive = False
+    with contextlib.suppress(Exception):
+        alive = bool(conn.isAlive())
+    if not alive:
+        with _lock:
+            _open.pop(uri_text, None)
+            broken[uri_text] = why
         with contextlib.suppress(Exception):
             conn.close()
-
-
-def close_all() -> None:
-    with _lock:
-        conns = list(_open.values())
-        _open.clear()
-        broken.clear()
-    for conn in conns:
-        with contextlib.suppress(Exception):
-            conn.close()
+    return why
 
 
 def shell(name: str, uri_text: str, script: str, timeout: float = 60.0) -> str:

@@ -33,7 +33,7 @@ from vmlaunch.core import signals
 from vmlaunch.core.fsutil import write_atomic
 from vmlaunch.errors import HostError, RuntimeFailure, VmlaunchError
 from vmlaunch.export import Findings, qualified
-from vmlaunch.export.libvirt import UUID_NAMESPACE, domain_xml, network_xml
+from vmlaunch.export.libvirt import SERIAL_LOG_DIR, UUID_NAMESPACE, domain_xml, network_xml
 from vmlaunch.host import remote
 from vmlaunch.layout.dirs import run_root
 from vmlaunch.layout.labdir import LabDir
@@ -103,9 +103,7 @@ class NetworkPlan:
     local: str | None = None  # this host's tunnel address
     peers: tuple[str, ...] = ()  # the other hosts' tunnel addresses
     mtu: int | None = None
-    address: str | None = (
-        None  # the host's own on the bridge ("10.9.0.1/24"): `vmlaunch ssh` jumps through it
-    )
+    address: str | None = None  # the host's own on the bridge ("10.9.0.1/24"): `ssh` jumps through it
 
 
 @attrs.frozen
@@ -176,18 +174,18 @@ def host_facts(name: str, uri: str) -> HostFacts:
     conn = remote.connect(name, uri)
     libvirt = remote.binding()
     try:
-        _, memory_mib, cpus, *_ = conn.getInfo()
+        cpus = conn.getInfo()[2]
         stats = conn.getMemoryStats(libvirt.VIR_NODE_MEMORY_STATS_ALL_CELLS, 0)
         # free, and what the host gives back when asked (its page cache and buffers): MemFree alone
         # makes a host with a warm cache look full
         free = (stats.get("free", 0) + stats.get("cached", 0) + stats.get("buffers", 0)) >> 10
-        caps = conn.getDomainCapabilities(None, "x86_64", None, "kvm", 0) if _kvm_listed(conn) else ""
+        caps = ET.fromstring(conn.getCapabilities())
         return HostFacts(
             name=name,
             uri=uri,
             free_mib=int(free),
             cpus=int(cpus),
-            kvm=bool(caps),
+            kvm=any(domain.get("type") == "kvm" for domain in caps.iter("domain")),
             libvirt_version=int(conn.getLibVersion()),
             hypervisor=str(conn.getType()),
         )
@@ -195,11 +193,6 @@ def host_facts(name: str, uri: str) -> HostFacts:
         raise remote.HostUnreachable(
             f"host {name} ({uri}) does not answer: {remote.libvirt_error(exc)}"
         ) from None
-
-
-def _kvm_listed(conn: Any) -> bool:
-    caps = ET.fromstring(conn.getCapabilities())
-    return any(domain.get("type") == "kvm" for domain in caps.iter("domain"))
 
 
 def connect_all(lab: LabSpec) -> dict[str, HostFacts]:
@@ -442,16 +435,12 @@ def _foreign(plan: HostPlan, journal: Journal) -> list[str]:
     for dom in plan.domains:
         if dom.name in doms and ("remote-domain", f"{plan.host}/{dom.name}") not in mine:
             found.append(f"domain {dom.name}")
-    links = {
-        net.bridge: net for net in plan.networks if ("remote-network", f"{plan.host}/{net.name}") not in mine
-    }
-    links.update(
-        {
-            net.link: net
-            for net in plan.networks
-            if net.link and ("remote-link", f"{plan.host}/{net.link}") not in mine
-        }
-    )
+    links = [net.bridge for net in plan.networks if ("remote-network", f"{plan.host}/{net.name}") not in mine]
+    links += [
+        net.link
+        for net in plan.networks
+        if net.link and ("remote-link", f"{plan.host}/{net.link}") not in mine
+    ]
     if not parse_uri(plan.uri).shell:
         return found
     # one SSH round trip: the links of those names, and the pool's folder when the pool is not ours
@@ -511,27 +500,22 @@ class _Run:
 
 
 def _upload(conn: Any, volume: Any, source: Path, run: _Run) -> None:
-    size = _size_of(source)
-    stream = conn.newStream(0)
-    volume.upload(stream, 0, size, 0)
     try:
         file = open(source, "rb")  # noqa: SIM115 - closed below
     except OSError as exc:
-        stream.abort()
         raise HostError(f"cannot read {source}: {exc.strerror or exc}") from None
-    try:
-        with file:
-            while True:
+    with file:
+        stream = conn.newStream(0)
+        volume.upload(stream, 0, os.fstat(file.fileno()).st_size, 0)
+        try:
+            while chunk := file.read(CHUNK):
                 run.check()
-                chunk = file.read(CHUNK)
-                if not chunk:
-                    break
                 _send(stream, chunk)
-        stream.finish()
-    except BaseException:
-        with contextlib.suppress(Exception):
-            stream.abort()
-        raise
+            stream.finish()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                stream.abort()
+            raise
 
 
 def _send(stream: Any, data: bytes) -> None:
@@ -633,20 +617,22 @@ def _work(plan: HostPlan, run: _Run, sources: Mapping[str, Path], sizes: Mapping
         for dom in plan.domains:
             run.check()
             if _claim(
-                run, RemoteDomainRecord(**where, name=dom.name, uuid=_uuid_of(dom.xml), vm=dom.vm), dom.vm
+                run,
+                RemoteDomainRecord(
+                    **where,
+                    name=dom.name,
+                    uuid=_uuid_of(dom.xml),
+                    vm=dom.vm,
+                    log=str(SERIAL_LOG_DIR / f"{dom.name}-serial.log"),
+                ),
+                dom.vm,
             ):
                 conn.defineXML(dom.xml)
             domain = conn.lookupByName(dom.name)
             if not domain.isActive():
                 domain.create()
     except libvirt.libvirtError as exc:
-        why = remote.libvirt_error(exc)
-        alive = False
-        with contextlib.suppress(Exception):
-            alive = bool(conn.isAlive())
-        if not alive:
-            remote.forget(plan.uri, why)
-        raise RuntimeFailure(f"host {plan.host}: {why}") from None
+        raise RuntimeFailure(f"host {plan.host}: {remote.failed(plan.uri, conn, exc)}") from None
 
 
 def _volume(

@@ -11,15 +11,15 @@ from typing import Any
 
 import attrs
 
-from vmlaunch.errors import RuntimeFailure, UsageError
-from vmlaunch.export.libvirt import SERIAL_LOG_DIR
+from vmlaunch.errors import RuntimeFailure, UsageError, VmlaunchError
+from vmlaunch.guests.sshkeys import ssh_argv as lab_ssh_argv
 from vmlaunch.host import remote
 from vmlaunch.layout.dirs import run_root
 from vmlaunch.layout.labdir import LabDir
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.remote import RemoteDomainRecord
 from vmlaunch.runtime.journal import Journal
-from vmlaunch.spec.hosts import parse_uri
+from vmlaunch.spec.hosts import SSH_PORT, parse_uri
 from vmlaunch.spec.model import DEFAULT_CLOUD_USER, BridgeNetwork, LabSpec
 
 # libvirt's virDomainState values, as `status` says them
@@ -46,14 +46,7 @@ class Row:
     why: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "state": self.state,
-            "host": self.host,
-            "domain": self.domain,
-            "memory": self.memory,
-            "balloon": self.balloon,
-            "why": self.why,
-        }
+        return {key: value for key, value in attrs.asdict(self).items() if key != "name"}
 
 
 def domains(lab: LabSpec) -> dict[str, RemoteDomainRecord]:
@@ -78,31 +71,31 @@ def _domain(lab: LabSpec, vm: str) -> tuple[RemoteDomainRecord, Any]:
 
 def status(lab: LabSpec) -> list[Row]:
     found = domains(lab)
-    libvirt = remote.binding() if found else None
     rows = []
     for vm in lab.vms:
         record = found.get(vm.name)
         if record is None:
             rows.append(Row(vm.name, "down", None, None))
             continue
+        libvirt = remote.binding()
         try:
             dom = remote.connect(record.host, record.uri).lookupByName(record.name)
             state, _ = dom.state()
             _, most_kib, now_kib, *_ = dom.info()
             actual = dom.memoryStats().get("actual") if state == 1 else None
-            rows.append(
-                Row(
-                    vm.name,
-                    STATES.get(state, "unknown"),
-                    record.host,
-                    record.name,
-                    most_kib << 10,
-                    (actual or now_kib) << 10,
-                )
+            row = Row(
+                vm.name,
+                STATES.get(state, "unknown"),
+                record.host,
+                record.name,
+                most_kib << 10,
+                (actual or now_kib) << 10,
             )
-        except Exception as exc:
-            why = remote.libvirt_error(exc) if libvirt and isinstance(exc, libvirt.libvirtError) else str(exc)
-            rows.append(Row(vm.name, "unknown", record.host, record.name, why=why))
+        except libvirt.libvirtError as exc:
+            row = Row(vm.name, "unknown", record.host, record.name, why=remote.libvirt_error(exc))
+        except VmlaunchError as exc:  # its host cannot be reached
+            row = Row(vm.name, "unknown", record.host, record.name, why=exc.message)
+        rows.append(row)
     return rows
 
 
@@ -122,7 +115,6 @@ def balloon(lab: LabSpec, vm: str, size: int | None) -> int:
 def serial_log(lab: LabSpec, vm: str) -> str:
     """The VM's serial console log, read on its host."""
     record, _ = _domain(lab, vm)
-    path = SERIAL_LOG_DIR / f"{record.name}-serial.log"
     uri = parse_uri(record.uri)
     if not uri.shell:
         raise RuntimeFailure(
@@ -130,7 +122,7 @@ def serial_log(lab: LabSpec, vm: str) -> str:
             "read its log there",
             f"virsh -c '{record.uri}' console {record.name}",
         )
-    return remote.shell(record.host, record.uri, f"cat {shlex.quote(str(path))}\n")
+    return remote.shell(record.host, record.uri, f"cat {shlex.quote(record.log)}\n")
 
 
 def console_argv(lab: LabSpec, vm: str) -> list[str]:
@@ -156,20 +148,8 @@ def ssh_argv(lab: LabSpec, vm: str, command: list[str] | None) -> list[str]:
             "give its NIC an ip, or its network a subnet",
         )
     uri = parse_uri(record.uri)
-    lab_dir = LabDir.of(lab.file, lab.name)
-    argv = [
-        "ssh",
-        "-o",
-        "IdentitiesOnly=yes",
-        "-i",
-        str(lab_dir.lab_key),
-        "-o",
-        f"UserKnownHostsFile={lab_dir.known_hosts}",
-        "-o",
-        f"HostKeyAlias={lab_dir.host_alias(vm)}",
-    ]
-    if uri.ssh:
-        jump = " ".join(shlex.quote(word) for word in uri.ssh_argv()[1:-1])
-        argv += ["-o", f"ProxyCommand=ssh {jump} -W %h:%p {shlex.quote(uri.target)}"]
+    jump = uri.ssh_argv() if uri.ssh else None
     user = spec.cloud_init.user if spec.cloud_init is not None else DEFAULT_CLOUD_USER
-    return [*argv, f"{user}@{address}", *(command or [])]
+    return lab_ssh_argv(
+        LabDir.of(lab.file, lab.name), vm, user, SSH_PORT, command, address=address, jump=jump
+    )

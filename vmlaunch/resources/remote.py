@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import shlex
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import attrs
@@ -23,27 +24,56 @@ from vmlaunch.resources.base import Context
 from vmlaunch.spec.hosts import parse_uri
 
 
-def _conn(record: Any) -> Any:
-    """The record's host, or a RuntimeFailure saying what is left where."""
+def _undo_object(record: Any, lookup: str, what: str, undo: Callable[[Any, Any], None]) -> None:
+    """Undo a pool, network or domain of the record's: looked up by name (`conn.<lookup>`), left alone
+    when it is gone or has another UUID than the record's, else `undo(libvirt, object)`. A host that
+    cannot be reached, or a call that fails, is a RuntimeFailure saying what is left where."""
+    libvirt = remote.binding()
     try:
-        return remote.connect(record.host, record.uri)
+        conn = remote.connect(record.host, record.uri)
     except HostError as exc:
         raise RuntimeFailure(f"{record.describe()}: left there: {exc.message}") from None
+    try:
+        try:
+            found = getattr(conn, lookup)(record.name)
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() in (libvirt.VIR_ERR_NO_DOMAIN, libvirt.VIR_ERR_NO_NETWORK,
+                                        libvirt.VIR_ERR_NO_STORAGE_POOL):
+                return
+            raise
+        if found.UUIDString() == record.uuid:
+            undo(libvirt, found)
+    except libvirt.libvirtError as exc:
+        why = remote.failed(record.uri, conn, exc)
+        raise RuntimeFailure(f"host {record.host}: {what} is left there: {why}") from None
 
 
-def _gone(exc: Exception) -> bool:
-    libvirt = remote.binding()
-    code = exc.get_error_code() if isinstance(exc, libvirt.libvirtError) else None
-    return code in (
-        libvirt.VIR_ERR_NO_DOMAIN,
-        libvirt.VIR_ERR_NO_NETWORK,
-        libvirt.VIR_ERR_NO_STORAGE_POOL,
-        libvirt.VIR_ERR_NO_STORAGE_VOL,
-    )
+def _pool(libvirt: Any, pool: Any) -> None:
+    if not pool.isActive():
+        try:
+            pool.create(0)
+        except libvirt.libvirtError:  # never built (an up killed right after defining it)
+            pool.undefine()
+            return
+    pool.refresh(0)
+    for volume in pool.listAllVolumes(0):
+        volume.delete(0)
+    pool.destroy()
+    pool.delete(0)  # the folder
+    pool.undefine()
 
 
-def _left(host: str, what: str, exc: Exception) -> RuntimeFailure:
-    return RuntimeFailure(f"host {host}: {what} is left there: {remote.libvirt_error(exc)}")
+def _network(libvirt: Any, net: Any) -> None:
+    if net.isActive():
+        net.destroy()
+    net.undefine()
+
+
+def _domain(libvirt: Any, dom: Any) -> None:
+    if dom.isActive():
+        dom.destroy()
+    dom.undefineFlags(libvirt.VIR_DOMAIN_UNDEFINE_NVRAM | libvirt.VIR_DOMAIN_UNDEFINE_MANAGED_SAVE
+                      | libvirt.VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA)
 
 
 @attrs.frozen
@@ -58,53 +88,10 @@ class RemotePoolRecord:
     path: str
 
     def undo(self, ctx: Context, *, rollback: bool) -> None:
-        libvirt = remote.binding()
-        try:
-            conn = _conn(self)
-            try:
-                pool = conn.storagePoolLookupByName(self.name)
-            except libvirt.libvirtError as exc:
-                if _gone(exc):
-                    return
-                raise
-            if pool.UUIDString() != self.uuid:
-                return  # not the pool this lab made
-            if not pool.isActive():
-                try:
-                    pool.create(0)
-                except libvirt.libvirtError:  # never built (an up killed right after defining it)
-                    pool.undefine()
-                    return
-            pool.refresh(0)
-            for volume in pool.listAllVolumes(0):
-                volume.delete(0)
-            pool.destroy()
-            pool.delete(0)  # the folder
-            pool.undefine()
-        except libvirt.libvirtError as exc:
-            if _dead(exc):
-                remote.forget(self.uri, remote.libvirt_error(exc))
-            raise _left(self.host, f"storage pool {self.name} ({self.path})", exc) from None
+        _undo_object(self, "storagePoolLookupByName", f"storage pool {self.name} ({self.path})", _pool)
 
     def describe(self) -> str:
         return f"host {self.host}: storage pool {self.name} ({self.path}) and its volumes"
-
-
-def _dead(exc: Exception) -> bool:
-    """The connection itself failed (its libvirtd died), not the call."""
-    libvirt = remote.binding()
-    code = exc.get_error_code() if isinstance(exc, libvirt.libvirtError) else None
-    return (
-        code
-        in (
-            libvirt.VIR_ERR_SYSTEM_ERROR,
-            libvirt.VIR_ERR_RPC,
-            libvirt.VIR_ERR_NO_CONNECT,
-            libvirt.VIR_ERR_INTERNAL_ERROR,
-        )
-        and "connection" in remote.libvirt_error(exc).lower()
-        or "end of file" in remote.libvirt_error(exc).lower()
-    )
 
 
 @attrs.frozen
@@ -119,24 +106,7 @@ class RemoteNetworkRecord:
     bridge: str
 
     def undo(self, ctx: Context, *, rollback: bool) -> None:
-        libvirt = remote.binding()
-        try:
-            conn = _conn(self)
-            try:
-                net = conn.networkLookupByName(self.name)
-            except libvirt.libvirtError as exc:
-                if _gone(exc):
-                    return
-                raise
-            if net.UUIDString() != self.uuid:
-                return
-            if net.isActive():
-                net.destroy()
-            net.undefine()
-        except libvirt.libvirtError as exc:
-            if _dead(exc):
-                remote.forget(self.uri, remote.libvirt_error(exc))
-            raise _left(self.host, f"network {self.name} (bridge {self.bridge})", exc) from None
+        _undo_object(self, "networkLookupByName", f"network {self.name} (bridge {self.bridge})", _network)
 
     def describe(self) -> str:
         return f"host {self.host}: network {self.name} (bridge {self.bridge})"
@@ -155,13 +125,11 @@ class RemoteLinkRecord:
     def undo(self, ctx: Context, *, rollback: bool) -> None:
         name = shlex.quote(self.name)
         # only a VXLAN of this VNI: a link of this name someone made since is left
-        script = (
-            f"if ip -d link show dev {name} 2>/dev/null | grep -q 'vxlan id {self.vni} '; then "
-            f"ip link del dev {name}; fi\n"
-        )
+        script = (f"if ip -d link show dev {name} 2>/dev/null | grep -q 'vxlan id {self.vni} '; then "
+                  f"ip link del dev {name}; fi\n")
         try:
             remote.shell(self.host, self.uri, script)
-        except Exception as exc:
+        except VmlaunchError as exc:
             raise RuntimeFailure(f"host {self.host}: VXLAN link {self.name} is left there: {exc}") from None
 
     def describe(self) -> str:
@@ -170,7 +138,7 @@ class RemoteLinkRecord:
 
 @attrs.frozen
 class RemoteDomainRecord:
-    """A VM of the lab, a libvirt domain on its host."""
+    """A VM of the lab, a libvirt domain on its host, and the serial console log it writes there."""
 
     kind: ClassVar[str] = "remote-domain"
     host: str
@@ -178,38 +146,13 @@ class RemoteDomainRecord:
     name: str  # the domain's: LAB-VM
     uuid: str
     vm: str
+    log: str  # its serial console log on the host
 
     def undo(self, ctx: Context, *, rollback: bool) -> None:
-        libvirt = remote.binding()
-        try:
-            conn = _conn(self)
-            try:
-                dom = conn.lookupByName(self.name)
-            except libvirt.libvirtError as exc:
-                if _gone(exc):
-                    return
-                raise
-            if dom.UUIDString() != self.uuid:
-                return
-            if dom.isActive():
-                dom.destroy()
-            dom.undefineFlags(
-                libvirt.VIR_DOMAIN_UNDEFINE_NVRAM
-                | libvirt.VIR_DOMAIN_UNDEFINE_MANAGED_SAVE
-                | libvirt.VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA
-            )
-        except libvirt.libvirtError as exc:
-            if _dead(exc):
-                remote.forget(self.uri, remote.libvirt_error(exc))
-            raise _left(self.host, f"domain {self.name}", exc) from None
-
-    def _remove_log(self) -> None:
-        """The serial console log the domain wrote on its host (where vmlaunch can run commands)."""
-        if not parse_uri(self.uri).shell:
-            return
-        log = shlex.quote(f"/var/log/libvirt/qemu/{self.name}-serial.log")
-        with contextlib.suppress(VmlaunchError):
-            remote.shell(self.host, self.uri, f"rm -f {log}\n")
+        _undo_object(self, "lookupByName", f"domain {self.name}", _domain)
+        if parse_uri(self.uri).shell:  # its log goes too, where vmlaunch can run commands
+            with contextlib.suppress(VmlaunchError):
+                remote.shell(self.host, self.uri, f"rm -f {shlex.quote(self.log)}\n")
 
     def describe(self) -> str:
         return f"host {self.host}: domain {self.name} (VM {self.vm})"

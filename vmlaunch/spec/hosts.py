@@ -78,15 +78,6 @@ class HostUri:
         """user@host, or host."""
         return f"{self.user}@{self.hostname}" if self.user else str(self.hostname)
 
-    @property
-    def jump(self) -> str:
-        """`ssh -J`'s form: user@host:port."""
-        return self.target + (f":{self.port}" if self.port is not None else "")
-
-    def where(self) -> str:
-        """The host's network name as a user reads it."""
-        return self.hostname or "this machine"
-
 
 class BadUri(ValueError):
     """A URI libvirt would not take; the message says why."""
