@@ -109,3 +109,29 @@ def test_a_spanning_network_gets_vxlan_and_a_lower_mtu(tmp_path: Path) -> None:
     assert [v.name for v in h1.volumes] == ["a-kernel"]
     together = make_plan(load_lab(lab_file(tmp_path, SSH_HOSTS, vm("a", "h1") + vm("b", "h1"))), facts, {})
     assert together.hosts[0].networks[0].link is None and together.hosts[1].networks == ()
+
+
+@pytest.mark.parametrize("argv", [
+    ["fault", "{spec}", "a", "disk0", "error", "--read"], ["fault", "{spec}"],
+    ["exec", "{spec}", "a", "--", "true"], ["cp", "{spec}", "/etc/hostname", "a:/tmp"],
+    ["snapshot", "{spec}", "save", "s1"], ["pause", "{spec}"], ["fork", "{spec}", "a", "--count", "1"],
+    ["netem", "{spec}", "a", "0", "--delay", "5ms"], ["numa", "{spec}"],
+    ["screenshot", "{spec}", "a", "/tmp/x.png"], ["evidence", "{spec}", "/tmp/ev"], ["reset", "{spec}"],
+])
+def test_commands_of_own_qemus_refuse_a_lab_on_hosts(tmp_path: Path, argv: list[str],
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Not "VM a is not running" of a VM that runs on its host, nor a file left in the run dir."""
+    from vmlaunch.cli import main
+
+    spec = lab_file(tmp_path, SSH_HOSTS, vm("a", "h1"))
+    assert main([word.replace("{spec}", str(spec)) for word in argv]) == 64
+    err = capsys.readouterr().err
+    assert f"{argv[0]}: {spec} is a lab on libvirt hosts (h1, h2)" in err and "Traceback" not in err
+
+
+def test_the_api_refuses_a_lab_on_hosts(tmp_path: Path) -> None:
+    from vmlaunch.api import Lab
+    from vmlaunch.errors import UsageError
+
+    with pytest.raises(UsageError, match="runs on libvirt hosts .h1, h2."):
+        Lab(lab_file(tmp_path, SSH_HOSTS, vm("a", "h1")))

@@ -63,6 +63,11 @@ class Lab:
         self.spec = _locate_spec(spec, base, base_is)
         self.spec_model = load_checked(self.spec, vms=vms)
         self.spec_model.select(vms)  # a UsageError for a VM the lab does not have
+        if self.spec_model.hosts:  # not compiled into QEMUs of this machine, as it would run here
+            raise UsageError(f"{self.spec}: lab {self.spec_model.name} runs on libvirt hosts "
+                             f"({', '.join(host.name for host in self.spec_model.hosts)}), and the Python "
+                             "API drives vmlaunch's own QEMUs on this machine",
+                             "bring it up with `vmlaunch up` (the manual's \"Across several hosts\")")
         self.host = detect_host()
         kernels = prepare_kernels(self.spec_model, self.host, vms, build=True)  # once, into the cache
         self.plan: Plan = compile_lab(self.spec_model, self.host, vms, kernels=kernels,

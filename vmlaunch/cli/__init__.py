@@ -36,7 +36,7 @@ from vmlaunch.cli import (
     vms,
     wire,
 )
-from vmlaunch.cli.common import Parser
+from vmlaunch.cli.common import Parser, refuse_on_hosts
 from vmlaunch.core.version import __version__
 from vmlaunch.errors import (
     EXIT_BROKEN_PIPE,
@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     for group in GROUPS:
         group.register(commands, parser)
+    for name, command in commands.choices.items():  # `command` itself may be a command's argument (exec)
+        command.set_defaults(verb=name)
     return parser
 
 
@@ -164,6 +166,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if args.command is None:  # `vmlaunch` alone: what it can do, rather than an error
             parser.print_help()
             return 0
+        refuse_on_hosts(args)
         return int(args.run(args))
     except SpecError as exc:
         print(exc, file=sys.stderr)

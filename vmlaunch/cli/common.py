@@ -112,5 +112,26 @@ def lab_vm(spec: str, *vms: str) -> tuple[RunDir, LabSpec]:
     return RunDir.of(run_root(), lab.name), lab
 
 
+# the commands a lab on libvirt hosts (`[host.NAME]`) takes: the others drive vmlaunch's own QEMUs here
+ON_HOSTS = frozenset(("validate", "cmdline", "up", "down", "status", "logs", "console", "ssh", "balloon",
+                      "export", "graph", "doctor", "image"))
+
+
+def refuse_on_hosts(args: argparse.Namespace) -> None:
+    """A UsageError when the command (`args.verb`) drives vmlaunch's own QEMUs and its SPEC is a lab on
+    libvirt hosts, whose VMs are libvirt domains there: rather than its VMs said not to run."""
+    from vmlaunch.spec.load import host_names
+
+    spec = getattr(args, "spec", None)
+    if args.verb in ON_HOSTS or not isinstance(spec, str):
+        return
+    hosts = host_names(spec)
+    if hosts:
+        raise UsageError(f"{args.verb}: {spec} is a lab on libvirt hosts ({', '.join(hosts)}), and "
+                         f"{args.verb} drives vmlaunch's own QEMUs on this machine",
+                         f"a lab on libvirt hosts takes {', '.join(sorted(ON_HOSTS))} (the manual's "
+                         "\"Across several hosts\")")
+
+
 def count(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"

@@ -268,6 +268,17 @@ def lab_name(path: str | Path) -> str:
         raise exc from None
 
 
+def host_names(path: str | Path) -> list[str]:
+    """The names of the spec's `[host.NAME]` tables, read from its TOML alone (a lab on libvirt hosts);
+    none for a spec that cannot be read: the command that loads it says why."""
+    try:
+        data = tomllib.loads(read_spec(Path(path)).decode())
+    except (SpecError, ValueError, RecursionError):
+        return []
+    hosts = data.get("host")
+    return [name for name in hosts if isinstance(hosts[name], dict)] if isinstance(hosts, dict) else []
+
+
 def _lab_name_pattern() -> str:
     import json
 
