@@ -18,10 +18,13 @@ from vmlaunch.runtime.diskfault import DISARM, _limits, _rules
 from vmlaunch.spec.diskfault import (
     describe,
     errno_number,
+    fired_by,
     from_json,
     iops_of,
+    mistaken_for,
     parse_fault,
     parse_rate,
+    replaces,
     to_json,
 )
 from vmlaunch.spec.load import load_lab
@@ -82,6 +85,9 @@ def test_rates_and_errnos() -> None:
         errno_number("EIOO")
     with pytest.raises(ValueError):
         errno_number("")
+    with pytest.raises(ValueError, match="more than QEMU's largest limit"):
+        parse_rate("1000T")
+    assert parse_rate("909T") == 909 << 40
     assert iops_of(DiskFault(FaultKind.SLOW, latency_ms=100)) == 10
     assert iops_of(DiskFault(FaultKind.SLOW, latency_ms=1000)) == 1
 
@@ -127,6 +133,11 @@ def test_spec_faults_reach_the_plan(tmp_path: Path) -> None:
     ('type = "slow"\nbps = "1000"\n', "has no unit"),
     ('type = "error"\nop = "read"\ncolour = 1\n', "colour"),
     ('type = "hang"\nop = "read"\n[[vm.a.disk.fault]]\ntype = "hang"\nop = "read"\n', "second hang"),
+    ('type = "slow"\nbps = "1000T"\n', "more than QEMU's largest limit"),
+    ('type = "error"\nread = true\nsector = 8\n[[vm.a.disk.fault]]\ntype = "error"\nread = true\n'
+     'sector = 8\n', "a second error of the reads at sector 8"),
+    ('type = "error"\nread = true\nsector = 8\nonce = true\n[[vm.a.disk.fault]]\ntype = "error"\n'
+     'read = true\nsector = 16\n', "fails the same requests with the same errno"),
 ])
 def test_spec_faults_are_checked_with_their_line(tmp_path: Path, fault: str, said: str) -> None:
     spec = write_spec(tmp_path, HEAD + "readonly = true\n[[vm.a.disk.fault]]\n" + fault)
@@ -160,3 +171,23 @@ def test_the_cli_refuses_before_asking_qemu(tmp_path: Path) -> None:
     broken = vmlaunch("fault", str(write_spec(tmp_path, HEAD + "[[vm.a.disk.fault]]\ntype = 3\n", "b.toml")),
                       run_root=root)
     assert broken.returncode == EXIT_SPEC
+
+
+def test_once_errors_are_told_apart_by_what_qemu_reports() -> None:
+    """QEMU's BLOCK_IO_ERROR names the operation and the errno's text, not the rule nor the sector: an
+    event is a --once error's only when no other error of the disk is reported alike."""
+    once = DiskFault(FaultKind.ERROR, op="read", sector=8, once=True)
+    assert mistaken_for(once, [DiskFault(FaultKind.ERROR, op="read", sector=16)]) is not None
+    assert mistaken_for(once, [DiskFault(FaultKind.ERROR, op="read", sector=16, errno="EROFS")]) is None
+    assert mistaken_for(once, [DiskFault(FaultKind.ERROR, op="write", sector=8)]) is None
+    assert mistaken_for(once, [DiskFault(FaultKind.ERROR, op="read", sector=8)]) is None  # replaced by it
+    flush = DiskFault(FaultKind.ERROR, op="flush", once=True)  # a failed flush is a failed write to QEMU
+    assert mistaken_for(flush, [DiskFault(FaultKind.ERROR, op="write", sector=8)]) is not None
+    plain = DiskFault(FaultKind.ERROR, op="read", sector=16)
+    assert mistaken_for(plain, [DiskFault(FaultKind.ERROR, op="read", sector=8)]) is None  # none once
+    assert fired_by({"operation": "read", "reason": "Input/output error"}, once)
+    assert not fired_by({"operation": "read", "reason": "Read-only file system"}, once)
+    assert not fired_by({"operation": "write", "reason": "Input/output error"}, once)
+    assert fired_by({"operation": "write", "reason": "Input/output error"}, flush)
+    assert replaces(DiskFault(FaultKind.SLOW, bps=1), DiskFault(FaultKind.SLOW, iops=3))
+    assert not replaces(once, DiskFault(FaultKind.ERROR, op="read", sector=9))

@@ -173,8 +173,10 @@ def test_a_failed_write_pauses_the_vm_and_resume_retries_it(rig: Lab) -> None:
                      timeout=60) == "failing-write"  # the retried write is on the disk
     names = [event.event for event in rig.events("a")]
     assert "RESUME" in names[names.index("BLOCK_IO_ERROR"):]  # logged as it came
+    assert disk.faults() == []  # the once error fired: it is gone, and no longer keeps a hang away
+    with a.disk("disk1").hang("read"):
+        assert [fault["type"] for fault in a.disk("disk1").faults()] == ["hang"]
     disk.clear()
-    assert disk.faults() == []
 
 
 def test_held_writes_wait_for_release_while_reads_go_on(rig: Lab) -> None:
@@ -237,6 +239,45 @@ def test_a_once_error_that_fired_is_not_armed_again(rig: Lab) -> None:
         assert [fault["op"] for fault in disk.faults()] == ["read"]
 
 
+def test_once_errors_are_told_apart_by_their_errno(rig: Lab) -> None:
+    """QEMU reports which operation failed and with which errno, not which rule: a second error that
+    would be reported as a --once one is refused, and one of another errno keeps its own count."""
+    spec, disk = str(rig.spec), rig.vm("a").disk("disk1")
+    with disk.fail("read", sector=80, once=True):
+        alike = vmlaunch("fault", spec, "a", "disk1", "error", "--read", "--sector", "160")
+        assert alike.returncode == EXIT_USAGE and "same errno" in alike.stderr, alike.stderr
+        disk.fail("read", sector=160, once=True, errno="EROFS")
+        assert read_block(rig, "vdb", 10) != 0 and read_block(rig, "vdb", 10) == 0
+        wait_until(lambda: len(disk.faults()) == 1, 30, interval=0.2)  # the lab manager logs the error
+        assert disk.faults() == [{"type": "error", "op": "read", "sector": 160, "once": True,
+                                  "errno": "EROFS"}]
+        disk.fail("read", sector=800)  # new rules: the EROFS one has not fired, it stays armed
+        assert read_block(rig, "vdb", 20) != 0 and read_block(rig, "vdb", 20) == 0
+        assert read_block(rig, "vdb", 100) != 0 and read_block(rig, "vdb", 10) == 0
+
+
+def test_faults_follow_the_disks_qemu_was_started_with(rig: Lab) -> None:
+    """A spec edited since `up` does not change what a fault is checked against: disk0's on_error
+    (write = "stop") is QEMU's, so a hang is still refused beside an error that pauses; another spec
+    file of the lab's name is refused."""
+    spec = Path(rig.spec)
+    text = spec.read_text()
+    other = spec.with_name("other.toml")
+    other.write_text(text)
+    try:
+        spec.write_text(text.replace('on_error = { write = "stop" }\n', "", 1))
+        stop = vmlaunch("fault", str(spec), "a", "disk0", "error", "--write", "--sector", "4096")
+        assert stop.returncode == 0, stop.stderr
+        refused = vmlaunch("fault", str(spec), "a", "disk1", "hang", "--read")
+        assert refused.returncode == EXIT_USAGE and "pauses the VM when it fires" in refused.stderr, refused
+        taken = vmlaunch("fault", str(other), "a", "disk0", "clear")
+        assert taken.returncode != 0 and "up from another spec" in taken.stderr, taken
+    finally:
+        spec.write_text(text)
+        other.unlink()
+    assert vmlaunch("fault", str(spec), "a", "disk0", "clear").returncode == 0
+
+
 def test_a_slow_disk_is_slow_until_cleared(rig: Lab) -> None:
     vm = rig.vm("a")
     with vm.disk("disk1").slow("1M"):
@@ -259,6 +300,7 @@ def test_a_slow_disk_is_slow_until_cleared(rig: Lab) -> None:
     (["a", "disk1", "hang", "--flush"], EXIT_USAGE, "read or write"),
     (["a", "disk1", "slow", "--bps", "1000"], EXIT_USAGE, "has no unit"),
     (["a", "disk1", "slow"], EXIT_USAGE, "bps, iops or latency"),
+    (["a", "disk1", "slow", "--bps", "1000T"], EXIT_USAGE, "more than QEMU's largest limit"),
     (["a", "disk1", "release"], EXIT_USAGE, "nothing is held"),
     (["a", "disk1", "clear", "--sector", "3"], EXIT_USAGE, "not for clear"),
 ])

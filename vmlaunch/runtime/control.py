@@ -213,7 +213,7 @@ def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) ->
         if run_state == IO_ERROR:
             if logged is None:
                 logged = event_log.read(run_dir)
-            io_error = io_error_of(event_log.latest_io_error(logged, name), failed_block(blocks))
+            io_error = io_error_of(event_log.latest_io_error(logged, name), failed_blocks(blocks))
         state, why = vm_state(run_dir.vm(name), run_state, held.get(name), busy=name in busy,
                               io_error=io_error)
         memory = None
@@ -269,10 +269,12 @@ def read_balloon(qmp: QuickQmp | Qmp) -> int | None:
     return actual if isinstance(actual, int) and not isinstance(actual, bool) else None
 
 
-def failed_block(blocks: Any) -> IoError | None:
-    """Which disk failed, from QMP query-block (each device's io-status: "failed", "nospace"), for a VM
+def failed_blocks(blocks: Any) -> list[IoError]:
+    """The disks QMP query-block says failed (each device's io-status: "failed", "nospace"), for a VM
     paused on an I/O error that the event log has not heard of (the lab manager was not connected when
-    it came); the operation and QEMU's reason are not known there."""
+    it came); the operation and QEMU's reason are not known there. A disk whose error was resumed may
+    still say so: `cont` resets the io-status of named drives only, not of -blockdev devices."""
+    found = []
     for block in blocks if isinstance(blocks, list) else ():
         status = block.get("io-status") if isinstance(block, dict) else None
         if status not in ("failed", "nospace"):
@@ -281,18 +283,19 @@ def failed_block(blocks: Any) -> IoError | None:
         node = inserted.get("node-name") if isinstance(inserted, dict) else None
         disk = event_log.disk_of({"node-name": node, "qdev": block.get("qdev"),
                                   "device": block.get("device")})
-        return IoError(disk=disk, operation=None, reason=None, nospace=status == "nospace", action="stop",
-                       time=None)
-    return None
+        found.append(IoError(disk=disk, operation=None, reason=None, nospace=status == "nospace",
+                             action="stop", time=None))
+    return found
 
 
-def io_error_of(logged: IoError | None, failed: IoError | None) -> IoError | None:
+def io_error_of(logged: IoError | None, failed: Sequence[IoError]) -> IoError | None:
     """The failed request that paused a VM: the one the event log has (disk, operation, QEMU's
-    reason), unless QEMU's devices say another disk failed (a pause the log missed, after an error it
-    logged and a resume it did not), then the disk they name."""
-    if logged is not None and (failed is None or failed.disk in (None, logged.disk)):
+    reason), unless QEMU's devices say only other disks failed (a pause the log missed, after an error
+    it logged and a resume it did not), then the disk they name (the newest of several is not known:
+    the first)."""
+    if logged is not None and (not failed or any(item.disk in (None, logged.disk) for item in failed)):
         return logged
-    return failed
+    return failed[0] if failed else None
 
 
 def vm_state(files: VmFiles, run_state: str | None, held: str | None = None, *,

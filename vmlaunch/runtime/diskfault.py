@@ -44,10 +44,13 @@ from vmlaunch.spec.diskfault import (
     SECTOR,
     describe,
     errno_number,
+    fired_by,
     from_json,
     iops_of,
     may_pause,
+    mistaken_for,
     plural,
+    replaces,
     requests,
     to_json,
 )
@@ -180,13 +183,12 @@ def _spent_off(run_dir: RunDir, vm: str, disk: str, record: dict[str, Any]) -> l
         return faults
     from vmlaunch.runtime import events
 
-    failed = [(event.time, event.data.get("operation")) for event in events.read(run_dir, [vm])
+    failed = [event for event in events.read(run_dir, [vm])
               if event.event == "BLOCK_IO_ERROR" and event.disk == disk]
     kept = []
-    for fault in faults:
+    for fault in faults:  # no other error of the disk is reported as this one is (`_check`)
         since = armed.get(_key(fault)) if fault.once else None
-        operation = "read" if fault.op == "read" else "write"
-        if since is not None and any(when >= since and op == operation for when, op in failed):
+        if since is not None and any(event.time >= since and fired_by(event.data, fault) for event in failed):
             continue
         kept.append(fault)
     return kept
@@ -242,13 +244,38 @@ def target(run_dir: RunDir, lab: LabSpec, vm: str, text: str) -> Target:
 
     index = _index(lab, vm, text)
     key, disk = boot_disks(LabDir.of(lab.file, lab.name), lab.vm(vm))[index]
-    entry = Journal.load(run_dir).vms.get(vm) if run_dir.path.is_dir() else None
+    journal = Journal.load(run_dir) if run_dir.path.is_dir() else None
+    entry = journal.vms.get(vm) if journal is not None else None
     pid = qemu.find_pid(run_dir.vm(vm), entry.pid) if entry is not None else None
     if pid is None:
         raise VmDown(f"VM {vm} is not running: a disk fault is set in a running QEMU",
                      f"start it with `vmlaunch up SPEC {vm}`")
+    if journal is not None:
+        journal.check_spec(lab.file, force=False)  # another spec of the lab's name: other disks
     return Target(vm, f"disk{index}", format_key_path(key), disk.bus, disk.readonly, disk.discard, pid,
                   disk.read_error, disk.write_error)
+
+
+# QOM types of the disk devices the compiler makes, by bus
+DEVICE_BUSES = {"virtio-blk-pci": DiskBus.VIRTIO, "scsi-hd": DiskBus.SCSI, "ide-hd": DiskBus.SATA,
+                "ide-cd": DiskBus.SATA}
+
+
+def running_as(qmp: QuickQmp, where: Target) -> Target:
+    """`where` as its QEMU has it: the device's bus and on_error as `up` gave them, which a spec edited
+    since may no longer say (a pause while a request is held would freeze QEMU). UsageError when the
+    running VM has no such disk."""
+    device = f"/machine/peripheral/{where.name}"
+    try:
+        kind = qmp.cmd("qom-get", path=device, property="type")
+        actions = [qmp.cmd("qom-get", path=device, property=name) for name in ("rerror", "werror")]
+    except QmpError:
+        raise UsageError(f"VM {where.vm} has no {where.name} running: its spec names more disks than "
+                         "it was brought up with", f"`vmlaunch up SPEC {where.vm}` again after `vmlaunch "
+                         f"down SPEC {where.vm}`") from None
+    read, write = (OnError(action) if action in {item.value for item in OnError} else None
+                   for action in actions)  # "auto": QEMU's default
+    return attrs.evolve(where, bus=DEVICE_BUSES.get(str(kind), where.bus), read_error=read, write_error=write)
 
 
 # --- changes -------------------------------------------------------------------------------------
@@ -263,21 +290,19 @@ def set_fault(run_dir: RunDir, lab: LabSpec, vm: str, disk: str, fault: DiskFaul
     lab.select([vm])
     with locked(run_dir, timeout):
         where = target(run_dir, lab, vm, disk)
-        vms = load(run_dir)
-        record = _record(vms, where)
-        faults = _unspent(run_dir, where, record)
-        _check(where, fault, faults)
-        _check_pauses(where, fault, _actions(lab, vm), vms[vm]["disks"])
-        if fault.kind is FaultKind.ERROR and fault.once:
-            record.setdefault("armed", {})[_key(fault)] = time.time()
-        if fault.kind is FaultKind.ERROR:
-            faults = [old for old in faults if not (old.kind is FaultKind.ERROR and old.op == fault.op
-                                                    and old.sector == fault.sector)] + [fault]
-        elif fault.kind is FaultKind.SLOW:
-            faults = [old for old in faults if old.kind is not FaultKind.SLOW] + [fault]
-        else:
-            faults = [*faults, fault]
         with QuickQmp(run_dir.vm(vm).qmp, timeout=QMP_TIMEOUT) as qmp:
+            where = running_as(qmp, where)
+            vms = load(run_dir)
+            record = _record(vms, where)
+            faults = _unspent(run_dir, where, record)
+            _check(where, fault, faults)
+            set_now = {name: faults if name == where.name else _spent_off(run_dir, vm, name, other)
+                       for name, other in vms[vm]["disks"].items()}
+            actions = {name: _on_error(qmp, where, name) for name, there in set_now.items() if there}
+            _check_pauses(where, fault, actions, set_now)
+            if fault.kind is FaultKind.ERROR and fault.once:
+                record.setdefault("armed", {})[_key(fault)] = time.time()
+            faults = [old for old in faults if not replaces(fault, old)] + [fault]
             if fault.kind is FaultKind.ERROR:
                 _check_sector(qmp, where, fault)
             try:
@@ -295,14 +320,15 @@ def release(run_dir: RunDir, lab: LabSpec, vm: str, disk: str, timeout: float = 
     lab.select([vm])
     with locked(run_dir, timeout):
         where = target(run_dir, lab, vm, disk)
-        vms = load(run_dir)
-        record = _record(vms, where)
-        faults = _unspent(run_dir, where, record)
-        held = [fault.op or "" for fault in faults if fault.kind is FaultKind.HANG]
-        if not held:
-            raise UsageError(f"{vm} {where.name}: nothing is held", f"`vmlaunch fault SPEC {vm} "
-                             f"{where.name} hang --write` holds its writes")
         with QuickQmp(run_dir.vm(vm).qmp, timeout=QMP_TIMEOUT) as qmp:
+            where = running_as(qmp, where)
+            vms = load(run_dir)
+            record = _record(vms, where)
+            faults = _unspent(run_dir, where, record)
+            held = [fault.op or "" for fault in faults if fault.kind is FaultKind.HANG]
+            if not held:
+                raise UsageError(f"{vm} {where.name}: nothing is held", f"`vmlaunch fault SPEC {vm} "
+                                 f"{where.name} hang --write` holds its writes")
             try:
                 _apply(qmp, where, record, [fault for fault in faults if fault.kind is not FaultKind.HANG])
             finally:
@@ -319,16 +345,18 @@ def clear(run_dir: RunDir, lab: LabSpec, vm: str, disk: str,
     lab.select([vm])
     with locked(run_dir, timeout):
         where = target(run_dir, lab, vm, disk)
-        vms = load(run_dir)
-        record = _record(vms, where)
-        faults = _unspent(run_dir, where, record)
-        if faults or record.get("node"):
-            with QuickQmp(run_dir.vm(vm).qmp, timeout=QMP_TIMEOUT) as qmp:
-                try:
-                    _apply(qmp, where, record, [])
-                finally:
-                    _save(run_dir, vms)
-            _note(run_dir, vm, where.name, "cleared")
+        with QuickQmp(run_dir.vm(vm).qmp, timeout=QMP_TIMEOUT) as qmp:
+            where = running_as(qmp, where)
+            vms = load(run_dir)
+            record = _record(vms, where)
+            faults = _unspent(run_dir, where, record)
+            if not (faults or record.get("node")):
+                return faults
+            try:
+                _apply(qmp, where, record, [])
+            finally:
+                _save(run_dir, vms)
+        _note(run_dir, vm, where.name, "cleared")
         return faults
 
 
@@ -413,24 +441,29 @@ def _check(where: Target, fault: DiskFault, faults: Sequence[DiskFault]) -> None
                          "error rules would wait for them", f"`vmlaunch fault SPEC {where.vm} "
                          f"{where.name} release` first")
     errno_number(fault.errno)
+    other = mistaken_for(fault, faults)
+    if other is not None:
+        raise UsageError(f"{where.vm} {where.name}: not set: {describe(other)} fails the same requests "
+                         f"with the same errno, and QEMU does not say which error failed a request, so "
+                         f"vmlaunch could not tell when a --once one fired",
+                         f"give one of them another --errno (EIO, EROFS, ENOSPC, ...), or `vmlaunch fault "
+                         f"SPEC {where.vm} {where.name} clear` first")
 
 
-def _actions(lab: LabSpec, vm: str) -> dict[str, tuple[OnError | None, OnError | None]]:
-    """diskN -> its (on_error.read, on_error.write) as the spec gives them (None: QEMU's default)."""
-    from vmlaunch.compile.compiler import boot_disks
-    from vmlaunch.layout.labdir import LabDir
-
-    disks = boot_disks(LabDir.of(lab.file, lab.name), lab.vm(vm))
-    return {f"disk{index}": (disk.read_error, disk.write_error) for index, (_, disk) in enumerate(disks)}
+def _on_error(qmp: QuickQmp, where: Target, disk: str) -> tuple[OnError | None, OnError | None]:
+    """Disk `disk`'s (on_error.read, on_error.write) in where's QEMU (None: QEMU's default)."""
+    if disk == where.name:
+        return where.read_error, where.write_error
+    other = running_as(qmp, attrs.evolve(where, name=disk))
+    return other.read_error, other.write_error
 
 
 def _check_pauses(where: Target, fault: DiskFault, actions: dict[str, tuple[OnError | None, OnError | None]],
-                  records: dict[str, Any]) -> None:
+                  set_now: dict[str, list[DiskFault]]) -> None:
     """QEMU pauses a VM only once every request of its disks is done: a pause while a request is held
     (an I/O error that stops the VM, on any of its disks) would wait for ever, and QEMU with it. A hang
-    and an error that pauses are not set on one VM together."""
-    set_now = {disk: faults_of(record) for disk, record in records.items()}
-    set_now[where.name] = [*set_now.get(where.name, [])]
+    and an error that pauses are not set on one VM together. `set_now`: each disk's faults (a `--once`
+    error that fired is not one)."""
     holds = [f"{disk} ({describe(old)})" for disk, faults in set_now.items() for old in faults
              if old.kind is FaultKind.HANG]
     pausing = [f"{disk} ({describe(old)})" for disk, faults in set_now.items() for old in faults

@@ -315,8 +315,9 @@ def record(run_dir: RunDir, vm: str, event: str, data: Mapping[str, Any] | None 
 
 
 def parse(text: str, vms: Iterable[str] = ()) -> list[Event]:
-    """The events of a log's text (of the VMs `vms`, all when empty); what is not a line of the log
-    is skipped."""
+    """The events of a log's text (of the VMs `vms`, all when empty), in time order (a line that folds
+    repeats is written after them, with the last one's time); what is not a line of the log is
+    skipped."""
     only = set(vms)
     events = []
     for line in text.splitlines():
@@ -326,12 +327,13 @@ def parse(text: str, vms: Iterable[str] = ()) -> list[Event]:
             continue
         if event is not None and (not only or event.vm in only or event.event == CAPPED):
             events.append(event)
+    events.sort(key=lambda event: event.time)  # stable: lines of one instant keep their order
     return events
 
 
 def read(run_dir: RunDir, vms: Iterable[str] = ()) -> list[Event]:
-    """The events of the lab's log in its run dir (of the VMs `vms`, all when empty), in the order they
-    were written; none when there is no log."""
+    """The events of the lab's log in its run dir (of the VMs `vms`, all when empty), in time order;
+    none when there is no log."""
     try:
         fd = open_in_run_dir(run_dir.events, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:

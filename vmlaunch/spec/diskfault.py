@@ -17,7 +17,7 @@ from __future__ import annotations
 import difflib
 import errno as errnos
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from vmlaunch.core.units import parse_size
@@ -28,6 +28,7 @@ KEYS = ("type", "op", "read", "write", "flush", "sector", "once", "errno", "bps"
 SECTOR = 512
 MAX_LATENCY_MS = 1000  # QEMU's I/O limits count whole requests per second: one a second is the slowest
 MAX_IOPS = 1_000_000
+MAX_RATE = 10**15  # QEMU's largest I/O limit (THROTTLE_VALUE_MAX), in bytes a second
 _RATE = re.compile(r"(.*?)(?:/s)?", re.IGNORECASE | re.ASCII)
 
 Problem = tuple[str, str, str]  # (the key it is about, "" for the fault; the message; a hint)
@@ -61,6 +62,9 @@ def parse_rate(text: str | int) -> int:
         raise ValueError(f"rate {exc}") from None
     if rate < 1:
         raise ValueError(f"rate {text!r} is zero: to take the limits off, `clear` the disk")
+    if rate > MAX_RATE:
+        raise ValueError(f"rate {text!r} is more than QEMU's largest limit ({MAX_RATE} bytes a second, "
+                         "about 909T)")
     return rate
 
 
@@ -100,8 +104,8 @@ def parse_fault(raw: Mapping[str, Any]) -> tuple[DiskFault | None, list[Problem]
     else:
         allowed = OPS[kind]
         if chosen is None and not problems:
-            problems.append(("op", f"which requests: {' or '.join(allowed)}?",
-                             f"op = \"{allowed[-1]}\", or {allowed[-1]} = true"))
+            problems.append(("op", f"which requests: {', '.join(allowed[:-1])} or {allowed[-1]}?",
+                             f"op = \"{allowed[0]}\", or {allowed[0]} = true"))
         elif chosen is not None and chosen not in allowed:
             article = "an" if kind is FaultKind.ERROR else "a"
             problems.append(("op", f"{article} {kind.value} fault is on {' or '.join(allowed)}, "
@@ -202,6 +206,45 @@ def may_pause(fault: DiskFault, read_error: OnError | None, write_error: OnError
     if fault.op == "read":
         return read_error is OnError.STOP
     return write_error is OnError.STOP or (write_error in (None, OnError.ENOSPC) and fault.errno == "ENOSPC")
+
+
+def replaces(new: DiskFault, old: DiskFault) -> bool:
+    """Whether `new`, set on a disk, takes the place of `old`: an error of the same requests and
+    sector, or a second slow fault."""
+    if new.kind is FaultKind.SLOW:
+        return old.kind is FaultKind.SLOW
+    return (new.kind is old.kind is FaultKind.ERROR and new.op == old.op and new.sector == old.sector)
+
+
+def reported_as(fault: DiskFault) -> tuple[str, int]:
+    """What QEMU's BLOCK_IO_ERROR says of a request this error fault failed: its operation (a failed
+    flush is a failed write) and its errno (the event's reason is its text). Not which rule, nor the
+    sector."""
+    return ("read" if fault.op == "read" else "write", errno_number(fault.errno))
+
+
+def mistaken_for(fault: DiskFault, others: Iterable[DiskFault]) -> DiskFault | None:
+    """An error fault of `others` that QEMU's events could not tell from `fault` (same operation and
+    errno), when either fires only once: the event log, which says when a `--once` error fired, would
+    not know which did. None when there is none."""
+    if fault.kind is not FaultKind.ERROR:
+        return None
+    for other in others:
+        if (other.kind is FaultKind.ERROR and (fault.once or other.once) and not replaces(fault, other)
+                and reported_as(other) == reported_as(fault)):
+            return other
+    return None
+
+
+def fired_by(event: Mapping[str, Any], fault: DiskFault) -> bool:
+    """Whether a BLOCK_IO_ERROR event's request may have been failed by error `fault`: its operation,
+    and its reason the errno's text (QEMU's strerror, as Python's)."""
+    import os
+
+    operation, number = reported_as(fault)
+    reason = event.get("reason")
+    return (event.get("operation") == operation
+            and (not isinstance(reason, str) or not reason or reason == os.strerror(number)))
 
 
 def iops_of(fault: DiskFault) -> int | None:

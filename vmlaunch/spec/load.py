@@ -1469,7 +1469,7 @@ class _Builder:
     def disk_faults(self, path: KeyPath, items: Any, readonly: bool,
                     size: int | None = None) -> tuple[DiskFault, ...] | None:
         """The disk's [[fault]]s (spec/diskfault.py parses them as the CLI's), None after a problem."""
-        from vmlaunch.spec.diskfault import parse_fault, plural
+        from vmlaunch.spec.diskfault import describe, mistaken_for, parse_fault, plural, replaces
 
         faults: list[DiskFault] = []
         ok = True
@@ -1497,6 +1497,15 @@ class _Builder:
             if fault.kind is FaultKind.SLOW and any(kind is FaultKind.SLOW for kind, _ in kinds):
                 self.problems.add(where, "a second slow fault on the disk", "give bps, iops and "
                                   "latency in one")
+                ok = False
+            if fault.kind is FaultKind.ERROR and any(replaces(fault, old) for old in faults):
+                at = f" at sector {fault.sector}" if fault.sector is not None else ""
+                self.problems.add(where, f"a second error of the {plural(fault.op)}{at}", "one is enough")
+                ok = False
+            elif (other := mistaken_for(fault, faults)) is not None:
+                self.problems.add(where, f"{describe(other)} fails the same requests with the same errno, "
+                                  "and QEMU does not say which error failed a request, so vmlaunch could "
+                                  "not tell when the once one fired", "give one of them another errno")
                 ok = False
             faults.append(fault)
         return tuple(faults) if ok else None
