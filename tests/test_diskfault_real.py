@@ -20,7 +20,7 @@ import pytest
 
 from vmlaunch.api import Lab
 from vmlaunch.core.wait import wait_until
-from vmlaunch.errors import EXIT_HOST, EXIT_USAGE, UsageError, VmlaunchError
+from vmlaunch.errors import EXIT_HOST, EXIT_USAGE, GuestPaused, UsageError, VmlaunchError
 
 pytestmark = [pytest.mark.qemu, pytest.mark.guest]
 READY = "VMLAUNCH-GUEST-READY"
@@ -135,7 +135,7 @@ def test_a_failed_write_pauses_the_vm_and_resume_retries_it(rig: Lab) -> None:
     disk = a.disk("disk0").fail("write", sector=2048 + 5, once=True)
 
     # The write runs detached in the guest, but the VM may pause before the agent's reply is out: the
-    # command then ends only once the VM runs again, so it is sent from a thread of its own.
+    # command then ends with GuestPaused (test_a_command_whose_vm_an_io_error_pauses_ends_at_once).
     def write() -> None:
         with contextlib.suppress(VmlaunchError):
             a.run(WRITE, timeout=120)
@@ -177,6 +177,24 @@ def test_a_failed_write_pauses_the_vm_and_resume_retries_it(rig: Lab) -> None:
     with a.disk("disk1").hang("read"):
         assert [fault["type"] for fault in a.disk("disk1").faults()] == ["hang"]
     disk.clear()
+
+
+def test_a_command_whose_vm_an_io_error_pauses_ends_at_once(rig: Lab) -> None:
+    """A guest frozen by a failed request answers nothing until it is resumed: `run` says so within
+    seconds (a test waiting for the reply could never resume it), and the channel serves the next
+    command once the VM runs again."""
+    a = rig.vm("a")
+    a.disk("disk0").fail("write", sector=3000, once=True)
+    started = time.monotonic()
+    with pytest.raises(GuestPaused, match="a is paused by an I/O error .disk0 write failed") as caught:
+        a.run("dd if=/dev/urandom of=/dev/vda bs=4096 seek=375 count=1 oflag=direct", timeout=120)
+    assert time.monotonic() - started < 60 and "was sent, and goes on" in caught.value.message
+    assert caught.value.exit_code == 5
+    refused = vmlaunch("exec", str(rig.spec), "a", "--", "true")  # not even sent
+    assert refused.returncode == 5 and "was not sent" in refused.stderr, refused.stderr
+    assert vmlaunch("resume", str(rig.spec), "a").returncode == 0
+    assert a.succeed("echo back", timeout=60).strip() == "back"
+    assert a.disk("disk0").faults() == []
 
 
 def test_held_writes_wait_for_release_while_reads_go_on(rig: Lab) -> None:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
     from vmlaunch.errors import (
         AgentError,
         CommandTimedOut,
+        GuestPaused,
         HostError,
         RuntimeFailure,
         SpecError,
@@ -34,6 +35,7 @@ __all__ = [
     "AgentError",
     "CommandFailed",
     "CommandTimedOut",
+    "GuestPaused",
     "HostError",
     "Lab",
     "Result",
@@ -58,6 +60,7 @@ _LAZY = {
     "UsageError": "vmlaunch.errors",
     "AgentError": "vmlaunch.errors",
     "CommandTimedOut": "vmlaunch.errors",
+    "GuestPaused": "vmlaunch.errors",
     "CommandFailed": "vmlaunch.runtime.rig",
     "Result": "vmlaunch.runtime.agent",
 }

@@ -129,6 +129,11 @@ class AgentError(RuntimeFailure):
     exit_code = EXIT_AGENT
 
 
+class GuestPaused(AgentError):
+    """The VM was paused by a failed disk request (its disk's on_error "stop") while its command
+    channel waited for the guest, which answers nothing until the VM is resumed."""
+
+
 class CommandTimedOut(RuntimeFailure):
     """A command run in a guest through its channel did not end within its timeout; the agent killed
     it (and what it started in its process group) in the guest."""

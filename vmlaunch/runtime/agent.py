@@ -28,13 +28,13 @@ import select
 import shlex
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 import attrs
 
-from vmlaunch.errors import AgentError, CommandTimedOut, RuntimeFailure, UsageError
+from vmlaunch.errors import AgentError, CommandTimedOut, GuestPaused, RuntimeFailure, UsageError
 from vmlaunch.layout.rundir import RunDir, VmFiles, open_in_run_dir
 
 DEFAULT_TIMEOUT = 60.0  # seconds a command may run
@@ -44,6 +44,9 @@ GRACE = 15.0  # seconds past a command's timeout before the channel counts as hu
 PREFER = 0.3  # seconds vmlaunch's agent gets to answer after QEMU's guest agent did
 CHUNK = 1 << 16
 QGA_LONGEST = 64 << 20  # bytes of one reply of QEMU's guest agent (it caps each output at 16 MiB)
+REGREET = 1.0  # seconds without an answer to the greeting before another is sent
+REOPEN = 5.0  # seconds without an answer before the channel is opened again
+WATCH = 1.0  # seconds of silence on the channel after which vmlaunch looks whether the VM still runs
 
 Command = str | bytes | Sequence[str | bytes]
 
@@ -101,10 +104,23 @@ def run(run_dir: RunDir, vm: str, cmd: Command, *, timeout: float | None = DEFAU
         raise UsageError(f"timeout {timeout!r}: give a number of seconds above 0 (or None: no limit)")
     text = command_line(cmd)
     files = run_dir.vm(vm)
+    sent = False
+
+    def watch() -> None:
+        """A guest frozen by a failed disk request answers nothing until the VM is resumed: rather
+        than waiting for it (a test waiting here could never resume it), say so."""
+        why = paused_by_io_error(run_dir, vm)
+        if why is not None:
+            ran = (f"{describe(cmd)!r} was sent, and goes on when the VM runs again; its result will not be "
+                   "known" if sent else f"{describe(cmd)!r} was not sent")
+            raise GuestPaused(f"{vm} is paused by an I/O error ({why}): {ran}",
+                              f"`vmlaunch resume SPEC {vm}` retries the failed request")
+
     with _queued(files, vm, wait):
         deadline = time.monotonic() + wait
-        channel = _connect(files, vm, deadline, via, wait)
+        channel = _connect(files, vm, deadline, via, wait, watch)
         try:
+            sent = True
             result = channel.exec(text, input or b"", timeout, limit, stdout)
         finally:
             channel.close()
@@ -114,6 +130,23 @@ def run(run_dir: RunDir, vm: str, cmd: Command, *, timeout: float | None = DEFAU
         error.result = result  # type: ignore[attr-defined]
         raise error
     return result
+
+
+def paused_by_io_error(run_dir: RunDir, vm: str) -> str | None:
+    """What paused VM `vm`, when a failed disk request did and it is still paused so: the lab's event
+    log says so, and QEMU's run state confirms it (a log alone may have missed the resume)."""
+    from vmlaunch.qemu.qmp import QmpError, QuickQmp
+    from vmlaunch.runtime import events
+
+    failed = events.latest_io_error(events.read(run_dir, [vm]), vm)
+    if failed is None:
+        return None
+    try:
+        with QuickQmp(run_dir.vm(vm).qmp, timeout=WATCH) as qmp:
+            state = qmp.cmd("query-status")
+    except QmpError:
+        return None  # busy with another command: looked at again after the next silence
+    return failed.describe() if isinstance(state, dict) and state.get("status") == "io-error" else None
 
 
 @contextlib.contextmanager
@@ -153,16 +186,14 @@ def _open(path: Path) -> socket.socket | None:
     return conn
 
 
-def _connect(files: VmFiles, vm: str, deadline: float, via: str | None, wait: float) -> Channel:
+def _connect(files: VmFiles, vm: str, deadline: float, via: str | None, wait: float,
+             watch: Callable[[], None] | None = None) -> Channel:
     """The first agent that answers: vmlaunch's, or QEMU's guest agent (vmlaunch's is preferred when
-    both answer within PREFER seconds)."""
+    both answer within PREFER seconds). `watch` is called after each WATCH seconds of silence, on the
+    chosen channel too."""
     if via not in (None, "agent", "qga"):
         raise AgentError(f"via={via!r}: the channel is \"agent\" or \"qga\"")
-    candidates: list[Channel] = []
-    if via in (None, "agent") and (conn := _open(files.agent)) is not None:
-        candidates.append(VlaChannel(conn, vm))
-    if via in (None, "qga") and (conn := _open(files.qga)) is not None:
-        candidates.append(QgaChannel(conn, vm))
+    candidates = _open_all(files, vm, via, watch)
     if not candidates:
         if not files.pidfile.exists():
             raise RuntimeFailure(f"VM {vm} is not running", "`vmlaunch up` it first")
@@ -171,6 +202,7 @@ def _connect(files: VmFiles, vm: str, deadline: float, via: str | None, wait: fl
     try:
         for channel in candidates:
             channel.greet()
+        opened = greeted = time.monotonic()
         chosen: Channel | None = None
         chosen_at = 0.0
         while chosen is None or (isinstance(chosen, QgaChannel) and len(candidates) > 1):
@@ -178,7 +210,27 @@ def _connect(files: VmFiles, vm: str, deadline: float, via: str | None, wait: fl
             limit = deadline if chosen is None else min(deadline, chosen_at + PREFER)
             if now >= limit:
                 break
-            readable, _, _ = select.select([c.conn for c in candidates], [], [], limit - now)
+            readable, _, _ = select.select([c.conn for c in candidates], [], [], min(limit - now, WATCH))
+            if not readable and watch is not None and chosen is None:
+                watch()
+            if not readable and chosen is None and time.monotonic() - opened >= REOPEN:
+                # the guest's end of the port may not have heard that this client opened it (a client
+                # before this one went away while the VM was paused): open it again
+                for channel in candidates:
+                    channel.close()
+                candidates = _open_all(files, vm, via, watch)
+                if not candidates:
+                    break
+                for channel in candidates:
+                    channel.greet()
+                opened = greeted = time.monotonic()
+            elif not readable and chosen is None and time.monotonic() - greeted >= REGREET:
+                # a greeting the agent did not take whole (a client before this one went away in the
+                # middle of a command, and what watched for that in the guest took a byte of ours):
+                # another, on a line of its own; an answer to any of them will do
+                for channel in candidates:
+                    channel.greet()
+                greeted = time.monotonic()
             for channel in [c for c in candidates if c.conn in readable]:
                 if channel.answered():
                     if isinstance(channel, VlaChannel):
@@ -203,14 +255,26 @@ def _connect(files: VmFiles, vm: str, deadline: float, via: str | None, wait: fl
     return chosen
 
 
+def _open_all(files: VmFiles, vm: str, via: str | None, watch: Callable[[], None] | None) -> list[Channel]:
+    """A connection to each agent's channel the VM has (of `via`, when given)."""
+    candidates: list[Channel] = []
+    if via in (None, "agent") and (conn := _open(files.agent)) is not None:
+        candidates.append(VlaChannel(conn, vm, watch))
+    if via in (None, "qga") and (conn := _open(files.qga)) is not None:
+        candidates.append(QgaChannel(conn, vm, watch))
+    return candidates
+
+
 class Channel:
     """One connection to an agent."""
 
     what = "an agent"
 
-    def __init__(self, conn: socket.socket, vm: str) -> None:
+    def __init__(self, conn: socket.socket, vm: str, watch: Callable[[], None] | None = None) -> None:
         self.conn = conn
         self.vm = vm
+        self.watch = watch  # called after each WATCH seconds without a byte (it may raise)
+        self.greetings: list[object] = []  # each greeting's token: an answer to any of them will do
         self.buffer = b""
         self.closed = False
 
@@ -240,8 +304,13 @@ class Channel:
 
     def _receive(self, deadline: float | None, doing: str) -> bytes:
         """Some bytes; AgentError when the channel closes or `deadline` passes first."""
-        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-        readable, _, _ = select.select([self.conn], [], [], wait)
+        while True:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            readable, _, _ = select.select([self.conn], [], [], WATCH if wait is None else min(wait, WATCH))
+            if readable or (wait is not None and wait <= WATCH):
+                break
+            if self.watch is not None:
+                self.watch()
         if not readable:
             raise AgentError(f"{self.vm}: the command channel stopped answering ({doing})",
                              "the guest may hang; `vmlaunch logs` shows its console")
@@ -302,15 +371,16 @@ class VlaChannel(Channel):
     what = "vmlaunch's agent"
 
     def greet(self) -> None:
-        self.nonce = secrets.token_hex(8)
-        self._send(f"VLA1 hello {self.nonce}\n".encode(), time.monotonic() + 5.0, "greeting")
+        nonce = secrets.token_hex(8)
+        self.greetings.append(nonce.encode())
+        self._send(f"VLA1 hello {nonce}\n".encode(), time.monotonic() + 5.0, "greeting")
 
     def answered(self) -> bool:
         self._take()
         while b"\n" in self.buffer:
             line, _, self.buffer = self.buffer.partition(b"\n")
             words = line.split()
-            if len(words) >= 3 and words[0] == b"VLA1" and words[1] == self.nonce.encode() \
+            if len(words) >= 3 and words[0] == b"VLA1" and words[1] in self.greetings \
                     and words[2] == b"ready":
                 self.flavour = (words[4] if len(words) > 4 else b"?").decode("ascii", "replace")
                 return True
@@ -352,9 +422,10 @@ class QgaChannel(Channel):
     POLL = 0.05
 
     def greet(self) -> None:
-        self.sync_id = secrets.randbelow(1 << 30)
+        sync_id = secrets.randbelow(1 << 30)
+        self.greetings.append(sync_id)
         self._send(b"\xff" + json.dumps({"execute": "guest-sync-delimited",
-                                         "arguments": {"id": self.sync_id}}).encode() + b"\n",
+                                         "arguments": {"id": sync_id}}).encode() + b"\n",
                    time.monotonic() + 5.0, "greeting")
 
     def answered(self) -> bool:
@@ -362,8 +433,8 @@ class QgaChannel(Channel):
         while b"\n" in self.buffer:
             line, _, self.buffer = self.buffer.partition(b"\n")
             line = line.rpartition(b"\xff")[2].strip()
-            with contextlib.suppress(ValueError):
-                if json.loads(line).get("return") == self.sync_id:
+            with contextlib.suppress(ValueError, AttributeError):
+                if json.loads(line).get("return") in self.greetings:
                     return True
         return False
 
