@@ -22,7 +22,7 @@ EXAMPLES = ROOT / "examples"
 GUEST_DIR = EXAMPLES / "guest"
 
 FAKE_DEVICES = frozenset({
-    "virtio-blk-pci", "virtio-scsi-pci", "scsi-hd", "ide-hd", "virtio-net-pci", "e1000",
+    "virtio-blk-pci", "virtio-scsi-pci", "scsi-hd", "ide-hd", "ide-cd", "virtio-net-pci", "e1000",
     "e1000e", "rtl8139", "virtio-balloon-pci", "vfio-pci", "pvpanic", "virtio-serial-pci", "virtserialport",
     "VGA", "virtio-vga", "vmgenid",
 })

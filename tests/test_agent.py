@@ -162,6 +162,8 @@ def lying_agent(reply: Callable[[str], bytes], *, close: bool = True) -> Callabl
             if not line:
                 return
             words = line.split()
+            if len(words) < 3 or words[0] != "VLA1":  # not a line of the protocol: skipped, as the agents do
+                continue
             if words[1] == "hello":
                 conn.sendall(f"VLA1 {words[2]} ready 1 fake\n".encode())
             elif words[1] == "exec":
@@ -193,6 +195,42 @@ def test_an_agent_that_stops_answering_is_a_hung_channel(run_dir: RunDir,
     serve(run_dir.vm("a").agent, lying_agent(lambda rid: b"", close=False))
     with pytest.raises(AgentError, match="stopped answering"):
         agent.run(run_dir, "a", "true", timeout=1)
+
+
+def test_a_greeting_cut_short_is_sent_again(run_dir: RunDir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the guest, what watched for the host side of a command whose client went away may take the
+    first byte of the next client's greeting: the agent then reads a line that is not one, and
+    answers nothing until another greeting comes."""
+    monkeypatch.setattr(agent, "REGREET", 0.2)
+    answer = lying_agent(lambda rid: f"VLA1 {rid} done 0 0 2 0 0\nok".encode())
+
+    def eaten(conn: socket.socket) -> None:
+        assert conn.recv(1) == b"V"
+        answer(conn)
+
+    serve(run_dir.vm("a").agent, eaten)
+    assert agent.run(run_dir, "a", "true", timeout=5, wait=5).stdout == b"ok"
+
+
+def test_a_channel_that_never_answers_is_opened_again(run_dir: RunDir,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guest's end of the port may miss that a client opened it (one before went away while the
+    VM was paused): after REOPEN seconds the channel is opened again."""
+    monkeypatch.setattr(agent, "REOPEN", 0.5)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(run_dir.vm("a").agent))
+    server.listen(4)
+    answer = lying_agent(lambda rid: f"VLA1 {rid} done 0 0 2 0 0\nok".encode())
+
+    def loop() -> None:
+        with server:
+            deaf, _ = server.accept()  # reads, never answers
+            conn, _ = server.accept()
+            with deaf, conn:
+                answer(conn)
+
+    threading.Thread(target=loop, daemon=True).start()
+    assert agent.run(run_dir, "a", "true", timeout=5, wait=10).stdout == b"ok"
 
 
 def test_no_channel_or_no_lab(run_dir: RunDir, tmp_path: Path) -> None:

@@ -163,6 +163,15 @@ def test_boot_from_first_disk(tmp_path: Path) -> None:
     assert (second["driver"], second["bus"]) == ("ide-hd", "ide.0")
 
 
+def test_a_read_only_sata_disk_is_a_cd_rom_drive(tmp_path: Path) -> None:
+    """QEMU's ide-hd refuses a read-only node: the drive is ide-cd, as libvirt and KubeVirt have it."""
+    spec = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\nkernel = "k"\n[[vm.a.disk]]\nfile = "a"\n'
+                      'bus = "sata"\nreadonly = true\n[[vm.a.disk]]\nfile = "b"\nbus = "sata"\n')
+    first, second = devices(argv_of(spec))[:2]
+    assert (first["driver"], first["bus"], first["serial"]) == ("ide-cd", "ide.0", "disk0")
+    assert (second["driver"], second["bus"]) == ("ide-hd", "ide.1")
+
+
 def test_pass_through(tmp_path: Path) -> None:
     spec = write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 64\nkernel = "k"\n'
                       '[[vm.a.pci]]\nhost = "15:00.0"\n')

@@ -59,6 +59,12 @@ size = "8M"
 type = "error"
 read = true
 sector = 80
+[[vm.a.disk.fault]]
+type = "error"
+read = true
+sector = 800
+once = true
+errno = "EROFS"
 """)
     lab = Lab(spec, wait_for=READY, timeout=300)
     try:
@@ -117,9 +123,14 @@ def test_failed_flushes_fail_fsync_and_clear_like_the_rest(rig: Lab) -> None:
 
 
 def test_a_fault_from_the_spec_is_there_from_the_start(rig: Lab) -> None:
+    disk = rig.vm("a").disk("disk2")
     assert read_block(rig, "vdc", 10) != 0 and read_block(rig, "vdc", 11) == 0
-    assert rig.vm("a").disk("disk2").faults() == [{"type": "error", "op": "read", "sector": 80,
-                                                    "once": False, "errno": "EIO"}]
+    assert disk.faults() == [{"type": "error", "op": "read", "sector": 80, "once": False, "errno": "EIO"},
+                             {"type": "error", "op": "read", "sector": 800, "once": True, "errno": "EROFS"}]
+    assert read_block(rig, "vdc", 100) != 0 and read_block(rig, "vdc", 100) == 0  # once, from the spec too
+    wait_until(lambda: len(disk.faults()) == 1, 30, interval=0.2)  # seen to fire: not set again
+    disk.fail("read", sector=8)
+    assert read_block(rig, "vdc", 100) == 0 and read_block(rig, "vdc", 1) != 0
     rig.vm("a").disk(2).clear()
     assert read_block(rig, "vdc", 10) == 0
 
@@ -188,7 +199,7 @@ def test_a_command_whose_vm_an_io_error_pauses_ends_at_once(rig: Lab) -> None:
     started = time.monotonic()
     with pytest.raises(GuestPaused, match="a is paused by an I/O error .disk0 write failed") as caught:
         a.run("dd if=/dev/urandom of=/dev/vda bs=4096 seek=375 count=1 oflag=direct", timeout=120)
-    assert time.monotonic() - started < 60 and "was sent, and goes on" in caught.value.message
+    assert time.monotonic() - started < 60 and "was sent, and its result is lost" in caught.value.message
     assert caught.value.exit_code == 5
     refused = vmlaunch("exec", str(rig.spec), "a", "--", "true")  # not even sent
     assert refused.returncode == 5 and "was not sent" in refused.stderr, refused.stderr
@@ -272,6 +283,11 @@ def test_once_errors_are_told_apart_by_their_errno(rig: Lab) -> None:
         disk.fail("read", sector=800)  # new rules: the EROFS one has not fired, it stays armed
         assert read_block(rig, "vdb", 20) != 0 and read_block(rig, "vdb", 20) == 0
         assert read_block(rig, "vdb", 100) != 0 and read_block(rig, "vdb", 10) == 0
+        # a once error in place of another of the same requests: only its own failure spends it
+        disk.fail("read", sector=160, errno="ENOSPC")
+        assert read_block(rig, "vdb", 20) != 0 and read_block(rig, "vdb", 20) != 0
+        disk.fail("read", sector=160, errno="ENOSPC", once=True)
+        assert read_block(rig, "vdb", 20) != 0 and read_block(rig, "vdb", 20) == 0
 
 
 def test_faults_follow_the_disks_qemu_was_started_with(rig: Lab) -> None:

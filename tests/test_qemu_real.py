@@ -173,7 +173,13 @@ file = "c.img"
 size = "16M"
 bus = "sata"
 on_error = {{ write = "report" }}
+[[vm.solo.disk]]
+file = "d.img"
+bus = "sata"
+readonly = true
+on_error = {{ read = "stop" }}
 """)
+    (lab_dir / "d.img").write_bytes(bytes(1 << 20))  # a read-only SATA disk: QEMU's ide-cd
     plan = compile_lab(load_lab(lab_dir / "lab.toml"), detect_host())
     make_images(plan, lab_dir)
     results = drive(plan, tmp_path)

@@ -56,7 +56,8 @@ class Lab:
         `wait_for` and `timeout` are the defaults of `up` (`timeout`: 60 s, 600 s with `wait_ssh`,
         as the CLI). Raises SpecError (the spec is missing or
         wrong, or a file it names is: kernel, initrd, a disk without a size), HostError (the host
-        cannot run it) or UsageError (no VM of such a name).
+        cannot run it) or UsageError (no VM of such a name, or a lab on libvirt hosts, which the CLI
+        brings up).
         """
         __tracebackhide__ = True  # pytest: a missing or wrong spec shows the test's line
         base, base_is = _caller_base()

@@ -129,8 +129,8 @@ def refuse_on_hosts(args: argparse.Namespace) -> None:
     if hosts:
         raise UsageError(f"{args.verb}: {spec} is a lab on libvirt hosts ({', '.join(hosts)}), and "
                          f"{args.verb} drives vmlaunch's own QEMUs on this machine",
-                         f"a lab on libvirt hosts takes {', '.join(sorted(ON_HOSTS))} (the manual's "
-                         "\"Across several hosts\")")
+                         f"a lab on libvirt hosts takes {', '.join(sorted(ON_HOSTS - {'image'}))} and image "
+                         "pull (the manual's \"Across several hosts\")")
 
 
 def count(n: int, word: str) -> str:

@@ -855,10 +855,13 @@ class _Compiler:
                 fmt.update({"discard": "unmap", "detect-zeroes": "unmap"})
             yield from ("-blockdev", json_arg(fmt))
             yield from ("-blockdev", json_arg(fault_slot(node, disk)))
-            self.need_device(path, DISK_DEVICES[disk.bus])
+            # QEMU's ide-hd refuses a read-only node ("Block node is read-only"): such a SATA disk is a
+            # CD-ROM drive, as libvirt and KubeVirt have it
+            driver = "ide-cd" if disk.bus is DiskBus.SATA and disk.readonly else DISK_DEVICES[disk.bus]
+            self.need_device(path, driver)
             # serial: the guest finds the disk by the name `status` and `fault` give it
-            # (/dev/disk/by-id/virtio-disk1, ...-QEMU_HARDDISK_disk1)
-            device: dict[str, object] = {"driver": DISK_DEVICES[disk.bus], "id": node,
+            # (/dev/disk/by-id/virtio-disk1, ...-QEMU_HARDDISK_disk1, ...-QEMU_DVD-ROM_disk1)
+            device: dict[str, object] = {"driver": driver, "id": node,
                                          "drive": slot_name(node), "serial": node,
                                          "write-cache": "on" if disk.cache.write_cache else "off"}
             if disk.bus is DiskBus.SCSI:

@@ -106,13 +106,16 @@ def run(run_dir: RunDir, vm: str, cmd: Command, *, timeout: float | None = DEFAU
     files = run_dir.vm(vm)
     sent = False
 
+    paused = PauseWatch(run_dir, vm)
+
     def watch() -> None:
         """A guest frozen by a failed disk request answers nothing until the VM is resumed: rather
         than waiting for it (a test waiting here could never resume it), say so."""
-        why = paused_by_io_error(run_dir, vm)
+        why = paused.why()
         if why is not None:
-            ran = (f"{describe(cmd)!r} was sent, and goes on when the VM runs again; its result will not be "
-                   "known" if sent else f"{describe(cmd)!r} was not sent")
+            ran = (f"{describe(cmd)!r} was sent, and its result is lost: vmlaunch's agent ends a command "
+                   "whose caller went away once the VM runs again (what it started in the background "
+                   "and has returned from runs on)" if sent else f"{describe(cmd)!r} was not sent")
             raise GuestPaused(f"{vm} is paused by an I/O error ({why}): {ran}",
                               f"`vmlaunch resume SPEC {vm}` retries the failed request")
 
@@ -132,21 +135,34 @@ def run(run_dir: RunDir, vm: str, cmd: Command, *, timeout: float | None = DEFAU
     return result
 
 
-def paused_by_io_error(run_dir: RunDir, vm: str) -> str | None:
-    """What paused VM `vm`, when a failed disk request did and it is still paused so: the lab's event
-    log says so, and QEMU's run state confirms it (a log alone may have missed the resume)."""
-    from vmlaunch.qemu.qmp import QmpError, QuickQmp
-    from vmlaunch.runtime import events
+class PauseWatch:
+    """Whether VM `vm` is paused by a failed disk request, looked at after each silence of the channel:
+    the lab's event log says so (read again only when it changed), and QEMU's run state confirms it (a
+    log alone may have missed the resume)."""
 
-    failed = events.latest_io_error(events.read(run_dir, [vm]), vm)
-    if failed is None:
-        return None
-    try:
-        with QuickQmp(run_dir.vm(vm).qmp, timeout=WATCH) as qmp:
-            state = qmp.cmd("query-status")
-    except QmpError:
-        return None  # busy with another command: looked at again after the next silence
-    return failed.describe() if isinstance(state, dict) and state.get("status") == "io-error" else None
+    def __init__(self, run_dir: RunDir, vm: str) -> None:
+        self.run_dir = run_dir
+        self.vm = vm
+        self.seen: tuple[int, int] | None = None  # the log's (size, mtime) when it said nothing
+
+    def why(self) -> str | None:
+        """What paused the VM (the failed request), when a failed disk request did and it still is."""
+        from vmlaunch.runtime import events
+        from vmlaunch.runtime.process import IO_ERROR_SAID, guest_stuck
+
+        try:
+            stat = os.stat(self.run_dir.events)
+        except OSError:
+            return None
+        if (stat.st_size, stat.st_mtime_ns) == self.seen:
+            return None
+        failed = events.latest_io_error(events.read(self.run_dir, [self.vm]), self.vm)
+        if failed is None:
+            self.seen = (stat.st_size, stat.st_mtime_ns)
+            return None
+        if guest_stuck(self.run_dir.vm(self.vm)) != IO_ERROR_SAID:
+            return None  # resumed since, or QEMU busy: looked at again after the next silence
+        return failed.describe()
 
 
 @contextlib.contextmanager
@@ -203,6 +219,7 @@ def _connect(files: VmFiles, vm: str, deadline: float, via: str | None, wait: fl
         for channel in candidates:
             channel.greet()
         opened = greeted = time.monotonic()
+        reopen = REOPEN
         chosen: Channel | None = None
         chosen_at = 0.0
         while chosen is None or (isinstance(chosen, QgaChannel) and len(candidates) > 1):
@@ -213,21 +230,21 @@ def _connect(files: VmFiles, vm: str, deadline: float, via: str | None, wait: fl
             readable, _, _ = select.select([c.conn for c in candidates], [], [], min(limit - now, WATCH))
             if not readable and watch is not None and chosen is None:
                 watch()
-            if not readable and chosen is None and time.monotonic() - opened >= REOPEN:
+            if not readable and chosen is None and time.monotonic() - opened >= reopen:
                 # the guest's end of the port may not have heard that this client opened it (a client
-                # before this one went away while the VM was paused): open it again
+                # before this one went away while the VM was paused): open it again, less and less
+                # often (a guest slow to answer gets its time)
                 for channel in candidates:
                     channel.close()
                 candidates = _open_all(files, vm, via, watch)
                 if not candidates:
-                    break
-                for channel in candidates:
-                    channel.greet()
-                opened = greeted = time.monotonic()
-            elif not readable and chosen is None and time.monotonic() - greeted >= REGREET:
+                    raise RuntimeFailure(f"VM {vm} is not running", "`vmlaunch up` it first")
+                opened, reopen, greeted = time.monotonic(), reopen * 2, -REGREET  # greeted at once
+            if not readable and chosen is None and time.monotonic() - greeted >= REGREET:
                 # a greeting the agent did not take whole (a client before this one went away in the
                 # middle of a command, and what watched for that in the guest took a byte of ours):
-                # another, on a line of its own; an answer to any of them will do
+                # another, on a line of its own; an answer to any of them will do (a stale answer of
+                # QEMU's guest agent is not one of its replies: `QgaChannel.call` skips it)
                 for channel in candidates:
                     channel.greet()
                 greeted = time.monotonic()

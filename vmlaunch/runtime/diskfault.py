@@ -153,9 +153,11 @@ def faults_of(entry: dict[str, Any]) -> list[DiskFault]:
     faults = []
     for doc in entry.get("faults") or []:
         try:
-            faults.append(from_json(doc))
-        except (ValueError, KeyError, TypeError):
+            fault = from_json(doc)
+            errno_number(fault.errno)
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue
+        faults.append(fault)
     return faults
 
 
@@ -268,14 +270,21 @@ def running_as(qmp: QuickQmp, where: Target) -> Target:
     device = f"/machine/peripheral/{where.name}"
     try:
         kind = qmp.cmd("qom-get", path=device, property="type")
-        actions = [qmp.cmd("qom-get", path=device, property=name) for name in ("rerror", "werror")]
-    except QmpError:
+    except QmpError as exc:
+        if "not found" not in exc.message:
+            raise
         raise UsageError(f"VM {where.vm} has no {where.name} running: its spec names more disks than "
                          "it was brought up with", f"`vmlaunch up SPEC {where.vm}` again after `vmlaunch "
                          f"down SPEC {where.vm}`") from None
+    actions = [qmp.cmd("qom-get", path=device, property=name) for name in ("rerror", "werror")]
     read, write = (OnError(action) if action in {item.value for item in OnError} else None
                    for action in actions)  # "auto": QEMU's default
-    return attrs.evolve(where, bus=DEVICE_BUSES.get(str(kind), where.bus), read_error=read, write_error=write)
+    readonly = where.readonly
+    for node in qmp.cmd("query-named-block-nodes", flat=True) or []:
+        if isinstance(node, dict) and node.get("node-name") == where.slot:
+            readonly = node.get("ro") is True
+    return attrs.evolve(where, bus=DEVICE_BUSES.get(str(kind), where.bus), read_error=read, write_error=write,
+                        readonly=readonly)
 
 
 # --- changes -------------------------------------------------------------------------------------
@@ -300,12 +309,17 @@ def set_fault(run_dir: RunDir, lab: LabSpec, vm: str, disk: str, fault: DiskFaul
                        for name, other in vms[vm]["disks"].items()}
             actions = {name: _on_error(qmp, where, name) for name, there in set_now.items() if there}
             _check_pauses(where, fault, actions, set_now)
-            if fault.kind is FaultKind.ERROR and fault.once:
-                record.setdefault("armed", {})[_key(fault)] = time.time()
-            faults = [old for old in faults if not replaces(fault, old)] + [fault]
             if fault.kind is FaultKind.ERROR:
                 _check_sector(qmp, where, fault)
+            kept = [old for old in faults if not replaces(fault, old)]
             try:
+                if fault.once and len(kept) < len(faults):
+                    # the error it replaces goes first: a request it fails while the new rules come in
+                    # must not count as the once error's
+                    _apply(qmp, where, record, kept)
+                if fault.kind is FaultKind.ERROR and fault.once:
+                    record.setdefault("armed", {})[_key(fault)] = time.time()
+                faults = [*kept, fault]
                 _apply(qmp, where, record, faults)
             finally:
                 _save(run_dir, vms)
@@ -409,6 +423,9 @@ def apply_at_up(run_dir: RunDir, vm: VmPlan, pid: int) -> None:
                         if number >= len(start.locations):
                             raise
                         raise SpecError([Problem(start.locations[number], exc.message)]) from None
+                for fault in start.faults:  # QEMU is still in prelaunch: no event came before
+                    if fault.kind is FaultKind.ERROR and fault.once:
+                        record.setdefault("armed", {})[_key(fault)] = time.time()
                 _apply(qmp, where, record, list(start.faults))
                 _note(run_dir, vm.name, where.name, "set from the spec: " +
                       "; ".join(describe(fault) for fault in start.faults))

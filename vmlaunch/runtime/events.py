@@ -18,7 +18,7 @@ BLOCK_IO_ERROR, `latest_io_error`), the evidence of a failed test. `down` keeps 
 Bounded, because a guest decides how often an event comes: a guest that retries a failing request
 forever (`on_error.write = "report"`) has QEMU send a BLOCK_IO_ERROR for every failure, thousands a
 second. The manager folds repeats of one event (same VM, event, disk, operation and reason; never an
-error that paused the VM, which comes once per resume) into one line
+error that paused the VM, which comes a few at a time, once per resume) into one line
 (`Coalescer`): the first is logged at once, those that follow within a window are counted and logged
 as one line with `"repeated": N` (and `"first"`: when the first of them came) when the window closes;
 while they go on, each window is twice as long as the one before, up to a minute. A storm of a day is
@@ -87,10 +87,11 @@ class Event:
     @property
     def key(self) -> tuple[str, str, str | None, str | None, str | None] | None:
         """What makes two events repeats of one another; None for one that is never folded: a failed
-        request that paused the VM (action stop) comes once per resume, and a `--once` disk fault is
-        known to have fired by its line (runtime/diskfault.py), which must not wait for a window."""
+        request that paused the VM (action stop) comes a few at a time (the requests in flight), once
+        per resume, and a `--once` disk fault is known to have fired by its line
+        (runtime/diskfault.py), which must not wait for a window."""
         operation, reason = self.data.get("operation"), self.data.get("reason")
-        if self.event == "BLOCK_IO_ERROR" and self.data.get("action") == "stop":
+        if self.event == "BLOCK_IO_ERROR" and self.data.get("action", "stop") == "stop":
             return None
         return (self.vm, self.event, self.disk, operation if isinstance(operation, str) else None,
                 reason if isinstance(reason, str) else None)

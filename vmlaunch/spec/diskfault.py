@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import errno as errnos
+import os
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -239,8 +240,6 @@ def mistaken_for(fault: DiskFault, others: Iterable[DiskFault]) -> DiskFault | N
 def fired_by(event: Mapping[str, Any], fault: DiskFault) -> bool:
     """Whether a BLOCK_IO_ERROR event's request may have been failed by error `fault`: its operation,
     and its reason the errno's text (QEMU's strerror, as Python's)."""
-    import os
-
     operation, number = reported_as(fault)
     reason = event.get("reason")
     return (event.get("operation") == operation
