@@ -5,6 +5,7 @@ The real cut, pinged across, is in tests/test_wire_real.py."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -180,11 +181,11 @@ def test_the_guest_script_drops_by_source_mac_and_clears_its_own_filters_first()
                                      "52:54:00:00:00:09": ()})
     lines = script.splitlines()
     assert "dev=$(nic 52:54:00:00:00:01) || exit 3" in lines
-    assert 'tc filter del dev "$dev" ingress pref 7 2>/dev/null' in lines
+    assert 'tc filter del dev "$dev" ingress pref 7 2>/dev/null || :' in lines
     assert ('tc filter add dev "$dev" ingress pref 7 protocol all flower src_mac 52:54:00:00:00:03 '
             "action drop || exit 4") in lines
     after_healed = lines[lines.index("dev=$(nic 52:54:00:00:00:09) || exit 3") + 1:]
-    assert after_healed == ['tc filter del dev "$dev" ingress pref 7 2>/dev/null']  # nothing to drop
+    assert after_healed == ['tc filter del dev "$dev" ingress pref 7 2>/dev/null || :']  # nothing to drop
 
 
 # --- partition and heal on a lab that is "up" (a journal, no QEMU) -----------------------------------
@@ -257,7 +258,15 @@ def test_a_guest_without_a_channel_or_tc_is_a_clear_error(
     monkeypatch.setattr(agent, "run", no_channel)
     with pytest.raises(AgentError, match="command channel"):
         partition.partition(run_dir, lab, ["d"])
-    monkeypatch.setattr(agent, "run", lambda *a, **k: Result(127, b"", b"no tc (iproute2) in the guest\n"))
+    record = wire.load(run_dir)["partition"]  # the undo could not reach the guests either: kept
+    assert (record["groups"], record["where"]) == ([], {"mc": "guest"})
+    assert record["unfinished"].startswith("a change failed half-way (b: the command channel is not built")
+
+    def no_tc(run_dir: RunDir, vm: str, cmd: str, **_: Any) -> Result:  # a guest without tc removes fine
+        cut = "action drop" in cmd
+        return Result(127, b"", b"no tc (iproute2) in the guest\n") if cut else Result(0, b"", b"")
+
+    monkeypatch.setattr(agent, "run", no_tc)
     with pytest.raises(RuntimeFailure, match=r"cannot cut its socket network in the guest: no tc") as caught:
         partition.partition(run_dir, lab, ["d"])
     assert "install iproute2" in str(caught.value)
@@ -272,8 +281,38 @@ def test_a_failed_heal_keeps_the_partition(lab: LabSpec, up: tuple[RunDir, list[
     monkeypatch.setattr(agent, "run", lambda *a, **k: Result(4, b"", b"RTNETLINK answers: busy\n"))
     with pytest.raises(RuntimeFailure, match="RTNETLINK answers: busy"):
         partition.heal(run_dir, lab)
-    assert wire.load(run_dir)["partition"] == kept  # still cut, as recorded
+    record = wire.load(run_dir)["partition"]
+    assert {key: record[key] for key in kept} == kept  # still cut, as recorded
+    assert "undoing it failed too (b: the guest's tc could not" in record["unfinished"]  # busy again
     assert applied[-1] == ("vmlaunch-cut", partition.plan(lab, [["b"]]).host)  # the table put back
+
+
+def test_a_cut_that_fails_in_the_guests_takes_its_host_cut_back(
+        lab: LabSpec, up: tuple[RunDir, list[Any], list[tuple[str, str]]], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    run_dir, applied, _ = up
+    monkeypatch.setattr(agent, "run", lambda *a, **k: Result(4, b"", b"Unknown filter \"flower\"\n"))
+    with pytest.raises(RuntimeFailure, match="cls_flower"):
+        partition.partition(run_dir, lab, ["b"])
+    assert applied == [("vmlaunch-cut", partition.plan(lab, [["b"]]).host), ("vmlaunch-cut", ())]
+    record = wire.load(run_dir)["partition"]  # the guests' undo failed too: what may be left is named
+    assert (record["groups"], record["where"]) == ([], {"mc": "guest"})
+    monkeypatch.setattr(agent, "run", lambda *a, **k: Result(0, b"", b""))
+    with caplog.at_level(logging.INFO):
+        assert partition.heal(run_dir, lab) == []
+    assert wire.load(run_dir)["partition"] == {"groups": [], "where": {}}
+    assert "unfinished change of the partition left: mc (the tc filters of b, c, d)" in caplog.text
+
+
+def test_a_change_names_what_it_may_leave_before_it_touches_anything(
+        lab: LabSpec, up: tuple[RunDir, list[Any], list[tuple[str, str]]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir, _, _ = up
+    seen: list[Any] = []
+    monkeypatch.setattr(nftables, "apply", lambda table, cuts: seen.append(wire.load(run_dir)["partition"]))
+    partition.partition(run_dir, lab, ["a"])
+    assert seen == [{"groups": [["a"]], "where": {"lan": "host"}, "unfinished": partition.INTERRUPTED}]
+    assert "unfinished" not in wire.load(run_dir)["partition"]
 
 
 def test_a_guest_cut_needs_every_guest_on_the_network_to_have_a_channel(

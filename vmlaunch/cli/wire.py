@@ -67,10 +67,17 @@ def cmd_partition(args: argparse.Namespace) -> int:
         raise RuntimeFailure(f"lab {lab.name} is not up", "`vmlaunch up` it first")
     record = wire.load(run_dir)["partition"]
     groups = [list(group) for group in record.get("groups") or []]
+    unfinished = record.get("unfinished")
     if args.json:
-        print(json.dumps({"groups": groups, "where": record.get("where") or {}}, indent=2))
+        shown = {"groups": groups, "where": record.get("where") or {}}
+        print(json.dumps({**shown, "unfinished": unfinished} if unfinished else shown, indent=2))
         return 0
-    print(describe(lab.vms, groups, record.get("where") or {}))
+    said = describe(lab.vms, groups, record.get("where") or {})
+    print(said if groups or not unfinished else "no partition")  # but the line below
+    if unfinished:
+        print(f"unfinished: {unfinished}; cuts may be left on "
+              + ", ".join(f"{net} ({kind})" for net, kind in sorted((record.get("where") or {}).items()))
+              + f": `vmlaunch partition {args.spec} --heal` removes them")
     return 0
 
 

@@ -18,8 +18,11 @@ Where a cut is made depends on the network:
 - user networks join no VMs (each VM has its own NAT): nothing to cut.
 
 The record is `partition` in wire.json (`runtime/wire.py`): the groups and, per network cut, where.
-It is written before the host is changed and narrowed after, so that a crash in between leaves a
-record that names at least what exists.
+Intent before action: before anything changes it names every cut that may exist while the change
+runs, marked `unfinished`; it is narrowed when the change is done. A change that fails half-way is
+undone; what cannot be undone stays in the record, still `unfinished` (with why), so that a crash
+(kill -9) or a failed undo leaves a record naming at least what exists: `partition` shows it,
+`--heal` removes it and says so, `down` removes the table.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ log = logging.getLogger(__name__)
 GUEST_PREF = 7  # the preference of vmlaunch's filters under a guest NIC's ingress qdisc
 LOCK_TIMEOUT = 60.0  # seconds to wait for another vmlaunch (`up`, `down`) on the lab
 REST = "the rest"
+INTERRUPTED = "a change to the partition did not finish (it is under way, or vmlaunch was stopped)"
 Groups = list[list[str]]
 
 
@@ -158,26 +162,55 @@ def _change(run_dir: RunDir, lab: LabSpec, vms: Sequence[str], *, heal: bool) ->
         cuts = plan(lab, groups)
         if not heal and not cuts.where:
             log.info("%s: no network joins them to other VMs of the lab; nothing to cut", ", ".join(vms))
-        old_where: dict[str, str] = dict(wire.load(run_dir)["partition"].get("where") or {})
-
-        def record(where: dict[str, str]) -> Callable[[wire.State], None]:
-            def change(state: wire.State) -> None:
-                state["partition"] = {"groups": groups, "where": where}
-            return change
-
-        guest_nets = {net for net, kind in {**old_where, **cuts.where}.items() if kind == "guest"}
+        old = wire.load(run_dir)["partition"]
+        old_where: dict[str, str] = dict(old.get("where") or {})
+        may_exist = {**old_where, **cuts.where}
+        guest_nets = {net for net, kind in may_exist.items() if kind == "guest"}
         _check_channels(lab, guest_nets, up)  # before anything changes
-        wire.update(run_dir, record({**old_where, **cuts.where}))  # what may exist while changing
+        wire.update(run_dir, _record(groups, may_exist, INTERRUPTED))  # what may exist while changing
         try:
             if cuts.host or "host" in old_where.values():
                 nftables.apply(nft_table_name(lab.name), cuts.host)
             _apply_guests(run_dir, lab, cuts, guest_nets, up)
-        except BaseException:
-            _restore(run_dir, lab, before, old_where, guest_nets, up)
-            wire.update(run_dir, lambda state: state.update(partition={"groups": before, "where": old_where}))
+        except BaseException as exc:
+            failed = _restore(run_dir, lab, before, may_exist, guest_nets, up)
+            back = plan(lab, before).where
+            left = {**back, **{net: kind for net, kind in may_exist.items() if kind in failed}}
+            why = None
+            if failed:  # the record keeps naming what may be left, for `--heal` and `down`
+                said = exc.message if isinstance(exc, VmlaunchError) else type(exc).__name__
+                undo = "; ".join(failed.values())
+                why = f"a change failed half-way ({said}) and undoing it failed too ({undo})"
+            wire.update(run_dir, _record(before, left, why))
             raise
-        wire.update(run_dir, record(cuts.where))
+        wire.update(run_dir, _record(groups, cuts.where, None))
+        removed = {net: kind for net, kind in may_exist.items() if net not in cuts.where}
+        if old.get("unfinished") and removed:
+            log.info("removed what an unfinished change of the partition left: %s",
+                     _describe_where(lab, removed, up))
+        elif old.get("unfinished"):
+            log.info("the unfinished change of the partition is done: every cut is as shown")
         return groups
+
+
+def _record(groups: Groups, where: dict[str, str], unfinished: str | None) -> Callable[[wire.State], None]:
+    def change(state: wire.State) -> None:
+        state["partition"] = {"groups": groups, "where": where}
+        if unfinished:
+            state["partition"]["unfinished"] = unfinished
+    return change
+
+
+def _describe_where(lab: LabSpec, where: dict[str, str], up: set[str]) -> str:
+    """`lan (nftables table vmlaunch-LAB), mc (the filters of a, b)`."""
+    said = []
+    for net, kind in sorted(where.items()):
+        if kind == "host":
+            said.append(f"{net} (nftables table {nft_table_name(lab.name)})")
+        else:
+            vms = [vm.name for vm in lab.vms if vm.name in up and any(nic.network == net for nic in vm.nics)]
+            said.append(f"{net} (the tc filters of {', '.join(vms) or 'no running VM'})")
+    return ", ".join(said)
 
 
 def _check_channels(lab: LabSpec, networks: set[str], up: set[str]) -> None:
@@ -189,17 +222,25 @@ def _check_channels(lab: LabSpec, networks: set[str], up: set[str]) -> None:
                              "host side, and is cut in the guests through it", "set agent = true on it")
 
 
-def _restore(run_dir: RunDir, lab: LabSpec, groups: Groups, where: dict[str, str], guest_nets: set[str],
-             up: set[str]) -> None:
-    """Put back the partition as it was before a change that failed half-way (best effort: the error
-    of the change is the one the user sees)."""
-    try:
-        cuts = plan(lab, groups)
-        if "host" in where.values() or cuts.host:
+def _restore(run_dir: RunDir, lab: LabSpec, groups: Groups, may_exist: dict[str, str],
+             guest_nets: set[str], up: set[str]) -> dict[str, str]:
+    """Put back the partition as it was before a change that failed half-way, host and guests each
+    tried; returns what could not be put back ("host", "guest" -> why). The error of the change is the
+    one the user sees; these are warnings."""
+    cuts = plan(lab, groups)
+    failed: dict[str, str] = {}
+    if "host" in may_exist.values() or cuts.host:
+        try:
             nftables.apply(nft_table_name(lab.name), cuts.host)
+        except (VmlaunchError, OSError) as exc:
+            failed["host"] = exc.message if isinstance(exc, VmlaunchError) else str(exc)
+    try:
         _apply_guests(run_dir, lab, cuts, guest_nets, up)
     except (VmlaunchError, OSError) as exc:
-        log.warning("putting the partition back as it was failed too: %s", exc)
+        failed["guest"] = exc.message if isinstance(exc, VmlaunchError) else str(exc)
+    for why in failed.values():
+        log.warning("putting the partition back as it was failed too: %s", why)
+    return failed
 
 
 def _apply_guests(run_dir: RunDir, lab: LabSpec, cuts: Cuts, networks: set[str], up: set[str]) -> None:
@@ -219,16 +260,19 @@ def _apply_guests(run_dir: RunDir, lab: LabSpec, cuts: Cuts, networks: set[str],
 
 
 def guest_script(nics: dict[str, tuple[str, ...]]) -> str:
-    """The shell script that leaves each NIC (by MAC) dropping frames from exactly the MACs given."""
+    """The shell script that leaves each NIC (by MAC) dropping frames from exactly the MACs given. A
+    filter that is not there is not an error (a heal, or the undo of a cut that failed half-way), nor
+    is a guest without tc when nothing is to be dropped: it has no filter of vmlaunch's to remove."""
+    no_tc = "exit 0" if not any(nics.values()) else "{ echo 'no tc (iproute2) in the guest' >&2; exit 127; }"
     lines = [
-        "command -v tc >/dev/null 2>&1 || { echo 'no tc (iproute2) in the guest' >&2; exit 127; }",
+        f"command -v tc >/dev/null 2>&1 || {no_tc}",
         "nic() { for d in /sys/class/net/*; do",
         '  [ "$(cat "$d/address" 2>/dev/null)" = "$1" ] && { echo "${d##*/}"; return 0; }',
         'done; echo "no interface has MAC $1" >&2; return 1; }',
     ]
     for mac, drop in nics.items():
         lines.append(f"dev=$(nic {shlex.quote(mac)}) || exit 3")
-        lines.append(f'tc filter del dev "$dev" ingress pref {GUEST_PREF} 2>/dev/null')
+        lines.append(f'tc filter del dev "$dev" ingress pref {GUEST_PREF} 2>/dev/null || :')
         if drop:
             lines.append('tc qdisc add dev "$dev" ingress 2>/dev/null')
         for other in drop:
