@@ -129,3 +129,59 @@ def test_ksm_true_without_root_is_exit_3(tmp_path: Path, run_dir: Path, test_gue
     assert f"{spec}:4: lab.memory.ksm: turning host KSM on needs root" in capsys.readouterr().err
     monkeypatch.undo()
     assert settings() == host_ksm and not (run_dir / "user").exists()
+
+
+def claims() -> dict[str, object] | None:
+    import json
+
+    path = HOST_CLAIMS_DIR / CLAIMS_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def test_labs_under_two_run_roots_share_one_record_of_the_hosts_ksm(
+        tmp_path: Path, run_dir: Path, test_guest: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 42 item 22: the host's settings before any lab are recorded once for the host (in
+    /run/vmlaunch, whatever a lab's VMLAUNCH_RUN_DIR), so the first lab to go under one run root
+    leaves KSM on for a lab under another, and the last one puts back what the host had. Labs of
+    other runs on this host may hold KSM meanwhile: then the record they share keeps the host's
+    settings as they were before the first of them, whatever these two labs do."""
+    import shutil
+    import tempfile
+
+    if not (KSM / "run").exists() or not (KSM / "run").stat().st_mode & 0o200:
+        pytest.skip("no KSM to write here")
+    before, record = settings(), claims()
+    if record is None and before["run"] != "0":
+        pytest.skip("KSM runs on this host already (an administrator's)")
+    other = Path(tempfile.mkdtemp(prefix="vl-"))
+    first = lab(tmp_path, test_guest, "root1")
+    second = lab(tmp_path, test_guest, "root2", "ksm_pages_to_scan = 300\nksm_sleep_ms = 30\n")
+    try:
+        assert main(["up", str(first)]) == 0
+        monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(other))
+        assert main(["up", str(second)]) == 0
+        shared = claims()
+        assert shared is not None
+        assert not (other / CLAIMS_FILE).exists() and not (run_dir / CLAIMS_FILE).exists()
+        labs = shared["labs"]
+        assert isinstance(labs, list)
+        assert {(str(run_dir), "root1"), (str(other), "root2")} <= {(c["root"], c["lab"]) for c in labs}
+        if record is not None:
+            assert shared["saved"] == record["saved"]  # the host's own, from before the first lab
+        monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(run_dir))
+        assert main(["down", str(first)]) == 0
+        now = settings()
+        assert now["run"] == "1" and int(now["pages_to_scan"]) >= 300, now  # root2 still wants it
+        monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(other))
+        assert main(["down", str(second)]) == 0
+        after = claims()
+        if record is None:
+            assert settings() == before and after is None
+        else:  # other runs' labs still hold it: nothing of these two is left in the record
+            assert after is None or not {"root1", "root2"} & {c["lab"] for c in after["labs"]}  # type: ignore
+    finally:
+        monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(run_dir))
+        main(["down", str(first)])
+        monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(other))
+        main(["down", str(second)])
+        shutil.rmtree(other, ignore_errors=True)

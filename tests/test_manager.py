@@ -142,11 +142,12 @@ def test_notes_weigh_the_budget_when_a_manager_keeps_to_it(tmp_path: Path) -> No
 
 def test_a_manager_missing_from_its_journal_stops_itself(tmp_path: Path) -> None:
     """Started by an `up` killed before it journaled the manager (or taken out of the journal): nothing
-    would stop it, so after a grace period it stops itself; one that is journaled goes on."""
+    would stop it, so once no `up` holds the lab's lock (the grace period) it stops itself; one that is
+    journaled goes on."""
     import asyncio
 
     from vmlaunch.resources.manager import ManagerRecord
-    from vmlaunch.runtime.journal import Entry, Journal
+    from vmlaunch.runtime.journal import Entry, Journal, locked
     from vmlaunch.runtime.manager import ORPHAN_AFTER, Manager
 
     run_dir = RunDir(tmp_path / "t")
@@ -158,7 +159,8 @@ def test_a_manager_missing_from_its_journal_stops_itself(tmp_path: Path) -> None
         if journaled:
             journal = Journal(run_dir, spec="/l/lab.toml")
             journal.add(Entry("manager", "lab", None, ManagerRecord(os.getpid(), 1, str(run_dir.path))))
-        await manager.round()
+        with locked(run_dir, 5):  # the `up` that started it, still under way
+            await manager.round()
         assert not manager.stopping.is_set()  # in its grace period
         manager.started -= ORPHAN_AFTER + 1
         await manager.round()
@@ -208,3 +210,79 @@ def test_the_manager_notes_a_guests_floor_when_its_balloon_stops_short(tmp_path:
     manager.observe_floor(vm, 100 * M)  # at its target: no floor to see
     manager.observe_floor(vm, 100 * M)
     assert vm.floor is None
+
+
+@pytest.mark.parametrize("loss", ["settings", "journal", "run dir", "run dir made anew"])
+def test_a_manager_whose_lab_is_gone_stops_and_says_why(tmp_path: Path, loss: str,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Whatever of its lab goes first (issue 48): a round that finds it gone stops the manager, and
+    its log says why."""
+    import asyncio
+    import shutil
+
+    from vmlaunch.resources.manager import ManagerRecord
+    from vmlaunch.runtime.journal import Entry, Journal, VmEntry
+    from vmlaunch.runtime.manager import Manager
+
+    run_dir = RunDir(tmp_path / "t")
+    run_dir.create()
+    write_config(run_dir, ManagerConfig(lab="t", budget_mib=640, vms=()))
+    journal = Journal(run_dir, spec="/l/lab.toml")
+    journal.add(Entry("manager", "lab", None, ManagerRecord(os.getpid(), 1, str(run_dir.path))))
+    journal.vms["a"] = VmEntry(pid=None, started=0.0, accel="tcg")  # still starting: nothing to watch
+    journal.save()
+
+    async def rounds() -> tuple[bool, bool]:
+        manager = Manager(run_dir)
+        await manager.round()
+        first = manager.stopping.is_set()
+        if loss == "settings":
+            run_dir.manager_config.unlink()
+        elif loss == "journal":
+            run_dir.state.unlink()
+        else:
+            shutil.rmtree(run_dir.path)
+            if loss == "run dir made anew":
+                run_dir.create()
+                write_config(run_dir, ManagerConfig(lab="t", budget_mib=640, vms=()))
+        await manager.round()
+        return first, manager.stopping.is_set()
+
+    caplog.set_level("INFO", "vmlaunch.runtime.manager")
+    assert asyncio.run(rounds()) == (False, True)
+    said = {"settings": f"its settings {run_dir.manager_config} are gone",
+            "journal": f"the lab's journal {run_dir.state} is gone",
+            "run dir": f"its run dir {run_dir.path} is gone",
+            # (another run's journal, or none; the file system may give the new one the same inode)
+            "run dir made anew": f"its run dir {run_dir.path} was removed (the one there now is another "
+                                 "run's)"}
+    stops = ": nothing of the lab is left to manage, so the lab manager stops"
+    assert f"{said[loss]}{stops}" in caplog.text or (
+        loss == "run dir made anew" and f"{said['journal']}{stops}" in caplog.text)
+
+
+def test_a_manager_of_a_lab_without_vms_stops_after_the_grace_period(tmp_path: Path) -> None:
+    """Journaled, but no VM in the journal and no QEMU of the lab running, and no `up` under way
+    (an `up` killed before its VMs were journaled, never taken down): nothing to manage."""
+    import asyncio
+
+    from vmlaunch.resources.manager import ManagerRecord
+    from vmlaunch.runtime.journal import Entry, Journal
+    from vmlaunch.runtime.manager import ORPHAN_AFTER, Manager
+
+    run_dir = RunDir(tmp_path / "t")
+    run_dir.create()
+    write_config(run_dir, ManagerConfig(lab="t", budget_mib=640, vms=()))
+    Journal(run_dir, spec="/l/lab.toml").add(
+        Entry("manager", "lab", None, ManagerRecord(os.getpid(), 1, str(run_dir.path))))
+
+    async def rounds() -> tuple[bool, bool]:
+        manager = Manager(run_dir)
+        await manager.round()
+        first = manager.stopping.is_set()
+        assert manager.idle_since is not None
+        manager.idle_since -= ORPHAN_AFTER + 1
+        await manager.round()
+        return first, manager.stopping.is_set()
+
+    assert asyncio.run(rounds()) == (False, True)

@@ -37,6 +37,7 @@ def image_folders(lab: LabSpec | None) -> list[Path]:
 
 def host_checks(host: Host | None, problem: str | None, lab: LabSpec | None = None) -> list[Finding]:
     from vmlaunch.doctor import host as checks
+    from vmlaunch.doctor.strays import check_strays
 
     sysfs, proc = roots()
     found = list(checks.check_qemu(host, problem))
@@ -47,7 +48,7 @@ def host_checks(host: Host | None, problem: str | None, lab: LabSpec | None = No
     folders = image_folders(lab)
     found += [*checks.check_iommu(sysfs, proc), *checks.check_thp(sysfs),
               *checks.check_io_scheduler(folders, sysfs), *checks.check_memory(),
-              *checks.check_disk_space(folders)]
+              *checks.check_disk_space(folders), *check_strays(proc)]
     return found
 
 

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -138,6 +139,8 @@ class ManagerRecord:
         from vmlaunch.layout import lastrun
 
         run_dir = RunDir(Path(self.run_dir))
+        for problem in stop_unjournaled(run_dir):  # one an interrupted `up` started, if any
+            log.warning("%s", problem)
         lastrun.keep_manager(run_dir)
         lastrun.keep_events(run_dir)  # complete now: its writer has stopped
         for path in (run_dir.manager_state, run_dir.manager_config):
@@ -191,9 +194,10 @@ class LabManager(LabWide):
         try:
             # The manager forks once more and its first process exits at once: the manager is nobody's
             # child, and no caller of `up` (the API, a test) is left with a zombie.
+            # The run dir absolute: `doctor` and `down` know the manager's lab by its command line.
             child = subprocess.Popen(
-                [sys.executable, "-m", "vmlaunch.runtime.managerd", str(self.run_dir.path), "--ready-fd",
-                 str(ready_w)], stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile,
+                [sys.executable, "-m", "vmlaunch.runtime.managerd", os.path.abspath(self.run_dir.path),
+                 "--ready-fd", str(ready_w)], stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile,
                 pass_fds=(ready_w,), start_new_session=True, umask=0o077)
         finally:
             os.close(logfile)
@@ -209,6 +213,10 @@ class LabManager(LabWide):
             if pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
+            else:  # it may have forked already, and not said so yet: found by its command line
+                child.kill()
+                child.wait()
+                stop_unjournaled(self.run_dir)
             raise
         finally:
             os.close(ready_r)
@@ -218,6 +226,42 @@ class LabManager(LabWide):
             raise RuntimeFailure("the lab manager did not start" + (f": {tail}" if tail else ""),
                                  f"its log is {self.run_dir.manager_log}")
         return ManagerRecord(pid=pid, started=started, run_dir=str(self.run_dir.path))
+
+
+def stop_unjournaled(run_dir: RunDir, but: int | None = None) -> list[str]:
+    """Stop every lab manager of `run_dir` but the journaled one (`but`), found by its command line
+    until a scan finds none: a manager whose first process forks as it is signalled shows in the next
+    scan. For a caller that holds the lab's lock, so no `up` is starting one. What failed, one line
+    each."""
+    from vmlaunch.host.processes import Kind, of_run_dir
+
+    signalled: set[int] = set()
+    for _ in range(10):
+        found = [p.pid for p in of_run_dir(run_dir.path, Kind.MANAGER) if p.pid != but]
+        if not found:
+            return []
+        for pid in found:
+            if pid not in signalled:
+                log.info("stopping a lab manager of %s that no journal names (pid %d)", run_dir.lab, pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM if pid not in signalled else signal.SIGKILL)
+            signalled.add(pid)
+        deadline = time.monotonic() + STOP_TIMEOUT
+        while time.monotonic() < deadline and any(start_time(pid) is not None for pid in found):
+            time.sleep(0.05)
+    left = [p.pid for p in of_run_dir(run_dir.path, Kind.MANAGER) if p.pid != but]
+    return [f"a lab manager of {run_dir.lab} that no journal names would not stop: kill -9 {pid}"
+            for pid in left]
+
+
+def release_unjournaled_manager(ctx: Context, journaled: Callable[[str, str], bool]) -> list[str]:
+    """For `down`: a lab manager no journal names (an `up` interrupted between starting it and
+    journaling it) is stopped; the journaled one is stopped by its record."""
+    if journaled(ManagerRecord.kind, "lab"):
+        return []
+    from vmlaunch.layout.dirs import run_root
+
+    return stop_unjournaled(RunDir.of(run_root(), ctx.lab))
 
 
 def _read_ready(fd: int, timeout: float) -> int | None:

@@ -11,7 +11,7 @@ from vmlaunch.resources.guest import LabDirRecord, VmFileRecord
 from vmlaunch.resources.hugepages import HugepagesRecord
 from vmlaunch.resources.image import ImageRecord
 from vmlaunch.resources.ksm import KsmRecord, release_unjournaled_ksm
-from vmlaunch.resources.manager import ManagerRecord
+from vmlaunch.resources.manager import ManagerRecord, release_unjournaled_manager
 from vmlaunch.resources.netem import NetemRecord
 from vmlaunch.resources.pci import PciRecord
 from vmlaunch.resources.placement import PlacementRecord
@@ -52,6 +52,7 @@ RECORDS: dict[str, type[Record]] = {record.kind: record for record in (
 UNJOURNALED_CLAIMS: tuple[Callable[[Context, Callable[[str, str], bool]], list[str]], ...] = (
     release_unjournaled_bridges,
     release_unjournaled_ksm,
+    release_unjournaled_manager,
 )
 
 

@@ -100,6 +100,9 @@ class Manager:
         self.saved_targets = self._saved_targets()
         self.started = time.monotonic()
         self.journaled = False  # seen in the lab's journal: from then on it must stay there
+        self.identity = _identity(run_dir.path)  # its run dir: one made anew at the path is another lab's
+        self.idle_since: float | None = None  # since when the lab has had no VM and no up or down running
+        self.lab_busy = True  # an `up` or `down` of the lab held its lock at the start of this round
         self.balancer = Balancer()
         self.events = Writer(run_dir)
 
@@ -158,11 +161,15 @@ class Manager:
         mine = journal.entry("manager", "lab")
         if mine is not None and getattr(mine.record, "pid", None) == os.getpid():
             self.journaled = True
-        elif self.journaled or time.monotonic() - self.started > ORPHAN_AFTER:
+        elif self.journaled or self._past_grace():
             # Taken out of the journal (down could not stop it), or never put in (the `up` that started
             # it was killed before it could): nobody would ever stop it.
             log.info("not in the lab's journal (any more): nothing would stop this manager, so it stops")
             self.stopping.set()
+            return {}
+        idle = self._idle(len(journal.vms))
+        if idle is not None:
+            self.stop(idle)
             return {}
         found = {}
         for name, entry in journal.vms.items():
@@ -173,9 +180,57 @@ class Manager:
                 found[name] = pid
         return found
 
+    def gone(self) -> str | None:
+        """Why the lab is gone, None while it is not: whatever order its files disappear in, a manager
+        whose lab no command knows any more stops (the journal's own check is in `_running`)."""
+        path = self.run_dir.path
+        identity = _identity(path)
+        if identity is None:
+            return f"its run dir {path} is gone"
+        if identity != self.identity:
+            return f"its run dir {path} was removed (the one there now is another run's)"
+        if not os.path.lexists(self.run_dir.manager_config):
+            return f"its settings {self.run_dir.manager_config} are gone"
+        if not os.path.lexists(self.run_dir.state) and (self.journaled or self._past_grace()):
+            return f"the lab's journal {self.run_dir.state} is gone"
+        return None
+
+    def _past_grace(self) -> bool:
+        """Whether a manager not (yet) in its lab's journal should be by now: the `up` that started
+        it has let the lab's lock go (it journals its manager before), or a minute went by."""
+        return not self.lab_busy or time.monotonic() - self.started > ORPHAN_AFTER
+
+    def _idle(self, journal_vms: int) -> str | None:
+        """Why the lab is gone when it has no VM: none in its journal, no QEMU of it running, and no
+        `up` or `down` of it under way, for ORPHAN_AFTER seconds (an `up` interrupted and never taken
+        down); None while it has one."""
+        from vmlaunch.host.processes import Kind, of_run_dir
+
+        busy = journal_vms or self.lab_busy or of_run_dir(self.run_dir.path, Kind.QEMU)
+        if busy:
+            self.idle_since = None
+            return None
+        now = time.monotonic()
+        self.idle_since = self.idle_since if self.idle_since is not None else now
+        if now - self.idle_since < ORPHAN_AFTER:
+            return None
+        return f"the lab has had no VM (no QEMU of it running) for {ORPHAN_AFTER:g} s"
+
+    def stop(self, why: str) -> None:
+        log.info("%s: nothing of the lab is left to manage, so the lab manager stops", why)
+        self.stopping.set()
+
     async def round(self) -> None:
+        from vmlaunch.host.processes import lab_locked
+
+        self.lab_busy = lab_locked(self.run_dir.lock)  # before the journal is read: see _past_grace
+        why = self.gone()
+        if why is not None:
+            self.stop(why)
+            return
         self.config = self._read_config()
         if self.config is None:
+            self.stop(f"its settings {self.run_dir.manager_config} are gone")
             return
         config = self.config
         running = self._running()
@@ -323,6 +378,15 @@ class Manager:
             write_atomic(self.run_dir.manager_state, json.dumps(doc, indent=1) + "\n", durable=False)
         except OSError as exc:
             log.warning("cannot write %s: %s", self.run_dir.manager_state, exc.strerror or exc)
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The run dir's device and inode; None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
 
 
 def main(argv: list[str] | None = None) -> int:
