@@ -77,39 +77,57 @@ def _domain(libvirt: Any, dom: Any) -> None:
 
 
 @attrs.frozen
-class RemotePoolRecord:
-    """The lab's directory pool on a host, and every volume in it."""
+class _ObjectRecord:
+    """A libvirt object of the lab's on a host (a pool, a network, a domain): undone by its name while
+    it still has the record's UUID (`_undo_object`)."""
 
-    kind: ClassVar[str] = "remote-pool"
+    lookup: ClassVar[str]  # the connection's call that finds it by name
     host: str
     uri: str
     name: str
     uuid: str
-    path: str
+
+    def what(self) -> str:
+        raise NotImplementedError
+
+    def remove(self, libvirt: Any, found: Any) -> None:
+        raise NotImplementedError
 
     def undo(self, ctx: Context, *, rollback: bool) -> None:
-        _undo_object(self, "storagePoolLookupByName", f"storage pool {self.name} ({self.path})", _pool)
+        _undo_object(self, self.lookup, self.what(), self.remove)
 
     def describe(self) -> str:
-        return f"host {self.host}: storage pool {self.name} ({self.path}) and its volumes"
+        return f"host {self.host}: {self.what()}"
 
 
 @attrs.frozen
-class RemoteNetworkRecord:
+class RemotePoolRecord(_ObjectRecord):
+    """The lab's directory pool on a host, and every volume in it."""
+
+    kind: ClassVar[str] = "remote-pool"
+    lookup: ClassVar[str] = "storagePoolLookupByName"
+    path: str
+
+    def what(self) -> str:
+        return f"storage pool {self.name} ({self.path}) and its volumes"
+
+    def remove(self, libvirt: Any, found: Any) -> None:
+        _pool(libvirt, found)
+
+
+@attrs.frozen
+class RemoteNetworkRecord(_ObjectRecord):
     """A lab network's bridge on a host, as a libvirt network (it makes and removes the bridge)."""
 
     kind: ClassVar[str] = "remote-network"
-    host: str
-    uri: str
-    name: str
-    uuid: str
+    lookup: ClassVar[str] = "networkLookupByName"
     bridge: str
 
-    def undo(self, ctx: Context, *, rollback: bool) -> None:
-        _undo_object(self, "networkLookupByName", f"network {self.name} (bridge {self.bridge})", _network)
+    def what(self) -> str:
+        return f"network {self.name} (bridge {self.bridge})"
 
-    def describe(self) -> str:
-        return f"host {self.host}: network {self.name} (bridge {self.bridge})"
+    def remove(self, libvirt: Any, found: Any) -> None:
+        _network(libvirt, found)
 
 
 @attrs.frozen
@@ -137,22 +155,22 @@ class RemoteLinkRecord:
 
 
 @attrs.frozen
-class RemoteDomainRecord:
+class RemoteDomainRecord(_ObjectRecord):
     """A VM of the lab, a libvirt domain on its host, and the serial console log it writes there."""
 
     kind: ClassVar[str] = "remote-domain"
-    host: str
-    uri: str
-    name: str  # the domain's: LAB-VM
-    uuid: str
+    lookup: ClassVar[str] = "lookupByName"
     vm: str
     log: str  # its serial console log on the host
 
+    def what(self) -> str:
+        return f"domain {self.name} (VM {self.vm})"
+
+    def remove(self, libvirt: Any, found: Any) -> None:
+        _domain(libvirt, found)
+
     def undo(self, ctx: Context, *, rollback: bool) -> None:
-        _undo_object(self, "lookupByName", f"domain {self.name}", _domain)
+        super().undo(ctx, rollback=rollback)
         if parse_uri(self.uri).shell:  # its log goes too, where vmlaunch can run commands
             with contextlib.suppress(VmlaunchError):
                 remote.shell(self.host, self.uri, f"rm -f {shlex.quote(self.log)}\n")
-
-    def describe(self) -> str:
-        return f"host {self.host}: domain {self.name} (VM {self.vm})"

@@ -26,12 +26,13 @@ read, for a new QEMU starts without any of it. Changes are made under the lab's 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -290,88 +291,75 @@ def running_as(qmp: QuickQmp, where: Target) -> Target:
 # --- changes -------------------------------------------------------------------------------------
 
 
+Change = tuple[QuickQmp, Target, dict[str, Any], dict[str, Any], list[DiskFault]]
+
+
+@contextlib.contextmanager
+def _disk(run_dir: RunDir, lab: LabSpec, vm: str, disk: str, timeout: float) -> Iterator[Change]:
+    """A change of one disk's faults: under the lab's lock, with its QEMU's QMP, the disk as QEMU runs
+    it, the lab's fault records, this disk's record and its faults not yet spent. The records are
+    saved when the change ends, whether it went through or not."""
+    from vmlaunch.runtime.journal import locked
+
+    lab.select([vm])
+    with locked(run_dir, timeout):
+        where = target(run_dir, lab, vm, disk)
+        with QuickQmp(run_dir.vm(vm).qmp, timeout=QMP_TIMEOUT) as qmp:
+            where = running_as(qmp, where)
+            vms = load(run_dir)
+            record = _record(vms, where)
+            try:
+                yield qmp, where, vms, record, _unspent(run_dir, where, record)
+            finally:
+                _save(run_dir, vms)
+
+
 def set_fault(run_dir: RunDir, lab: LabSpec, vm: str, disk: str, fault: DiskFault,
               timeout: float = LOCK_TIMEOUT) -> str:
     """Set `fault` on a disk of running VM `vm`; returns what is now set on it, described. An error
     fault replaces one on the same requests and sector; a slow one replaces the disk's slow one."""
-    from vmlaunch.runtime.journal import locked
-
-    lab.select([vm])
-    with locked(run_dir, timeout):
-        where = target(run_dir, lab, vm, disk)
-        with QuickQmp(run_dir.vm(vm).qmp, timeout=QMP_TIMEOUT) as qmp:
-            where = running_as(qmp, where)
-            vms = load(run_dir)
-            record = _record(vms, where)
-            faults = _unspent(run_dir, where, record)
-            _check(where, fault, faults)
-            set_now = {name: faults if name == where.name else _spent_off(run_dir, vm, name, other)
-                       for name, other in vms[vm]["disks"].items()}
-            actions = {name: _on_error(qmp, where, name) for name, there in set_now.items() if there}
-            _check_pauses(where, fault, actions, set_now)
-            if fault.kind is FaultKind.ERROR:
-                _check_sector(qmp, where, fault)
-            kept = [old for old in faults if not replaces(fault, old)]
-            try:
-                if fault.once and len(kept) < len(faults):
-                    # the error it replaces goes first: a request it fails while the new rules come in
-                    # must not count as the once error's
-                    _apply(qmp, where, record, kept)
-                if fault.kind is FaultKind.ERROR and fault.once:
-                    record.setdefault("armed", {})[_key(fault)] = time.time()
-                faults = [*kept, fault]
-                _apply(qmp, where, record, faults)
-            finally:
-                _save(run_dir, vms)
+    with _disk(run_dir, lab, vm, disk, timeout) as (qmp, where, vms, record, faults):
+        _check(where, fault, faults)
+        set_now = {name: faults if name == where.name else _spent_off(run_dir, vm, name, other)
+                   for name, other in vms[vm]["disks"].items()}
+        actions = {name: _on_error(qmp, where, name) for name, there in set_now.items() if there}
+        _check_pauses(where, fault, actions, set_now)
+        if fault.kind is FaultKind.ERROR:
+            _check_sector(qmp, where, fault)
+        kept = [old for old in faults if not replaces(fault, old)]
+        if fault.once and len(kept) < len(faults):
+            # the error it replaces goes first: a request it fails while the new rules come in must not
+            # count as the once error's
+            _apply(qmp, where, record, kept)
+        if fault.kind is FaultKind.ERROR and fault.once:
+            record.setdefault("armed", {})[_key(fault)] = time.time()
+        faults = [*kept, fault]
+        _apply(qmp, where, record, faults)
         _note(run_dir, vm, where.name, f"set {describe(fault)}")
-        return "; ".join(describe(item) for item in faults)
+    return "; ".join(describe(item) for item in faults)
 
 
 def release(run_dir: RunDir, lab: LabSpec, vm: str, disk: str, timeout: float = LOCK_TIMEOUT) -> list[str]:
     """Let the held requests of a disk go; returns the kinds released. UsageError when none is held."""
-    from vmlaunch.runtime.journal import locked
-
-    lab.select([vm])
-    with locked(run_dir, timeout):
-        where = target(run_dir, lab, vm, disk)
-        with QuickQmp(run_dir.vm(vm).qmp, timeout=QMP_TIMEOUT) as qmp:
-            where = running_as(qmp, where)
-            vms = load(run_dir)
-            record = _record(vms, where)
-            faults = _unspent(run_dir, where, record)
-            held = [fault.op or "" for fault in faults if fault.kind is FaultKind.HANG]
-            if not held:
-                raise UsageError(f"{vm} {where.name}: nothing is held", f"`vmlaunch fault SPEC {vm} "
-                                 f"{where.name} hang --write` holds its writes")
-            try:
-                _apply(qmp, where, record, [fault for fault in faults if fault.kind is not FaultKind.HANG])
-            finally:
-                _save(run_dir, vms)
+    with _disk(run_dir, lab, vm, disk, timeout) as (qmp, where, _, record, faults):
+        held = [fault.op or "" for fault in faults if fault.kind is FaultKind.HANG]
+        if not held:
+            raise UsageError(f"{vm} {where.name}: nothing is held", f"`vmlaunch fault SPEC {vm} "
+                             f"{where.name} hang --write` holds its writes")
+        _apply(qmp, where, record, [fault for fault in faults if fault.kind is not FaultKind.HANG])
         _note(run_dir, vm, where.name, f"released held {requests(held)}")
-        return held
+    return held
 
 
 def clear(run_dir: RunDir, lab: LabSpec, vm: str, disk: str,
           timeout: float = LOCK_TIMEOUT) -> list[DiskFault]:
     """Take every fault off a disk (holds released first); returns what was set."""
-    from vmlaunch.runtime.journal import locked
-
-    lab.select([vm])
-    with locked(run_dir, timeout):
-        where = target(run_dir, lab, vm, disk)
-        with QuickQmp(run_dir.vm(vm).qmp, timeout=QMP_TIMEOUT) as qmp:
-            where = running_as(qmp, where)
-            vms = load(run_dir)
-            record = _record(vms, where)
-            faults = _unspent(run_dir, where, record)
-            if not (faults or record.get("node")):
-                return faults
-            try:
-                _apply(qmp, where, record, [])
-            finally:
-                _save(run_dir, vms)
+    with _disk(run_dir, lab, vm, disk, timeout) as (qmp, where, _, record, faults):
+        if not (faults or record.get("node")):
+            return faults
+        _apply(qmp, where, record, [])
         _note(run_dir, vm, where.name, "cleared")
-        return faults
+    return faults
 
 
 def undo(run_dir: RunDir, names: Iterable[str] | None = None, *, why: str,
