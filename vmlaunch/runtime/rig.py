@@ -3,14 +3,16 @@ must succeed or fail, waits for a command, a systemd unit or a listening port, a
 folders both ways. `api.Vm` and the `exec`/`cp` commands are thin over these.
 
 Copies travel as tar streams (the guest's `tar`: busybox's and GNU's read and write the same format):
-modes are kept, the guest's copies belong to root, and what comes from the guest is extracted on the
-host through tarfile's `data` filter (no absolute paths, nothing outside the target, no device nodes,
-no setuid or setgid bits): the guest is not trusted.
+modes are kept, the guest's copies belong to root. What comes from the guest is hostile: it is
+unpacked beneath a descriptor of a staging folder, never through a link, and merged into the target
+without following what stands there (core/beneath.py: no absolute names, nothing outside the target,
+no device nodes or FIFOs, no setuid or setgid bits, links only inside the copy).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 import tarfile
@@ -18,7 +20,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import attrs
 
@@ -274,53 +276,59 @@ class Guest:
         """Copy the guest's file or folder `source` to the host's `target`, as `cp -r` would (into
         `target` when it is a folder). Modes are kept, less setuid and setgid bits; the copies belong to
         whoever runs vmlaunch; links may only point inside the copy, device nodes are refused. Returns
-        the host path written."""
+        the host path written.
+
+        The guest's stream is hostile input: it is unpacked beneath a descriptor of a staging folder
+        that vmlaunch made, never through a link (core/beneath.py says how and why), then merged into
+        the target without following anything that already stands there."""
+        from vmlaunch.core import beneath
+
         _check_guest_path(source)
         stripped = source.rstrip("/") or "/"
         if stripped == "/":
             raise UsageError("copying the guest's whole root folder is not supported: name a folder in it")
         parent, name = os.path.dirname(stripped) or "/", os.path.basename(stripped)
         dest = Path(target)
-        final = dest / name if dest.is_dir() else dest
-        if not final.parent.is_dir():
-            raise UsageError(f"{final.parent}: no such folder on the host")
-        staging = Path(tempfile.mkdtemp(prefix=".vmlaunch-cp.", dir=final.parent))
+        final = dest / name if dest.is_dir() else dest  # the user's own name is followed, nothing below it
+        if final.name in ("", ".", ".."):
+            raise UsageError(f"{target}: name the file or folder to write on the host")
         try:
-            with tempfile.TemporaryFile(dir=staging) as stream:
-                result = self.run(["sh", "-c", PACK, "pack", parent, name], timeout=timeout, limit=limit,
-                                  stdout=stream)
-                if result.exit_code != 0:
-                    raise CommandFailed(f"{self.vm}: cannot read {source} in the guest", result)
-                if result.truncated:
-                    raise RuntimeFailure(f"{self.vm}: {source} is larger than the {limit} bytes a copy may "
-                                         "bring")
-                stream.seek(0)
-                unpacked = staging / "tree"
-                unpacked.mkdir()
-                try:
-                    with tarfile.open(fileobj=stream, mode="r:") as tar:
-                        trusted: dict[str, Any] = ({"filter": "fully_trusted"}
-                                                   if hasattr(tarfile, "fully_trusted_filter") else {})
-                        tar.extractall(unpacked, members=safe_members(tar, name), numeric_owner=True,
-                                       **trusted)  # checked by safe_members
-                except (tarfile.TarError, OSError) as exc:
-                    raise RuntimeFailure(f"{self.vm}: the copy of {source} cannot be unpacked safely: "
-                                         f"{exc}") from None
-            got = unpacked / name
-            if not os.path.lexists(got):
-                raise RuntimeFailure(f"{self.vm}: the copy of {source} holds no {name}")
-            if got.is_dir() and not got.is_symlink() and os.path.lexists(final) and not final.is_dir():
-                raise UsageError(f"{final} is not a folder: cannot put the folder {source} there")
-            try:
-                if final.is_dir() and not final.is_symlink() and got.is_dir():
-                    shutil.copytree(got, final, symlinks=True, dirs_exist_ok=True)  # cp -r: merge
-                else:
-                    os.replace(got, final)
-            except OSError as exc:
-                raise RuntimeFailure(f"cannot write {final}: {exc.strerror or exc}") from None
+            where = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            raise UsageError(f"{final.parent}: no such folder on the host") from None
+        staging = f".vmlaunch-cp.{os.getpid()}.{secrets.token_hex(4)}"
+        try:
+            os.mkdir(staging, 0o700, dir_fd=where)
+            with beneath.opened_dir(where, [staging]) as staged:
+                self._unpack(source, parent, name, staged, final.parent, timeout, limit)
+                beneath.merge(staged, name, where, final.name, str(final))
+        except beneath.Refused as refused:
+            raise RuntimeFailure(f"{self.vm}: the copy of {source} was refused: {refused}",
+                                 "what the guest sent would reach outside the destination or is not "
+                                 "a plain file, folder or link; nothing of it was kept") from None
+        except OSError as exc:
+            raise RuntimeFailure(f"cannot write {final}: {exc.strerror or exc}") from None
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(final.parent / staging, ignore_errors=True)  # fd-based: follows no link
+            os.close(where)
         return final
+
+    def _unpack(self, source: str, parent: str, name: str, staged: int, spool: Path,
+                timeout: float | None, limit: int) -> None:
+        """The guest's tar stream of `parent/name` (spooled in a nameless file in `spool`), unpacked
+        beneath the folder open as `staged` (core/beneath.py)."""
+        from vmlaunch.core import beneath
+
+        with tempfile.TemporaryFile(dir=spool) as stream:
+            result = self.run(["sh", "-c", PACK, "pack", parent, name], timeout=timeout, limit=limit,
+                              stdout=stream)
+            if result.exit_code != 0:
+                raise CommandFailed(f"{self.vm}: cannot read {source} in the guest", result)
+            if result.truncated:
+                raise RuntimeFailure(f"{self.vm}: {source} is larger than the {limit} bytes a copy may "
+                                     "bring")
+            stream.seek(0)
+            beneath.extract(stream, staged, name)
 
 
 def _check_guest_path(path: str) -> None:
@@ -338,28 +346,3 @@ def split_vm_path(text: str) -> tuple[str | None, str]:
         if vm and "/" not in vm:
             return vm, path
     return None, text
-
-
-def safe_members(tar: tarfile.TarFile, name: str) -> list[tarfile.TarInfo]:
-    """The members of a tar stream from a guest, checked to land inside `name` and made harmless:
-    relative names under `name` only, links pointing inside it, no device nodes or FIFOs, modes
-    without setuid, setgid or sticky bits, owned by whoever extracts. RuntimeFailure otherwise."""
-    checked = []
-    for member in tar.getmembers():
-        parts = Path(member.name).parts
-        if member.name.startswith("/") or ".." in parts or not parts or parts[0] != name:
-            raise RuntimeFailure(f"the guest sent {member.name!r}, outside {name}: refused")
-        if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
-            raise RuntimeFailure(f"{member.name} is a device node or FIFO: a copy brings files, folders "
-                                 "and links only")
-        if member.issym() or member.islnk():
-            base = Path(member.name).parent if member.issym() else Path(".")
-            target = os.path.normpath(base / member.linkname)
-            if member.linkname.startswith("/") or target == ".." or target.startswith("../") \
-                    or Path(target).parts[:1] != (name,):
-                raise RuntimeFailure(f"{member.name} links to {member.linkname}, outside the copy: refused")
-        member.mode &= 0o777
-        member.uid, member.gid = os.geteuid(), os.getegid()
-        member.uname = member.gname = ""
-        checked.append(member)
-    return checked
