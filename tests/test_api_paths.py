@@ -154,7 +154,7 @@ def test_a_missing_spec_from_the_repl_names_the_working_directory(
 
 @pytest.mark.parametrize(("spec", "reason"), [
     ("afile/lab.toml", "Not a directory"),
-    ("adir", "it is a directory, not a file"),
+    ("adir", "it is a folder, not a regular file"),
     ("lab\0.toml", "embedded null byte"),
 ])
 def test_other_unreadable_specs_are_spec_errors(tmp_path: Path, spec: str, reason: str) -> None:

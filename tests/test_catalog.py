@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.catalog_mirror import Mirror, Signer, algo_of, catalog_json, checksum_text, environ, tiny_qcow2
-from tests.conftest import ROOT
+from tests.conftest import ROOT, netns_argv
 from vmlaunch.guests import catalog_images
 from vmlaunch.spec import catalog
 
@@ -369,6 +369,25 @@ def test_a_mirror_with_a_password_is_refused_unsaid(env: dict[str, str]) -> None
     done = run({**env, "VMLAUNCH_IMAGE_MIRROR": "http://user:s3cret@127.0.0.1:1"}, "image", "catalog")
     assert done.returncode == 64
     assert "s3cret" not in done.stderr
+
+
+def test_an_offline_pull_names_the_ways_without_the_internet(env: dict[str, str], tmp_path: Path) -> None:
+    lab = spec(tmp_path, {"deb": "debian-12"})
+    # a mirror whose name cannot resolve: the setting is named as what to check
+    done = run({**env, "VMLAUNCH_IMAGE_MIRROR": "http://nonexistent.invalid"}, "image", "pull", str(lab))
+    assert done.returncode == 4 and "Traceback" not in done.stderr
+    assert "VMLAUNCH_IMAGE_MIRROR=http://nonexistent.invalid names nonexistent.invalid, which this host " \
+        "cannot reach" in done.stderr
+    assert "tools/build_debian.py" in done.stderr
+    # no mirror, in a network namespace of its own, which has no network at all: offline
+    offline = subprocess.run(netns_argv([sys.executable, "-m", "vmlaunch", "image", "pull", str(lab)]),
+                             env={**env, "VMLAUNCH_IMAGE_MIRROR": ""}, capture_output=True, text=True,
+                             check=False, cwd=ROOT)
+    assert offline.returncode == 4 and "Traceback" not in offline.stderr, offline.stderr
+    hint = offline.stderr.split("\n  hint: ", 1)[1]
+    assert hint.startswith("this host cannot reach ") and "(offline?)" in hint
+    assert "VMLAUNCH_IMAGE_MIRROR=http://HOST:PORT" in hint and "tools/build_debian.py" in hint
+    assert "\"Without the internet\"" in hint
 
 
 def test_a_checksum_file_that_drips_ends(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -242,8 +242,8 @@ def test_specs_that_are_not_files(tmp_path: Path) -> None:
     fifo = tmp_path / "fifo.toml"
     os.mkfifo(fifo)
     env = {"VMLAUNCH_RUN_DIR": str(tmp_path / "run"), "VMLAUNCH_CACHE_DIR": str(tmp_path / "cache")}
-    for spec, why in (("/dev/zero", "it is a device"), (str(fifo), "it is a FIFO"),
-                      (str(tmp_path), "it is a directory")):
+    for spec, why in (("/dev/zero", "it is a character device"), (str(fifo), "it is a FIFO"),
+                      (str(tmp_path), "it is a folder")):
         for command in (["validate"], ["down"], ["status"]):
             done = vmlaunch(command[0], spec, env=env)
             assert done.returncode == 2, (command, spec, done.stderr)

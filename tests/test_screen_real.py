@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import uuid
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 import vmlaunch
 from vmlaunch.cli import main
-from vmlaunch.errors import RuntimeFailure, UsageError
+from vmlaunch.errors import EXIT_CANT_CREATE, OutputRefused, RuntimeFailure, UsageError
 from vmlaunch.runtime.screen import PNG_SIGNATURE
 
 pytestmark = [pytest.mark.qemu, pytest.mark.guest]
@@ -88,6 +89,51 @@ def test_a_vm_without_a_screen(tmp_path: Path, run_dir: Path, test_guest: Path) 
         assert not (folder / "solo" / "screen.png").exists()
         assert "solo/screen.png: VM solo has no screen" in (folder / "README.txt").read_text()
         assert (folder / "solo" / "serial.log").stat().st_size > 0
+
+
+def test_a_screenshot_or_evidence_never_replaces_nor_follows_what_stands_there(
+        tmp_path: Path, run_dir: Path, test_guest: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A FIFO, a device node or a symlink at the screenshot's name is refused with one line (exit 73)
+    and left as it was (`screenshot ... /dev/null` made the host's /dev/null a PNG); evidence never
+    writes through a link in its folder, a subfolder's included."""
+    canary, elsewhere = tmp_path / "canary", tmp_path / "elsewhere"
+    canary.write_text("the host's own file\n")
+    elsewhere.mkdir()
+    fifo, link, device = tmp_path / "fifo.png", tmp_path / "link.png", tmp_path / "null.png"
+    os.mkfifo(fifo)
+    link.symlink_to(canary)
+    try:
+        os.mknod(device, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers
+    except PermissionError:
+        device = Path("/dev/null")  # refused before it is touched: checked still a device below
+    spec = tmp_path / "lab.toml"
+    spec.write_text(spec_text(test_guest, unique("scrout")))
+    with vmlaunch.Lab(spec, wait_for="VMLAUNCH-GUEST-READY") as lab:
+        capsys.readouterr()
+        for target, kind in ((fifo, "a FIFO"), (device, "a character device"), (link, "a symlink")):
+            assert main(["-q", "screenshot", str(spec), "solo", str(target)]) == EXIT_CANT_CREATE, target
+            assert capsys.readouterr().err == (f"vmlaunch: error: will not write {target}: it is {kind}, "
+                                               "not a regular file (name a new file, or a regular file to "
+                                               "replace)\n")
+        with pytest.raises(OutputRefused, match="it is a folder"):
+            lab.vm("solo").screenshot(tmp_path)
+        assert stat.S_ISFIFO(fifo.lstat().st_mode) and stat.S_ISCHR(device.lstat().st_mode)
+        assert link.is_symlink() and canary.read_text() == "the host's own file\n"
+        assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temp left
+        # evidence: its VM's subfolder a link to a host folder, a file of it a link to a host file
+        folder = tmp_path / "evidence"
+        folder.mkdir()
+        (folder / "solo").symlink_to(elsewhere)
+        (folder / "status.json").symlink_to(canary)
+        assert main(["-q", "evidence", str(spec), str(folder)]) == 0
+        index = (folder / "README.txt").read_text()
+        assert "solo/serial.log: cannot write it: it is a symlink, not a folder" in index
+        assert "solo/screen.png: cannot write it: it is a symlink, not a folder" in index
+        assert "status.json: cannot write it: it is a symlink, not a regular file" in index
+        assert list(elsewhere.iterdir()) == [] and canary.read_text() == "the host's own file\n"
+        (folder / "solo").unlink()
+        assert main(["-q", "evidence", str(spec), str(folder)]) == 0  # a folder of its own: all there
+        assert is_png(folder / "solo" / "screen.png") and (folder / "solo" / "serial.log").stat().st_size > 0
 
 
 INNER = """

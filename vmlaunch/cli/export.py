@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vmlaunch.cli.common import ONLY, Commands, command
-from vmlaunch.errors import RuntimeFailure, UsageError
+from vmlaunch.errors import OutputRefused, RuntimeFailure, UsageError
 
 if TYPE_CHECKING:
     from vmlaunch.export import Export
@@ -133,8 +133,10 @@ def _export(args: argparse.Namespace, lab: LabSpec) -> Export:
 
 def _read_key(path: Path) -> str | None:
     """The lab's SSH public key, when its first `up` has made one."""
+    from vmlaunch.core.fsutil import read_bounded
+
     try:
-        text = path.read_text().strip()
+        text = read_bounded(path, 64 << 10, follow=False).decode().strip()
     except (OSError, UnicodeDecodeError):
         return None
     return text if text.startswith("ssh-") else None
@@ -157,7 +159,7 @@ def write_export(export: Export, out: Path, lab: str, *, partial: bool) -> list[
     engine that this one (when not `partial`: only some VMs) no longer has. Returns what it wrote."""
     import json
 
-    from vmlaunch.core.fsutil import write_atomic
+    from vmlaunch.core.fsutil import Unfit, write_new
 
     manifest = out / MANIFEST
     earlier = _read_manifest(manifest)
@@ -178,12 +180,14 @@ def write_export(export: Export, out: Path, lab: str, *, partial: bool) -> list[
         for file in export.files:
             path = out / file.path
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, file.text, 0o644)
+            write_new(path, file.text, 0o644)
             written.append(path)
         for name in sorted(set(old) - set(keep)):
             (out / name).unlink(missing_ok=True)
-        write_atomic(manifest, json.dumps({"lab": lab, "target": export.target, "files": keep}, indent=1)
-                     + "\n", 0o644)
+        write_new(manifest, json.dumps({"lab": lab, "target": export.target, "files": keep}, indent=1)
+                  + "\n", 0o644)
+    except Unfit as exc:
+        raise OutputRefused.of(exc) from None
     except OSError as exc:
         where = exc.filename or out
         raise RuntimeFailure(f"cannot write the export to {where}: {exc.strerror or exc}",
@@ -194,8 +198,10 @@ def write_export(export: Export, out: Path, lab: str, *, partial: bool) -> list[
 def _read_manifest(path: Path) -> dict[str, Any] | None:
     import json
 
+    from vmlaunch.core.fsutil import read_bounded
+
     try:
-        found = json.loads(path.read_text())
+        found = json.loads(read_bounded(path, 1 << 20, follow=False))
     except (OSError, ValueError):  # none, or damaged: nothing known to remove
         return None
     return found if isinstance(found, dict) else None

@@ -159,6 +159,9 @@ def _other_spec(folder: Path, skip: str) -> Path | None:
     """A *.toml in `folder` that reads as a vmlaunch spec (a [lab] or [vm.*] table), if there is one."""
     import sys
 
+    from vmlaunch.core.fsutil import read_bounded
+    from vmlaunch.spec.load import MAX_SPEC_BYTES
+
     if sys.version_info >= (3, 11):
         import tomllib
     else:  # pragma: no cover - exercised on 3.9/3.10 only
@@ -168,7 +171,7 @@ def _other_spec(folder: Path, skip: str) -> Path | None:
         if path.name == skip or not path.is_file():
             continue
         try:
-            doc = tomllib.loads(path.read_text(encoding="utf-8"))
+            doc = tomllib.loads(read_bounded(path, MAX_SPEC_BYTES).decode("utf-8"))
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
             continue  # not a spec anyone could run
         if isinstance(doc.get("lab"), dict) or isinstance(doc.get("vm"), dict):

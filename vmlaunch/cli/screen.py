@@ -83,6 +83,9 @@ def cmd_evidence(args: argparse.Namespace) -> int:
     evidence = collect(run_dir, lab, [vm.name for vm in lab.vms], Path(args.dir),
                        screenshots=not args.no_screenshots)
     for line in evidence.missing:  # README.txt in DIR lists them too
-        log.debug("not saved: %s", line)
+        if line in evidence.unsaved:
+            log.warning("not saved: %s", line)
+        else:
+            log.debug("not saved: %s", line)
     print(evidence.folder)
     return 0

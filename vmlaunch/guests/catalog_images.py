@@ -29,17 +29,29 @@ from typing import Any
 
 import attrs
 
-from vmlaunch.errors import EXIT_HOST, Location, Problem, RuntimeFailure, SpecError, UsageError, VmlaunchError
+from vmlaunch.core.fsutil import Unfit, read_bounded, write_new
+from vmlaunch.errors import (
+    EXIT_HOST,
+    Location,
+    OutputRefused,
+    Problem,
+    RuntimeFailure,
+    SpecError,
+    UsageError,
+    VmlaunchError,
+)
 from vmlaunch.layout.labdir import spec_of_lock
 from vmlaunch.spec import catalog
+from vmlaunch.spec.catalog import MIRROR_SETTING, mirror
 from vmlaunch.spec.model import Image
 
 log = logging.getLogger(__name__)
 
-MIRROR_SETTING = "VMLAUNCH_IMAGE_MIRROR"
 KEYRING_SETTING = "VMLAUNCH_IMAGE_KEYRING"  # a keyring used for every signed entry (a mirror's own key)
 REQUIRE_SETTING = "VMLAUNCH_REQUIRE_SIGNATURE"  # 1: a signed entry whose signature is not checked is refused
 LOCK_FORMAT = 1
+MAX_LOCK_BYTES = 1 << 20  # a lock file: a few hundred bytes a pinned image
+KEYRING_LIMIT = 4 << 20  # a keyring file (Debian's archive keyring: some 100 KiB)
 CHECKSUM_LIMIT = 4 << 20  # bytes of a checksum file (Debian's SHA512SUMS: a few KiB)
 SIGNATURE_LIMIT = 64 << 10
 GPGV_TIMEOUT = 60.0
@@ -82,20 +94,6 @@ class Pin:
 
 
 # --- where ------------------------------------------------------------------------------------------
-
-
-def mirror() -> str | None:
-    """VMLAUNCH_IMAGE_MIRROR, checked; None when unset."""
-    value = os.environ.get(MIRROR_SETTING, "").strip()
-    if not value:
-        return None
-    why = catalog.check_mirror(value)
-    if why is not None:
-        shown = "(a URL with a user name or password)" if "@" in value else repr(value)
-        raise UsageError(f"{MIRROR_SETTING}={shown} {why}",
-                         f"e.g. {MIRROR_SETTING}=http://127.0.0.1:8080 (a server with the distributions' "
-                         "layout), or unset it")
-    return value
 
 
 def fetched(url: str) -> str:
@@ -269,7 +267,11 @@ def _verify(gpgv: str, keyring: str, what: str, source: str, data: bytes, signat
         signed = folder / "checksums"
         signed.write_bytes(data)
         ring = folder / "keyring.gpg"
-        ring.write_bytes(_dearmored(Path(keyring).read_bytes()))
+        try:
+            keys = read_bounded(Path(keyring), KEYRING_LIMIT)
+        except OSError as exc:
+            raise RuntimeFailure(f"{what}: cannot read keyring {keyring}: {exc.strerror or exc}") from None
+        ring.write_bytes(_dearmored(keys))
         output = folder / "signed-text"
         argv = [gpgv, "--homedir", str(folder), "--status-fd", "1", "--keyring", str(ring)]
         if signature is not None:
@@ -346,12 +348,17 @@ def read_lock(path: Path) -> dict[str, Pin]:
     hint = ("vmlaunch writes this file: `vmlaunch image pull --update SPEC` writes it anew (or delete it, "
             "and pull)")
     try:
-        text = path.read_text(encoding="utf-8")
+        data = read_bounded(path, MAX_LOCK_BYTES)  # a user's file beside the spec: a symlink may be
+        text = data.decode("utf-8")
     except FileNotFoundError:
         return {}
     except UnicodeDecodeError as exc:
-        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        line = data[: exc.start].count(b"\n") + 1
         raise SpecError([Problem(Location(path, line), "is not UTF-8 text", hint)]) from None
+    except Unfit as exc:
+        unfit = Problem(Location(path, 1), f"cannot read the lock file: {exc.what}",
+                        "vmlaunch writes it as a regular file: remove what stands there, and pull")
+        raise SpecError([unfit]) from None
     except OSError as exc:
         raise RuntimeFailure(f"cannot read the lock file {path}: {exc.strerror or exc}") from None
     doc = _parse_toml(text, path)
@@ -430,15 +437,16 @@ def _pin_of(name: str, raw: Any, wrong: Any) -> Pin | None:
 
 
 def write_lock(path: Path, pins: Mapping[str, Pin], spec_name: str) -> None:
-    from vmlaunch.core.fsutil import write_atomic
-
     text = (f"# {path.name}: the catalog images of {spec_name}, pinned by vmlaunch (`image pull`, `up`) so "
             "that every pull\n# fetches the same bytes. `vmlaunch image pull --update "
             f"{spec_name}` moves the pins on. Keep it with the spec.\n"
             f"lock_version = {LOCK_FORMAT}\n")
     for name in sorted(pins):
         text += "\n" + pins[name].to_toml(name)
-    write_atomic(path, text, 0o644)
+    try:
+        write_new(path, text, 0o644)
+    except Unfit as exc:
+        raise OutputRefused.of(exc) from None
 
 
 @contextlib.contextmanager

@@ -57,6 +57,7 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from vmlaunch.core.fsutil import read_bounded
 from vmlaunch.errors import KeyPath, Location, Problem, RuntimeFailure, SpecError
 from vmlaunch.guests.channel import install_command
 from vmlaunch.layout.labdir import LabDir
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
     import yaml
 
 HEADER = "#cloud-config"
+USER_DATA_LIMIT = 4 << 20  # a user's cloud-config file (write_files may carry a few files)
 SEED_LABEL = "cidata"
 _ISO_NAMES = {"user-data": "/USERDATA.;1", "meta-data": "/METADATA.;1", "network-config": "/NETWORKC.;1"}
 
@@ -223,9 +225,9 @@ def load_user_config(file: Path, where: Location) -> tuple[dict[str, Any], Locat
         return SpecError([Problem(Location(file, line), message, hint)])
 
     try:
-        data = file.read_bytes()
+        data = read_bounded(file, USER_DATA_LIMIT)  # a FIFO, a device, /dev/zero behind a link: refused
     except OSError as exc:
-        raise SpecError([Problem(where, f"cannot read {file}: {exc.strerror}")]) from None
+        raise SpecError([Problem(where, f"cannot read {file}: {exc.strerror or exc}")]) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -100,6 +100,11 @@ class Cached:
                 "fetched": _iso(self.fetched) if self.fetched is not None else None}
 
 
+class Unreachable(RuntimeFailure):
+    """The server cannot be reached at all: its name does not resolve, or no route leads to it (an
+    offline host). The hint names the ways to an image without the internet."""
+
+
 class NotFound(RuntimeFailure):
     """The server (or the file system, for file://) has no such file: HTTP 404 or 410, or ENOENT."""
 
@@ -787,6 +792,9 @@ def _open_http(url: str, offset: int, timeout: float) -> _Source:
         failure = NotFound if exc.code in (404, 410) else RuntimeFailure
         raise failure(f"downloading {url} failed: {said}", _http_hint(exc.code)) from None
     except urllib.error.URLError as exc:
+        if _unreachable(exc.reason):
+            raise Unreachable(f"downloading {url} failed: {_reason(exc.reason, timeout)}",
+                              _offline_hint(url)) from None
         raise RuntimeFailure(f"downloading {url} failed: {_reason(exc.reason, timeout)}",
                              network_hint) from None
     except (OSError, ValueError, _http_errors()) as exc:
@@ -816,7 +824,7 @@ def fetch_small(url: str, limit: int) -> bytes:
     start = time.monotonic()
     try:
         source = _open(url, 0, PullLimits.from_env().timeout)
-    except NotFound:
+    except (NotFound, Unreachable):
         raise
     except RuntimeFailure as exc:
         raise RuntimeFailure(exc.message, hint) from None
@@ -852,6 +860,34 @@ def _refuses_range(code: int) -> bool:
     """Whether an HTTP error to a request with a Range may be the server refusing ranges (so a request
     for the whole file may succeed): 4xx but for a missing file and "try later", or 501."""
     return code == 501 or (400 <= code < 500 and code not in (404, 408, 410, 429))
+
+
+def _unreachable(reason: object) -> bool:
+    """Whether a URLError's reason says the server cannot be reached at all: a name that does not
+    resolve ("Name or service not known", "Temporary failure in name resolution") or no route."""
+    import errno
+    import socket
+
+    return isinstance(reason, socket.gaierror) or (
+        isinstance(reason, OSError) and reason.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH))
+
+
+def _offline_hint(url: str) -> str:
+    """The manual's two ways to an image without the internet ("Without the internet" on the first
+    real guest's page): a mirror of the distributions' trees, and a Debian image built from packages."""
+    from urllib.parse import urlsplit
+
+    from vmlaunch.spec.catalog import MIRROR_SETTING, mirror
+
+    host = urlsplit(url).hostname or url
+    built = ("or build a Debian image from Debian's packages with tools/build_debian.py (here, or on a "
+             "host that is online, then copy it over)")
+    through = mirror()
+    if through is not None and urlsplit(through).hostname == urlsplit(url).hostname:
+        return f"{MIRROR_SETTING}={through} names {host}, which this host cannot reach: check it, {built}"
+    return (f"this host cannot reach {host} (offline?); without the internet, pull catalog images from a "
+            f"mirror of the distributions' trees ({MIRROR_SETTING}=http://HOST:PORT), {built}; see "
+            "\"Without the internet\" in the manual's first real guest")
 
 
 def _http_hint(code: int) -> str:

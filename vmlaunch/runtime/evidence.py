@@ -13,6 +13,10 @@ that outlives `down`.
 
 Collecting never fails because one piece is missing: each missing piece is a line of README.txt. A VM
 that is not up gives the logs of its last run (kept by `down`, `layout/lastrun.py`).
+
+Each file is made new beneath a descriptor of DIR (`fsutil.write_new_at`), its subfolders made and
+opened without following links: a symlink, FIFO or device standing at a name in DIR is never written
+through nor replaced, only noted. When nothing at all could be saved (a read-only DIR), OutputRefused.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 import logging
 import os
 import shlex
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -29,7 +34,8 @@ from pathlib import Path
 
 import attrs
 
-from vmlaunch.errors import VmlaunchError
+from vmlaunch.core.fsutil import Unfit, open_folder_at, write_new_at
+from vmlaunch.errors import OutputRefused, VmlaunchError
 from vmlaunch.layout import lastrun
 from vmlaunch.layout.rundir import RunDir, VmFiles
 from vmlaunch.runtime import process, screen, wire
@@ -43,31 +49,42 @@ INDEX = "README.txt"
 
 @attrs.frozen
 class Evidence:
-    """What `collect` wrote into `folder` (paths relative to it) and what it could not, with why."""
+    """What `collect` wrote into `folder` (paths relative to it) and what it could not, with why;
+    `unsaved`: those of `missing` that were there to save but could not be written."""
 
     folder: Path
     files: tuple[str, ...]
     missing: tuple[str, ...]
+    unsaved: tuple[str, ...] = ()
 
 
 class _Collector:
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, folder_fd: int) -> None:
         self.folder = folder
+        self.folder_fd = folder_fd
         self.files: list[str] = []
         self.missing: list[str] = []
+        self.unsaved: list[str] = []
 
     def write(self, name: str, data: bytes | str | None, why_none: str = "") -> None:
         """Write `name` (relative), or note it missing with `why_none` when `data` is None."""
         if data is None:
             self.missing.append(f"{name}: {why_none}")
             return
-        path = self.folder / name
+        *subs, leaf = name.split("/")
+        opened: list[int] = []
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data.encode() if isinstance(data, str) else data)
+            for sub in subs:
+                opened.append(open_folder_at(opened[-1] if opened else self.folder_fd, sub, make=True))
+            write_new_at(opened[-1] if opened else self.folder_fd, leaf, data)
         except OSError as exc:
-            self.missing.append(f"{name}: cannot write it: {exc.strerror or exc}")
+            line = f"{name}: cannot write it: {exc.strerror or exc}"
+            self.missing.append(line)
+            self.unsaved.append(line)
             return
+        finally:
+            for fd in opened:
+                os.close(fd)
         self.files.append(name)
 
     def attempt(self, name: str, produce: Callable[[], bytes | str | None], why_none: str) -> None:
@@ -87,10 +104,37 @@ class _Collector:
 def collect(run_dir: RunDir, lab: LabSpec, names: Sequence[str], folder: Path, *,
             screenshots: bool = True) -> Evidence:
     """Copy the evidence of the VMs `names` of `lab` into `folder` (made when missing; files of the
-    same names are replaced); `screenshots`: a screenshot of each running VM with a screen."""
+    same names are replaced, never written through); `screenshots`: a screenshot of each running VM
+    with a screen. OutputRefused when `folder` cannot be made, or nothing could be saved in it."""
     folder = Path(os.path.abspath(folder))
-    folder.mkdir(parents=True, exist_ok=True)
-    out = _Collector(folder)
+    folder_fd = _open_folder(folder)
+    try:
+        out = _Collector(folder, folder_fd)
+        _collect(out, run_dir, lab, names, screenshots)
+    finally:
+        os.close(folder_fd)
+    if not out.files:  # README.txt is always there to save: every write failed
+        more = f" (and {len(out.unsaved) - 1} more)" if len(out.unsaved) > 1 else ""
+        raise OutputRefused(f"nothing could be saved in {folder}: {out.unsaved[0]}{more}")
+    return Evidence(folder, tuple(out.files), tuple(out.missing), tuple(out.unsaved))
+
+
+def _open_folder(folder: Path) -> int:
+    """A descriptor of `folder`, made when missing (the user named it: a symlink to a folder is
+    followed); OutputRefused when it cannot be made or is no folder."""
+    try:
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(parents=True)
+        return open_folder_at(None, folder, follow=True)
+    except Unfit as exc:
+        raise OutputRefused.of(exc) from None
+    except OSError as exc:
+        raise OutputRefused(f"nothing was saved: cannot make the folder {exc.filename or folder}: "
+                            f"{exc.strerror or exc}") from None
+
+
+def _collect(out: _Collector, run_dir: RunDir, lab: LabSpec, names: Sequence[str],
+             screenshots: bool) -> None:
     rows: list[VmStatus] = []
 
     def status_json() -> str:
@@ -107,7 +151,6 @@ def collect(run_dir: RunDir, lab: LabSpec, names: Sequence[str], folder: Path, *
     for name in names:
         _vm(out, run_dir, name, rows_of.get(name), screenshots)
     _index(out, lab, names)
-    return Evidence(folder, tuple(out.files), tuple(out.missing))
 
 
 def _manager_log(run_dir: RunDir) -> str | None:
@@ -141,9 +184,10 @@ def _vm(out: _Collector, run_dir: RunDir, name: str, row: VmStatus | None, scree
         out.write(shot, None, f"the VM is {row.state if row else 'not up'}: no screen to capture")
     else:
         def capture() -> bytes:
-            (out.folder / name).mkdir(parents=True, exist_ok=True)
-            screen.screenshot(run_dir, name, out.folder / shot)  # a VM without a screen: noted
-            return (out.folder / shot).read_bytes()
+            # taken aside, in a folder of our own, then written beneath DIR as every other file is
+            with tempfile.TemporaryDirectory(prefix="vmlaunch-screen-") as aside:
+                # a VM without a screen: noted
+                return screen.screenshot(run_dir, name, Path(aside) / "screen.png").read_bytes()
 
         out.attempt(shot, capture, "")
 

@@ -18,8 +18,8 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from vmlaunch.core.fsutil import fsync_dir
-from vmlaunch.errors import RuntimeFailure, UsageError
+from vmlaunch.core.fsutil import Unfit, check_new_target, fsync_dir
+from vmlaunch.errors import OutputRefused, RuntimeFailure, UsageError
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.qemu.qmp import QmpError, QuickQmp
 from vmlaunch.runtime.running import running_pid
@@ -131,13 +131,14 @@ def send_keys(run_dir: RunDir, name: str, combos: Sequence[tuple[str, ...]],
 
 def screenshot(run_dir: RunDir, name: str, path: Path) -> Path:
     """Write the VM's screen to `path` as a PNG, atomically; returns the absolute path. RuntimeFailure
-    when the VM is not running or has no screen; OSError when `path` cannot be written."""
+    when the VM is not running or has no screen; OutputRefused when something other than a regular
+    file stands at `path` (a FIFO, a device, a folder, a symlink: never written through nor
+    replaced); OSError when `path` cannot be written."""
     running_pid(run_dir, name)
     path = Path(os.path.abspath(path))
-    if path.is_dir():
-        raise UsageError(f"{path} is a folder", "name the PNG file to write, or leave it out")
     if not path.parent.is_dir():
         raise UsageError(f"{path.parent}: no such folder")
+    _check_target(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     # write-only: QEMU's /dev/fdset/N open for writing matches only a descriptor opened O_WRONLY
     try:
@@ -151,6 +152,7 @@ def screenshot(run_dir: RunDir, name: str, path: Path) -> Path:
         finally:
             os.close(fd)
         _check_png(tmp, name)
+        _check_target(path)  # again: the dump took a while
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -158,6 +160,13 @@ def screenshot(run_dir: RunDir, name: str, path: Path) -> Path:
         raise
     fsync_dir(path.parent)
     return path
+
+
+def _check_target(path: Path) -> None:
+    try:
+        check_new_target(path)
+    except Unfit as exc:
+        raise OutputRefused.of(exc) from None
 
 
 def _dump(run_dir: RunDir, name: str, fd: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import os
 import platform
 import re
 import sys
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+
+from vmlaunch.errors import UsageError
 
 DATA = Path(__file__).with_name("catalog.toml")
 ARCHES = ("x86_64", "aarch64")
@@ -213,3 +216,20 @@ def check_mirror(mirror: str) -> str | None:
 
 def _suffix_format(url: str) -> str | None:
     return "qcow2" if url.endswith(".qcow2") else "raw" if url.endswith(".raw") else None
+
+
+MIRROR_SETTING = "VMLAUNCH_IMAGE_MIRROR"  # a mirror of the distributions' trees, for every pull
+
+
+def mirror() -> str | None:
+    """VMLAUNCH_IMAGE_MIRROR, checked; None when unset."""
+    value = os.environ.get(MIRROR_SETTING, "").strip()
+    if not value:
+        return None
+    why = check_mirror(value)
+    if why is not None:
+        shown = "(a URL with a user name or password)" if "@" in value else repr(value)
+        raise UsageError(f"{MIRROR_SETTING}={shown} {why}",
+                         f"e.g. {MIRROR_SETTING}=http://127.0.0.1:8080 (a server with the distributions' "
+                         "layout), or unset it")
+    return value

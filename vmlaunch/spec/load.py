@@ -15,7 +15,6 @@ import functools
 import hashlib
 import os
 import re
-import stat
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any, Optional
 
 import attrs
 
+from vmlaunch.core.fsutil import Unfit, read_bounded
 from vmlaunch.core.naming import (
     DEFAULT_MAC_PREFIX,
     default_bridge_name,
@@ -188,49 +188,20 @@ def load_lab(path: str | Path, *, files: FileChecks | None = None) -> LabSpec:
 
 
 def read_spec(file: Path) -> bytes:
-    """The bytes of the spec at `file`; SpecError when it is not a regular file of a sane size.
-
-    Checked before reading (stat), and again on what was opened (fstat): opened non-blocking, a FIFO
-    swapped in between cannot hang us, and a device is never read.
-    """
+    """The bytes of the spec at `file`; SpecError when it is not a regular file of a sane size
+    (`fsutil.read_bounded`: a FIFO cannot hang us, a device is never opened). A spec the user named
+    may be a symlink: it is followed, and what it leads to checked."""
     def refuse(reason: str) -> SpecError:
         return SpecError([Problem(Location(file, 1), f"cannot read the spec: {reason}")])
 
     try:
-        _check_spec_file(os.stat(file), refuse)
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        return read_bounded(file, MAX_SPEC_BYTES)
+    except Unfit as exc:
+        raise refuse(exc.what) from None
     except OSError as exc:
         raise refuse(exc.strerror or str(exc)) from None
     except ValueError as exc:  # a NUL in the path (from the Python API; argv cannot hold one)
         raise refuse(str(exc)) from None
-    try:
-        _check_spec_file(os.fstat(fd), refuse)
-        chunks, size = [], 0
-        while size <= MAX_SPEC_BYTES:
-            chunk = os.read(fd, MAX_SPEC_BYTES + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    except OSError as exc:
-        raise refuse(exc.strerror or str(exc)) from None
-    finally:
-        os.close(fd)
-    if size > MAX_SPEC_BYTES:  # it grew while we read it
-        raise refuse(f"it is larger than {format_size(MAX_SPEC_BYTES)}")
-    return b"".join(chunks)
-
-
-def _check_spec_file(info: os.stat_result, refuse: Callable[[str], SpecError]) -> None:
-    if stat.S_ISDIR(info.st_mode):
-        raise refuse("it is a directory, not a file")
-    if not stat.S_ISREG(info.st_mode):
-        kind = ("a FIFO" if stat.S_ISFIFO(info.st_mode) else "a socket" if stat.S_ISSOCK(info.st_mode)
-                else "a device" if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode)
-                else "not a regular file")
-        raise refuse(f"it is {kind}, not a regular file")
-    if info.st_size > MAX_SPEC_BYTES:
-        raise refuse(f"it is {info.st_size} bytes; a spec may have at most {format_size(MAX_SPEC_BYTES)}")
 
 
 def parse_lab(data: bytes, file: Path, *, files: FileChecks | None = None) -> LabSpec:
