@@ -120,7 +120,8 @@ def test_clones_and_the_book_round_trip(tmp_path: Path) -> None:
     run_dir = RunDir(tmp_path / "run")
     run_dir.create()
     assert read_book(run_dir) == Book()
-    clone = Clone("a-1", "a", 3, 1, "a", ("10.9.0.3/24", None), (("out", ("tcp::1-:2",)),), True)
+    clone = Clone("a-1", "a", 3, 1, "a", ("10.9.0.3/24", None), (("out", ("tcp::1-:2",)),), True,
+                  1795000000.25)
     book = Book((clone,), 3, Forking(3, 42, "a", ("a-1",), paused=True))
     write_book(run_dir, book)
     assert read_book(run_dir) == book
@@ -143,8 +144,9 @@ def test_a_damaged_book_is_an_error_naming_it(tmp_path: Path, doc: str) -> None:
 def test_refusals_say_why(lab: LabSpec, tmp_path: Path) -> None:
     host = fake_host()
     a = lab.vm("a")
-    with pytest.raises(RuntimeFailure, match="PCI device"):
+    with pytest.raises(RuntimeFailure, match="PCI device") as caught:
         refusals(lab, attrs.evolve(a, pci=(PciDevice("0000:01:00.0"),)), 1, host, ["a"])
+    assert caught.value.exit_code == 2  # what the spec gives the VM rules the fork out: exit 2
     with pytest.raises(RuntimeFailure, match="9p share"):
         refusals(lab, attrs.evolve(a, shares=(Share(tmp_path, "/srv", "share0"),)), 1, host, ["a"])
     small = attrs.evolve(lab, memory=attrs.evolve(lab.memory, budget_mib=600))
@@ -157,4 +159,4 @@ def test_the_book_json_is_what_to_json_says(tmp_path: Path) -> None:
     clone = Clone("a-1", "a", 1, 2)
     assert json.loads(json.dumps(clone.to_json())) == {
         "name": "a-1", "source": "a", "base": "a", "fork": 1, "index": 2, "addresses": [],
-        "forwards": {}, "same_identity": False}
+        "forwards": {}, "same_identity": False, "forked": 0.0}

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from vmlaunch.api import Lab
-from vmlaunch.errors import EXIT_RUNTIME, EXIT_USAGE
+from vmlaunch.errors import EXIT_RUNTIME, EXIT_SPEC, EXIT_USAGE
 from vmlaunch.layout.labdir import LabDir
 
 pytestmark = [pytest.mark.qemu, pytest.mark.guest]
@@ -215,7 +215,7 @@ def test_a_failing_clone_is_named_and_keep_going_keeps_the_others(lab: Lab,
     (["a", "--name", "a-{i}", "--count", "1"], EXIT_USAGE, "a-1 exists already"),
     (["a", "--name", "same"], EXIT_USAGE, "has no {i}"),
     (["a", "--count", "0"], EXIT_USAGE, "1 to 64"),
-    (["off"], EXIT_RUNTIME, "--same-identity"),
+    (["off"], EXIT_SPEC, "--same-identity"),  # agent = false: the spec's, as every refusal of its VM
 ])
 def test_refusals_change_nothing(lab: Lab, args: list[str], code: int, words: str) -> None:
     before = status(lab)

@@ -1,11 +1,14 @@
 """Typed errors. Raised deep, turned into a message and an exit code only in `cli.main`.
 
 Exit codes (the manual's Errors page, docs/reference/errors.md):
-  2   the spec is wrong (every problem is listed, `FILE:LINE: key.path: message`)
+  2   the spec is wrong (every problem is listed, `FILE:LINE: key.path: message`), or asks for what
+      it cannot have (a snapshot of a raw disk: runtime/snapshot.py's SnapshotUnsupported)
   3   the host cannot do what the spec asks (no QEMU, KVM unusable, a missing QEMU feature), or
       the engine a lab is exported to has no equivalent for a setting (`export --strict`)
   4   a run-time failure (QEMU refused to start, a host resource is busy)
   64  the command line itself is wrong (usage)
+  73  a file the user named for vmlaunch to write cannot be made: a FIFO, device, folder or symlink
+      stands at its name, or nothing could be saved in the folder named (as sysexits' EX_CANTCREAT)
   130 interrupted
   141 the reader of standard output went away (`vmlaunch cmdline lab.toml | head -1`), as SIGPIPE
 """
@@ -26,6 +29,7 @@ EXIT_RUNTIME = 4
 EXIT_AGENT = 5  # the guest's command channel: no agent answers, it closed, it hangs
 EXIT_TIMED_OUT = 124  # a command run in a guest did not end in time (as timeout(1))
 EXIT_USAGE = 64
+EXIT_CANT_CREATE = 73  # sysexits' EX_CANTCREAT: a file the user named cannot be made
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE: what a shell shows for `yes | head -1`
 
@@ -122,6 +126,13 @@ def needs_root(doing: str, capability: str | None = None) -> str:
     return f"{doing} needs root{also}: run vmlaunch as root"
 
 
+class SpecUnfit(RuntimeFailure):
+    """What the spec gives a VM rules out the command asked (a snapshot of a raw disk, a fork of a VM
+    with a PCI device): a problem of the spec, so exit 2 as every other; nothing was changed."""
+
+    exit_code = EXIT_SPEC
+
+
 class AgentError(RuntimeFailure):
     """The command channel to a guest failed: the VM has none, no agent answers on it, the guest
     closed it or it stopped answering."""
@@ -145,6 +156,20 @@ class UsageError(VmlaunchError):
     """The command line is wrong (an unknown VM name, a bad option value)."""
 
     exit_code = EXIT_USAGE
+
+
+class OutputRefused(UsageError):
+    """A file the user named for vmlaunch to write (a screenshot, `graph --out`, evidence) cannot be
+    made: what stands at its name is not a regular file (a FIFO, a device, a folder, a symlink), which
+    vmlaunch never writes through nor replaces, or nothing could be saved in the folder named."""
+
+    exit_code = EXIT_CANT_CREATE
+
+    @classmethod
+    def of(cls, refused: OSError) -> OutputRefused:
+        """The one line for a name where something other than a regular file stands (`str(refused)`
+        is `PATH: it is a FIFO, not a regular file`, core/fsutil.py's Unfit)."""
+        return cls(f"will not write {refused} (name a new file, or a regular file to replace)")
 
 
 class ExportError(VmlaunchError):

@@ -48,8 +48,10 @@ RAM), and they are resumed together.
                 only: a NAME that is a number is never taken for an ID)
 
 Refused before anything changes: a writable raw disk, a 9p share, a passed-
-through PCI device. `vmlaunch up SPEC --from-snapshot NAME` starts a lab that
-is down from a snapshot, RAM included.""",
+through PCI device (exit 2, as a problem of the spec; examples/snapshots.toml
+is a lab that snapshots); a clone forked after the snapshot, on restore (exit
+4). `vmlaunch up SPEC --from-snapshot NAME` starts a lab that is down from a
+snapshot, RAM included.""",
     )
     add_spec(snapshot)
     snapshot.add_argument("action", metavar="SUBCOMMAND", choices=ACTIONS,

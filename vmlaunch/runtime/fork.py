@@ -16,7 +16,9 @@ have them):
    sandbox does not let it start) with the migration's bandwidth cap lifted, while its writable disks
    (its overlay, each `[[disk]]`, its UEFI variables) are copied for each clone, sparse (and shared
    by reflink where the file system can). Then the source resumes: it was paused for as long as the
-   save and the copies took.
+   save and the copies took. The copies then lose the internal snapshots they hold from the source
+   (`qemu-img snapshot -d`, milliseconds each): a clone's snapshots are its own, so a restore never
+   turns it back into its source.
 4. Each clone's QEMU starts with `-incoming defer`, the source's machine, memory and devices, its own
    sockets, disks, NICs (new MACs, its own taps) and SSH port, loads the saved state
    (`migrate-incoming fd:`) and runs. Its VM generation id is new (QEMU writes a fresh one into the
@@ -51,7 +53,7 @@ import attrs
 
 from vmlaunch.compile.plan import Plan, VmPlan
 from vmlaunch.core.wait import TimedOut, wait_until
-from vmlaunch.errors import AgentError, RuntimeFailure, VmlaunchError
+from vmlaunch.errors import AgentError, RuntimeFailure, SpecUnfit, VmlaunchError
 from vmlaunch.host.facts import Host
 from vmlaunch.layout.labdir import LabDir
 from vmlaunch.layout.rundir import NOFOLLOW, RunDir
@@ -102,14 +104,14 @@ def refusals(lab: LabSpec, vm: VmSpec, count: int, host: Host, running: Sequence
              shared_memory: bool = False) -> None:
     """Why `vm` cannot be forked into `count` clones, raised before anything changes."""
     if shared_memory and vm.hugepages is not None:
-        raise RuntimeFailure(f"{vm.name}'s memory is hugepages: --shared-memory maps a file of the saved "
-                             "memory instead", "fork it without --shared-memory")
+        raise SpecUnfit(f"{vm.name}'s memory is hugepages: --shared-memory maps a file of the saved "
+                        "memory instead", "fork it without --shared-memory")
     if vm.pci:
-        raise RuntimeFailure(f"{vm.name} has a PCI device passed through ({vm.pci[0].host}): QEMU cannot "
-                             "copy a device's state out of the hardware", "fork a VM without [[pci]]")
+        raise SpecUnfit(f"{vm.name} has a PCI device passed through ({vm.pci[0].host}): QEMU cannot "
+                        "copy a device's state out of the hardware", "fork a VM without [[pci]]")
     if vm.shares:
-        raise RuntimeFailure(f"{vm.name} has a 9p share ({vm.shares[0].target}): QEMU cannot copy a VM "
-                             "whose guest has one mounted", "fork a VM without [[share]]")
+        raise SpecUnfit(f"{vm.name} has a 9p share ({vm.shares[0].target}): QEMU cannot copy a VM "
+                        "whose guest has one mounted", "fork a VM without [[share]]")
     budget = lab.memory.budget_mib or int(host.memory_mib * BUDGET_SHARE)
     holding = sum(each.memory_mib for each in lab.vms if each.name in running)
     wanted = count * vm.memory_mib
@@ -212,10 +214,10 @@ def _check_channel(run_dir: RunDir, vm: VmSpec, same_identity: bool) -> None:
     if same_identity:
         return
     if not agent_on(vm):
-        raise RuntimeFailure(f"{vm.name} has no command channel (agent = false), through which each clone "
-                             "is given its own identity (MACs, addresses, hostname, machine-id, SSH "
-                             "host keys)", "--same-identity forks it anyway: the clones then keep "
-                             f"{vm.name}'s identity")
+        raise SpecUnfit(f"{vm.name} has no command channel (agent = false), through which each clone "
+                        "is given its own identity (MACs, addresses, hostname, machine-id, SSH "
+                        "host keys)", "--same-identity forks it anyway: the clones then keep "
+                        f"{vm.name}'s identity")
     from vmlaunch.runtime.control import read_run_state
 
     with QuickQmp(run_dir.vm(vm.name).qmp, 10.0) as qmp:
@@ -235,6 +237,7 @@ def _clones(lab: LabSpec, vm: VmSpec, names: Sequence[str], number: int, same_id
     for forwarded ones; the spec's VM they copy is `vm`'s (`existing`: the lab's clones)."""
     used = forks.used_addresses(lab)
     spec_vm = next((clone.base for clone in existing if clone.name == vm.name), vm.name)
+    forked = time.time()  # before its disks are copied: what they hold from before is its source's
     made = []
     for index, name in enumerate(names, start=1):
         addresses: list[str | None] = []
@@ -253,7 +256,7 @@ def _clones(lab: LabSpec, vm: VmSpec, names: Sequence[str], number: int, same_id
                 ports = free_ports(len(network.forward))
                 forwards.append((base, forks.forward_rules(network.forward, ports)))
         made.append(Clone(name, vm.name, number, index, spec_vm, tuple(addresses), tuple(forwards),
-                          same_identity))
+                          same_identity, forked))
     return made
 
 
@@ -304,6 +307,7 @@ def _make(lab: LabSpec, plan: Plan, host: Host, run_dir: RunDir, journal: Journa
     _save(run_dir, vm.name, book, copies)
     marks["saved"] = time.monotonic()
     try:
+        _drop_inherited(lab, names, ctx.qemu_img)
         if shared_memory:  # the first clone's QEMU turns the state into RAM the others map
             _template(run_dir, shared(plans[0], run_dir.fork_memory, share=True),
                       executor.identities(journal, plans[:1]))
@@ -361,6 +365,18 @@ def _make(lab: LabSpec, plan: Plan, host: Host, run_dir: RunDir, journal: Journa
         events.record(run_dir, forked.name, "VMLAUNCH_FORK",
                       {"message": f"forked from {vm.name} (fork {clones[0].fork})", "source": vm.name})
     return made
+
+
+def _drop_inherited(lab: LabSpec, names: Sequence[str], qemu_img: str) -> None:
+    """Delete from the clones' qcow2 copies the internal snapshots they hold from their source, before
+    their QEMUs open them: a restore must never turn a clone back into its source (its hostname,
+    machine-id, MACs, host key). With `qemu-img snapshot -d`, a few milliseconds a snapshot, after
+    the source runs again."""
+    files = [disk.file for name in names for disk in snapshot.vm_disks(lab, lab.vm(name)).disks]
+    if not files:
+        return
+    with ThreadPoolExecutor(min(4, len(files))) as pool:
+        list(pool.map(lambda file: snapshot.drop_all(qemu_img, file), files))  # raises the first failure
 
 
 def _copies(lab: LabSpec, lab_dir: LabDir, vm: VmSpec, names: Sequence[str], pid: int
@@ -445,8 +461,9 @@ def _copy(source: Path, target: Path) -> None:
     done = subprocess.run(["cp", "--sparse=always", "--reflink=auto", "--no-preserve=all", "--",
                            str(source), str(target)], capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise RuntimeFailure(f"a copy of a disk for {target.parent.name} failed: {done.stderr.strip()}",
-                             "is the file system full?")
+        said = "; ".join(line for line in done.stderr.strip().splitlines() if line.strip())
+        raise RuntimeFailure(f"a copy of a disk for {target.parent.name} failed: "
+                             f"{said or f'cp exited with {done.returncode}'}", "is the file system full?")
     os.chmod(target, 0o600)
 
 
@@ -529,8 +546,8 @@ def shared(plan: VmPlan, memory: Path, *, share: bool) -> VmPlan:
     lands in the file) or copy-on-write (a clone)."""
     argv = list(plan.argv)
     if any('"memory-backend' in arg for arg in argv):  # placed on NUMA nodes: the spec's own backend
-        raise RuntimeFailure(f"{plan.name}: its memory is bound to NUMA nodes: --shared-memory maps one "
-                             "file instead", "fork it without --shared-memory")
+        raise SpecUnfit(f"{plan.name}: its memory is bound to NUMA nodes: --shared-memory maps one "
+                        "file instead", "fork it without --shared-memory")
     size = argv[argv.index("-m") + 1]
     machine = argv.index("-machine") + 1
     argv[machine] = f"{argv[machine]},memory-backend={RAM_ID}"

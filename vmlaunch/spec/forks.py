@@ -50,13 +50,15 @@ class Clone:
     addresses: tuple[str | None, ...] = ()
     forwards: tuple[tuple[str, tuple[str, ...]], ...] = ()
     same_identity: bool = False  # forked with --same-identity: the guest was not told who it is
+    forked: float = 0.0  # when it was forked (seconds since the epoch; 0: not known): what its disks
+    # held before then was its source's (runtime/snapshot.py leaves such snapshots out)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, "base": self.base, "fork": self.fork,
                 "index": self.index,
                 "addresses": list(self.addresses),
                 "forwards": {network: list(rules) for network, rules in self.forwards},
-                "same_identity": self.same_identity}
+                "same_identity": self.same_identity, "forked": self.forked}
 
     @classmethod
     def from_json(cls, doc: Any) -> Clone:
@@ -78,9 +80,12 @@ class Clone:
                 isinstance(rules, list) and all(isinstance(rule, str) for rule in rules)
                 for rules in forwards.values())):
             raise ValueError("a clone's forwards are lists of rules by network")
+        forked = doc.get("forked", 0.0)
+        if not (type(forked) in (int, float) and forked >= 0):
+            raise ValueError("a clone's forked is a time")
         return cls(name, source, fork, index, base, tuple(addresses),
                    tuple((str(net), tuple(rules)) for net, rules in sorted(forwards.items())),
-                   bool(doc.get("same_identity", False)))
+                   bool(doc.get("same_identity", False)), float(forked))
 
 
 def names(pattern: str | None, source: str, count: int, taken: Iterable[str]) -> list[str]:
