@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 import vmlaunch
+from tests.conftest import ROOT
 from vmlaunch.layout import dirs
 
 
@@ -36,3 +39,13 @@ def test_public_names_are_lazy() -> None:
     assert vmlaunch.Lab is Lab
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         vmlaunch.Nope  # noqa: B018
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists() or shutil.which("git") is None, reason="not a git checkout")
+def test_a_labs_files_beside_its_spec_are_not_the_checkouts() -> None:
+    """`make demo` brings up examples/lab.toml in the checkout: its .vmlaunch/ is ignored, not untracked."""
+    from vmlaunch.layout.labdir import TOP
+
+    for path in (f"examples/{TOP}/demo/alpha/disk.qcow2", f"tests/{TOP}/rig/ssh/id_ed25519"):
+        done = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT, check=False)
+        assert done.returncode == 0, f"{path} is not ignored by .gitignore"

@@ -119,6 +119,41 @@ def test_every_relative_link_of_the_manual_leads_to_a_file() -> None:
 
 
 @pytest.mark.skipif(not HAVE_MKDOCS, reason="MkDocs and its Material theme (the docs extra): make docs")
+def test_the_manual_names_its_sources_not_the_projects_seed_files() -> None:
+    """"seed 001" or "seeds/003" means nothing to a reader: the manual names the document (its title)."""
+    pages = [*DOCS.rglob("*.md"), ROOT / "README.md", *(ROOT / "examples").glob("*.toml")]
+    cited = [f"{page.relative_to(ROOT)}: {line.strip()}" for page in pages
+             for line in page.read_text().splitlines() if re.search(r"\bseeds?[ /-]?0\d\d", line, re.I)]
+    assert cited == []
+
+
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```$", re.M | re.S)
+SIGNATURE = re.compile(r"^([\w.]+)(\(.*\))$")
+
+
+def python_blocks(page: Path) -> list[str]:
+    """The ```python blocks of a page."""
+    return PYTHON_BLOCK.findall(page.read_text())
+
+
+def test_every_python_example_of_the_manual_is_python() -> None:
+    """Each ```python block parses: code, or a signature (`vmlaunch.Lab(spec, vms=(), *, ...)`), which
+    must then be a valid parameter list. The examples of the test-rigs page that a lab runs are run
+    too: tests/test_docs_examples_real.py."""
+    import ast
+
+    blocks = [(page, block) for page in sorted(DOCS.rglob("*.md")) for block in python_blocks(page)]
+    assert blocks
+    for page, block in blocks:
+        signature = SIGNATURE.match(block.strip())
+        name = signature.group(1).replace(".", "_") if signature else ""
+        code = f"def {name}{signature.group(2)}: ...\n" if signature else block
+        try:
+            ast.parse(code)
+        except SyntaxError as error:
+            pytest.fail(f"{page.relative_to(ROOT)}: a python example does not parse: {error}\n{block}")
+
+
 def test_mkdocs_builds_the_manual_strictly(tmp_path: Path) -> None:
     """What `make docs` runs, into a temporary folder (about a second)."""
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",

@@ -130,6 +130,13 @@ def test_ksm(sysfs: Path) -> None:
     assert one(host_checks.check_ksm(fake_host(ksm=None), sysfs)).fix == "a kernel with CONFIG_KSM"
 
 
+def test_a_finding_cites_its_source_by_a_title_a_user_can_look_up(sysfs: Path) -> None:
+    """Not by the number of a file in the project's design notes ("seed 000")."""
+    write(sysfs / "kernel" / "mm" / "ksm" / "run", "0\n")
+    why = one(host_checks.check_ksm(fake_host(), sysfs)).why
+    assert why.endswith("(IBM's \"Best practices for KVM\")") and "seed" not in why
+
+
 def test_numa() -> None:
     two = Topology((NumaNode(0, (0, 1), 4096, 2048), NumaNode(1, (2, 3), 4096, 1024)))
     finding = one(host_checks.check_numa(fake_host(numa=two)))

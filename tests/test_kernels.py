@@ -429,3 +429,33 @@ def test_an_elf_whose_headers_point_past_any_file_boots_as_given(tmp_path: Path,
     kernel = kernel_file(tmp_path, bytes(bad))
     boot = boot_of(kernel, build=True)
     assert boot.elf is None and boot.why.startswith(f"kernel {kernel} ") and "\n" not in boot.why
+
+
+def test_the_pvh_note_is_said_once_per_kernel_and_again_with_v(tmp_path: Path, cache: Path,
+                                                               capfd: pytest.CaptureFixture[str]) -> None:
+    """It says the same at every run: `up`, `cmdline` and `--dry-run` say it the first time only."""
+    from vmlaunch.cli import main
+
+    kernel = kernel_file(tmp_path, bzimage(compressed(elf(), "gzip")))
+    spec = str(write_spec(tmp_path, '[lab]\nname = "k"\n[vm.a]\nmemory = 128\naccel = "tcg"\n'
+                          'kernel = "vmlinuz"\n'))
+    assert boot_of(kernel, build=True).elf is not None  # as `up` leaves it: the ELF in the cache
+
+    def notes(*args: str) -> int:
+        assert main(list(args)) == 0
+        return capfd.readouterr().err.count("boots through its PVH entry")
+
+    assert notes("-q", "cmdline", spec) == 0  # nothing shown: not told yet
+    assert notes("cmdline", spec) == 1
+    assert notes("cmdline", spec) == 0
+    assert notes("up", spec, "--dry-run") == 0
+    assert notes("-v", "cmdline", spec) == 1
+    other = kernel_file(tmp_path, bzimage(compressed(elf(filler=100_000), "gzip")), "vmlinuz2")
+    boot_of(other, build=True)
+    spec2 = str(write_spec(tmp_path, '[lab]\nname = "k2"\n[vm.a]\nmemory = 128\naccel = "tcg"\n'
+                           'kernel = "vmlinuz2"\n', "other.toml"))
+    assert notes("cmdline", spec2) == 1  # another kernel: its own note, once
+    assert notes("cmdline", spec) == 0
+    (cache / kernels.TOLD).write_text("{not json")  # a damaged record: told again, never a failure
+    assert notes("cmdline", spec) == 1
+    assert notes("cmdline", spec) == 0

@@ -320,7 +320,7 @@ def test_the_defaults_as_the_page_says_them() -> None:
     assert '- **Default:** `"none"`' in section
     assert ('- **Allowed:** one of `"none"`, `"writeback"`, `"writethrough"`, `"directsync"`, `"unsafe"`'
             in section)
-    assert "- **Source:** [seed-002](#sources): Conclusions" in section
+    assert "- **Source:** [kvm-cache-settings](#sources): Conclusions" in section
 
 
 def test_a_computed_default_needs_words() -> None:

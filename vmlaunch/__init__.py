@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
         UsageError,
         VmlaunchError,
     )
+    from vmlaunch.qemu.qmp import QmpError
     from vmlaunch.runtime.agent import Result
     from vmlaunch.runtime.control import VmStatus
     from vmlaunch.runtime.rig import CommandFailed
@@ -38,6 +39,7 @@ __all__ = [
     "GuestPaused",
     "HostError",
     "Lab",
+    "QmpError",
     "Result",
     "RuntimeFailure",
     "SpecError",
@@ -62,6 +64,7 @@ _LAZY = {
     "CommandTimedOut": "vmlaunch.errors",
     "GuestPaused": "vmlaunch.errors",
     "CommandFailed": "vmlaunch.runtime.rig",
+    "QmpError": "vmlaunch.qemu.qmp",
     "Result": "vmlaunch.runtime.agent",
 }
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -33,6 +34,7 @@ LabFactory = Callable[..., "Lab"]
 EVIDENCE = "vmlaunch evidence"  # the name of the report section and of the user property
 KEEP = "--vmlaunch-keep"
 _REPORTS = pytest.StashKey[dict[str, pytest.TestReport]]()
+_PACKAGE = str(Path(__file__).resolve().parent) + os.sep  # vmlaunch's own files
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -44,10 +46,39 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    """Keep each phase's report on the item: the fixture's teardown reads whether the test failed."""
+    """Keep each phase's report on the item: the fixture's teardown reads whether the test failed.
+    A vmlaunch error's traceback is trimmed to the test's own frames before the report is made."""
+    if not item.config.getoption("fulltrace"):
+        _hide_vmlaunch_frames(call)
     outcome: Any = yield
     report: pytest.TestReport = outcome.get_result()
     item.stash.setdefault(_REPORTS, {})[report.when] = report
+
+
+def _hide_vmlaunch_frames(call: pytest.CallInfo[None]) -> None:
+    """A VmlaunchError says in its message what failed (a guest's command, a lab that would not come
+    up): the frames of vmlaunch that raised it are noise in front of that line, so the traceback keeps
+    the test's own. Any other exception from vmlaunch is a bug of vmlaunch: its frames stay, as do all
+    with `pytest --full-trace`."""
+    from vmlaunch.errors import VmlaunchError
+
+    excinfo = call.excinfo
+    if excinfo is None or not isinstance(excinfo.value, VmlaunchError):
+        return
+    # pytest cuts a traceback to the test's frames by walking the raw chain (`tb_next`) again, so the
+    # chain itself skips vmlaunch's frames; the first frame is pytest's, never one of them.
+    raw: TracebackType | None = excinfo.tb
+    while raw is not None:
+        following = raw.tb_next
+        while following is not None and _in_vmlaunch(following):
+            following = following.tb_next
+        raw.tb_next = following
+        raw = following
+    excinfo.traceback = excinfo.traceback.filter(lambda entry: not str(entry.path).startswith(_PACKAGE))
+
+
+def _in_vmlaunch(raw: TracebackType) -> bool:
+    return raw.tb_frame.f_code.co_filename.startswith(_PACKAGE)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

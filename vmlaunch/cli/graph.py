@@ -3,7 +3,7 @@
 Kept light like the rest of `cli/`: argparse only at import; the picture (`export/graph.py`) and
 Graphviz's Python package are imported when the command runs. This module picks the format (from
 --out's suffix when not given), refuses PNG bytes on a terminal and writes --out whole (a temp file
-renamed into place).
+renamed into place), or leaves an SVG --out that shows the same lab as it is.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from vmlaunch.cli.common import Commands, command, lab_vm
-from vmlaunch.errors import RuntimeFailure, UsageError
+from vmlaunch.errors import OutputRefused, RuntimeFailure, UsageError
 
 log = logging.getLogger("vmlaunch")
 
@@ -93,16 +93,35 @@ def cmd_graph(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         sys.stdout.buffer.write(data)
         return 0
+    if format == "svg" and _shows_already(Path(args.out), data):
+        log.info("%s already shows this lab: left as it is", args.out)
+        return 0
     _write(Path(args.out), data)
     log.info("wrote %s (%s)", args.out, format)
     return 0
 
 
-def _write(path: Path, data: bytes) -> None:
-    from vmlaunch.core.fsutil import write_atomic
+def _shows_already(path: Path, svg: bytes) -> bool:
+    """`path` holds an SVG drawn from the same dot text (on this host or another, whose fonts may draw
+    it a few points wider): rewriting it would change bytes, not the picture (`make docs` would
+    otherwise rewrite the manual's picture of the demo lab on every build)."""
+    from vmlaunch.core.fsutil import read_bounded
+    from vmlaunch.export.graph import drawn_from
 
     try:
-        write_atomic(path, data, 0o644)
+        there = read_bounded(path, 16 << 20)
+    except OSError:  # missing, or not a file vmlaunch would write over: _write says so
+        return False
+    return drawn_from(there) is not None and drawn_from(there) == drawn_from(svg)
+
+
+def _write(path: Path, data: bytes) -> None:
+    from vmlaunch.core.fsutil import Unfit, write_new
+
+    try:
+        write_new(path, data, 0o644)
+    except Unfit as exc:
+        raise OutputRefused.of(exc) from None
     except OSError as exc:
         raise RuntimeFailure(f"cannot write {path}: {exc.strerror or exc}",
                              "choose a file you can write with --out") from None

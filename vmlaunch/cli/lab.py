@@ -20,7 +20,10 @@ from vmlaunch.cli.common import (
 )
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from vmlaunch.compile.plan import Plan
+    from vmlaunch.guests.kernels import KernelBoot
     from vmlaunch.layout.rundir import RunDir
 
 log = logging.getLogger("vmlaunch")
@@ -146,7 +149,8 @@ def cmd_cmdline(args: argparse.Namespace) -> int:
         return hosts.cmdline(args, lab)
     host = detect_host()
     # Writes nothing: a kernel not decompressed yet is said to be, and its bzImage is the command line
-    plan = compile_lab(lab, host, args.vms, kernels=prepare(lab, host, args.vms, build=False))
+    kernels = told_kernels(prepare(lab, host, args.vms, build=False), args.verbose)
+    plan = compile_lab(lab, host, args.vms, kernels=kernels)
     for note in plan.notes:
         log.info("note: %s", note)
     log_accel(plan, args.verbose)
@@ -188,7 +192,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from vmlaunch.guests.kernels import prepare
 
     # a kernel is decompressed into the cache here, once (not with --dry-run, which changes nothing)
-    kernels = prepare(lab, host, only, build=not args.dry_run)
+    kernels = told_kernels(prepare(lab, host, only, build=not args.dry_run), args.verbose)
     plan = compile_lab(lab, host, only, kernels=kernels,
                        running=where_running(RunDir.of(host.run_root, lab.name), host.numa))
     for note in plan.notes:
@@ -234,6 +238,16 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("\n".join(render({name: entries[name].boot or {} for name in started if name in entries},
                                 started)))
     return 0
+
+
+def told_kernels(kernels: dict[Path, KernelBoot], verbose: bool) -> dict[Path, KernelBoot]:
+    """The kernels, each boot through PVH this host was told of before marked so (its note once per
+    kernel, and with -v); with -q nothing is shown, so nothing counts as told."""
+    if not log.isEnabledFor(logging.INFO):
+        return kernels
+    from vmlaunch.guests.kernels import told_once
+
+    return told_once(kernels, verbose=verbose)
 
 
 def log_accel(plan: Plan, verbose: bool) -> None:

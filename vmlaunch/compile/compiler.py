@@ -818,11 +818,12 @@ class _Compiler:
         return self.kernels.get(vm.kernel)
 
     def kernel_notes(self, vms: Sequence[VmSpec]) -> Iterator[str]:
-        """Which kernel boots under TCG and why, once per kernel: `alpha, beta: kernel ... boots ...`."""
+        """Which kernel boots under TCG and why, once per kernel: `alpha, beta: kernel ... boots ...`;
+        not a boot through PVH this host was told of before (`told`)."""
         chosen: dict[KernelBoot, list[str]] = {}
         for vm in vms:
             boot = self.kernel_boot(vm)
-            if boot is not None:
+            if boot is not None and not boot.told:
                 chosen.setdefault(boot, []).append(vm.name)
         for boot, names in chosen.items():
             yield f"{', '.join(names)}: {boot.why}"

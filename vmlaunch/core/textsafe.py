@@ -2,7 +2,8 @@
 
 A guest controls what its serial console prints. Shown raw on the user's terminal, an escape sequence
 could retitle the window, rewrite lines above, or (on some terminals) answer back as typed input.
-`logs` and `console` pass the guest's output through untouched: that is what they are for.
+`logs` shows the guest's output on a terminal through `for_terminal`, and passes it untouched into a
+pipe or a file; `console` is the guest's terminal itself, untouched: that is what it is for.
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ def printable(text: str) -> str:
     """`text` without terminal escape sequences and control characters (newlines and tabs stay; a
     carriage return goes: it would let a line overwrite the message it is part of)."""
     return _CONTROLS.sub("", _ESCAPES.sub("", text))
+
+
+def for_terminal(text: str) -> str:
+    """A guest's console output as a terminal may show it: lines and tabs kept (a CRLF ends a line),
+    escape sequences and control characters gone (a guest's `ESC [ 6 n` would make the terminal type
+    its answer into the user's shell)."""
+    return printable(text.replace("\r\n", "\n"))
 
 
 def last_line(text: str, width: int = 60) -> str:

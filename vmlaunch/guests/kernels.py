@@ -131,6 +131,35 @@ class KernelBoot:
     kernel: Path
     elf: Path | None
     why: str
+    told: bool = False  # the note was printed on this host before (`told_once`): not again, but with -v
+
+
+TOLD = "told.json"  # in the kernels' cache: the ELFs whose boot through PVH was noted on this host
+
+
+def told_once(kernels: Mapping[Path, KernelBoot], *, verbose: bool) -> dict[Path, KernelBoot]:
+    """`kernels` with `told` set on each that boots through PVH from an ELF whose note this host has
+    printed before (it says the same at every `up`, `cmdline` and `--dry-run`: once per kernel, and with
+    -v), recording the others as told. Why a kernel does not boot through PVH is said every time: it
+    asks for something. Without a usable cache: every note, every time."""
+    from vmlaunch.core.fsutil import read_bounded
+    from vmlaunch.layout.dirs import usable_cache_dir
+
+    fast = {boot.elf.name for boot in kernels.values() if boot.elf is not None}
+    folder = usable_cache_dir(SUBDIR) if fast else None
+    if folder is None:
+        return dict(kernels)
+    told: set[str] = set()
+    with contextlib.suppress(OSError, ValueError, TypeError, RecursionError):
+        saved = json.loads(read_bounded(folder / TOLD, 1 << 20))
+        told = {name for name in saved["told"] if isinstance(name, str)} if isinstance(saved, dict) else set()
+    if not fast <= told:
+        # forget the ELFs the cache no longer holds (the bound removed them: made again, noted again)
+        kept = sorted(name for name in told | fast if (folder / name).exists())
+        with contextlib.suppress(OSError):
+            write_atomic(folder / TOLD, json.dumps({"told": kept}, indent=1), 0o644, durable=False)
+    return {path: attrs.evolve(boot, told=not verbose and boot.elf is not None and boot.elf.name in told)
+            for path, boot in kernels.items()}
 
 
 def fast_boot_wanted(vm: VmSpec, host: Host) -> bool:

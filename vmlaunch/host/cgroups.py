@@ -1,7 +1,7 @@
 """cpuset cgroups for VMs placed on NUMA nodes: one cgroup per VM whose `cpuset.cpus` and
 `cpuset.mems` hold its QEMU (every thread) on a node; changing them moves the VM, CPUs and memory
-together (the kernel migrates its pages and rebinds its memory policy: seed 001's "cpuset can migrate
-cpus *and* memory").
+together (the kernel migrates its pages and rebinds its memory policy: as "Improving the Out-of-Box KVM
+Performance" put it, "cpuset can migrate cpus *and* memory").
 
 Where the host has them, under the one sysfs root (`VMLAUNCH_SYSFS`, else /sys):
 - cgroup v2: `fs/cgroup` is the unified hierarchy and its `cgroup.subtree_control` has `cpuset`

@@ -1,8 +1,8 @@
 """Where a lab's VMs run on a NUMA host: the initial placement at `up` and the balancer's moves, as
 pure functions over plain values (table-tested; bench/numa_sim.py runs them against a model host).
 
-Seed 001 ("Improving the Out-of-Box KVM Performance") measured what the kernel does with long-lived
-VMs on a 4-node host: each VM's vCPUs and memory end up scattered over every node. Its balancer put
+A. Theurer's "Improving the Out-of-Box KVM Performance" (2011) measured what the kernel does with
+long-lived VMs on a 4-node host: each VM's vCPUs and memory end up scattered over every node. Its balancer put
 each VM on one node, then every 5 s moved one VM, CPUs and memory together, from the most to the
 least loaded node. vmlaunch does the same:
 

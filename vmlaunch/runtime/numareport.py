@@ -1,5 +1,6 @@
 """`vmlaunch numa SPEC`: where each VM's memory is and where its vCPUs ran, per node the load and the
-free memory; seed 001's numa_maps report, for a lab.
+free memory; the numa_maps report of "Improving the Out-of-Box KVM
+Performance", for a lab.
 
 Per VM: its memory per node from `/proc/PID/numa_maps` (pages, MiB and the share of it), the share
 on the node(s) it is placed on (its cpuset cgroup's `cpuset.mems`, else where `up` put it), and for

@@ -65,7 +65,7 @@ class DiskFormat(enum.Enum):
 
 
 class DiskBus(enum.Enum):
-    VIRTIO = "virtio"  # virtio-blk: the paravirtual default (seed 000: "use virtio")
+    VIRTIO = "virtio"  # virtio-blk: the paravirtual default (IBM's "Best practices for KVM": "use virtio")
     SCSI = "scsi"  # virtio-scsi: many disks on one controller, SCSI passthrough commands
     SATA = "sata"  # AHCI: for guests without virtio drivers
 
@@ -364,7 +364,8 @@ class PlacementPolicy(enum.Enum):
 
 @attrs.frozen
 class LabPlacement:
-    """`[lab.placement]`: where the lab's VMs run on a NUMA host (seed 001's balancer)."""
+    """`[lab.placement]`: where the lab's VMs run on a NUMA host (the balancer of "Improving
+    the Out-of-Box KVM Performance")."""
 
     policy: PlacementPolicy | None = None  # None: auto on a host with more than one NUMA node, else none
     balance: bool | None = None  # None: on with policy auto
