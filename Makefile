@@ -1,9 +1,9 @@
 # The two commands of the README:
-#   make demo   set everything up (QEMU, the package, the test guest), then bring the demo lab up,
-#               look at it and take it down
-#   make test   set everything up and run the tests
+#   make demo   set up what the demo needs (QEMU, the package, the test guest), then bring the demo lab
+#               up, look at it and take it down
+#   make test   set up what the tests need (make setup: the demo's and more) and run the tests
 # Both end with `make install`'s work (tools/install.sh): `vmlaunch` on PATH and its bash and zsh
-# completion; `make uninstall` removes exactly that.
+# completion; `make uninstall` removes exactly that, and says what it leaves and how to remove it.
 VENV := .venv
 VMLAUNCH := $(VENV)/bin/vmlaunch
 PYTEST := $(VENV)/bin/python -m pytest
@@ -20,8 +20,10 @@ install:
 
 uninstall:
 	@tools/install.sh --uninstall
+	@tools/setup.sh --leftovers
 
-demo: setup
+demo:
+	@tools/setup.sh --for demo
 	@tools/demo.sh
 
 # Branch coverage of the package, measured in the test process (see pyproject.toml). Part of the

@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -193,3 +198,55 @@ def test_sources_are_not_in_the_cache_key() -> None:
 def test_source_line_round_trips() -> None:
     source = Source("http://mirror.example/debian", "bookworm", ("main",), (f"signed-by={KEY}",), "x")
     assert build_debian.parse_one_line(source.line(), "y") == [source._replace(where="y:1")]
+
+
+HOLD = ("import fcntl, sys, time\n"
+        "handle = open(sys.argv[1], 'r+b')\n"
+        "fcntl.lockf(handle, fcntl.LOCK_EX)  # as apt takes /var/lib/dpkg/lock-frontend\n"
+        "print('held', flush=True)\n"
+        "time.sleep(float(sys.argv[2]))\n")
+COMM = Path(sys.executable).name[:15]  # the holder's name, as /proc/PID/comm keeps it
+
+
+@contextlib.contextmanager
+def another_apt(lock: Path, seconds: float) -> Iterator[subprocess.Popen[str]]:
+    """A process that holds `lock` for `seconds`, as another apt would (fcntl locks of one process
+    never block each other, so it must be another process)."""
+    lock.touch()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(lock), str(seconds)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_build_waits_for_another_apt(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lock = tmp_path / "lock-frontend"
+    build_debian.wait_for_apt(lock, bound=5)  # no such file: nothing to wait for
+    build_debian.wait_for_apt(lock, bound=5)
+    assert capsys.readouterr().out == ""
+    with another_apt(lock, 1.0) as holder:
+        began = time.monotonic()
+        build_debian.wait_for_apt(lock, bound=30, poll=0.1)
+        waited = time.monotonic() - began
+        assert holder.wait(5) == 0  # it ended on its own: the wait lasted as long as the lock
+    assert 0.5 < waited < 10
+    assert capsys.readouterr().out.splitlines() == [
+        f"build_debian: waiting for another apt or dpkg (pid {holder.pid}: {COMM}) to release {lock}, "
+        "at most 30 s",
+        f"build_debian: {lock} is free: going on"]
+
+
+def test_the_wait_for_another_apt_has_a_bound(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lock = tmp_path / "lock-frontend"
+    with another_apt(lock, 60) as holder:
+        with pytest.raises(BuildError) as raised:
+            build_debian.wait_for_apt(lock, bound=0.5, poll=0.1)
+        assert holder.poll() is None
+    assert str(raised.value) == (
+        f"another apt or dpkg (pid {holder.pid}: {COMM}) still holds {lock} after 0.5 s: let it finish "
+        "(or stop it), then run tools/build_debian.py again")
+    assert "waiting for another apt or dpkg" in capsys.readouterr().out

@@ -167,6 +167,61 @@ def test_up_write_down_keeps_the_image(tmp_path: Path, netns: Netns, test_guest:
     assert (second.returncode, second.stdout.strip()) == (0, "lab solo is not up")
 
 
+def test_a_disk_root_made_says_whose_it_is_to_another_user(netns: Netns, test_guest: Path) -> None:
+    """Root's `up` makes a missing disk as its user's umask says (0644 under 022), not under the run
+    dir's 077; another user's `validate` of the lab says whose the disk is and how to have it."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="vl-shared-"))  # a shared checkout: every user may enter
+    folder.chmod(0o755)
+    nobody = (65534, 65534)
+    umask = os.umask(0o022)
+    try:
+        spec = lab(folder, test_guest, one_vm())
+        done = netns.vmlaunch("up", str(spec))
+        assert done.returncode == 0, done.stderr
+        disk = folder / "solo.img"
+        assert (disk.stat().st_uid, oct(disk.stat().st_mode & 0o777)) == (0, "0o644")
+        mistake = netns.vmlaunch("validate", str(spec), as_user=nobody)
+        assert mistake.returncode == 2 and "Traceback" not in mistake.stderr
+        assert (f"vm.solo.disk[0].file: {disk} is not writable by you (the VM writes to this disk): it is "
+                f"root's, mode 0644 (a lab brought up by root made it or used it: `sudo chown nobody: "
+                f"{disk}` gives it to you (or remove it, if its data may go: `up` makes it anew); or add "
+                "readonly = true to the disk if the VM only reads it)") in mistake.stderr
+        disk.chmod(0o600)  # as an `up` as root made its disks before
+        mistake = netns.vmlaunch("validate", str(spec), as_user=nobody)
+        assert f"{disk} is not readable by you: it is root's, mode 0600 (a lab brought up by root" \
+            in mistake.stderr
+        os.chown(disk, *nobody)  # what the hint says to do
+        given = netns.vmlaunch("validate", str(spec), as_user=nobody)
+        assert given.returncode == 0, given.stderr
+        assert netns.vmlaunch("down", str(spec)).returncode == 0
+    finally:
+        os.umask(umask)
+        subprocess.run(["rm", "-rf", str(folder)], check=False)
+
+
+def test_status_from_another_spec_file_of_the_lab_name_says_which_is_up(tmp_path: Path, netns: Netns,
+                                                                        test_guest: Path) -> None:
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one, two = (lab(tmp_path / folder, test_guest, one_vm("twin")) for folder in ("one", "two"))
+    done = netns.vmlaunch("up", str(one))
+    assert done.returncode == 0, done.stderr
+    try:
+        mine = netns.vmlaunch("status", str(one))
+        assert mine.returncode == 0 and "warning" not in mine.stderr, mine.stderr
+        other = netns.vmlaunch("status", str(two))
+        assert other.returncode == 0, other.stderr
+        assert (f"vmlaunch: warning: lab twin is up from another spec file, {one}, not {two}: what follows "
+                "is that lab's VMs, as this file names them") in other.stderr.splitlines()
+        assert "solo" in other.stdout and "running" in other.stdout
+        as_json = netns.vmlaunch("status", str(two), "--json")
+        assert json.loads(as_json.stdout)["solo"] and f"from another spec file, {one}," in as_json.stderr
+    finally:
+        assert netns.vmlaunch("down", str(one)).returncode == 0
+
+
 def test_failed_start_leaves_nothing(tmp_path: Path, netns: Netns, test_guest: Path) -> None:
     (tmp_path / "not-a-kernel").write_bytes(b"\x7fELF" + bytes(4092))  # a file, but no kernel
     spec = lab(tmp_path, test_guest, one_vm(kernel=str(tmp_path / "not-a-kernel")))

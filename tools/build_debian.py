@@ -113,6 +113,11 @@ SUITES = (SUITE, f"{SUITE}-updates", f"{SUITE}-security")
 REQUIRED_COMPONENT = "main"
 APT_ETC = Path("/etc/apt")
 APT_LISTS = Path("/var/lib/apt/lists")
+# apt and dpkg hold these (fcntl locks) while they run: another apt (unattended-upgrades, a user's
+# apt-get) makes ours fail at once, so the build waits for them, up to APT_WAIT seconds.
+DPKG_LOCK = Path("/var/lib/dpkg/lock-frontend")
+LISTS_LOCK = APT_LISTS / "lock"
+APT_WAIT = 300.0
 MIRROR_ENV = "VMLAUNCH_DEBIAN_MIRROR"
 SECURITY_MIRROR_ENV = "VMLAUNCH_DEBIAN_SECURITY_MIRROR"
 # deb822 fields that are options of an entry, and their names in the one-line format
@@ -417,18 +422,81 @@ def missing_host_packages() -> list[str]:
     return sorted(missing)
 
 
+def lock_holder(path: Path) -> int | None:
+    """The process holding the fcntl lock on `path` as apt and dpkg take it (0 when its pid is not
+    known), or None when it is free or is no file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        # struct flock: l_type, l_whence, l_start, l_len, l_pid (F_GETLK asks who would block a write lock)
+        asked = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+        try:
+            answer = fcntl.fcntl(fd, fcntl.F_GETLK, asked)
+        except OSError:
+            return 0 if _locked(path) else None
+        kind, _, _, _, pid = struct.unpack("hhqqi", answer)
+        return None if kind == fcntl.F_UNLCK else max(pid, 0)
+    finally:
+        os.close(fd)
+
+
+def _locked(path: Path) -> bool:
+    """Whether a write lock on `path` would block: the fallback where F_GETLK is refused."""
+    try:
+        with open(path, "r+b") as handle:
+            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def wait_for_apt(lock: Path, bound: float = APT_WAIT, poll: float = 0.5) -> None:
+    """Wait until no other apt or dpkg holds `lock`, at most `bound` seconds, saying so once;
+    BuildError naming the holder at the bound."""
+    holder = lock_holder(lock)
+    if holder is None:
+        return
+    who = f"another apt or dpkg (pid {holder}{_command_of(holder)})" if holder else "another apt or dpkg"
+    say(f"waiting for {who} to release {lock}, at most {bound:g} s")
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        time.sleep(min(poll, max(deadline - time.monotonic(), 0)))
+        if lock_holder(lock) is None:
+            say(f"{lock} is free: going on")
+            return
+    raise BuildError(f"{who} still holds {lock} after {bound:g} s: let it finish (or stop it), "
+                     "then run tools/build_debian.py again")
+
+
+def _command_of(pid: int) -> str:
+    try:
+        return ": " + Path(f"/proc/{pid}/comm").read_text(encoding="utf-8").strip()
+    except OSError:
+        return ""
+
+
 def ensure_host_tools(log: Log) -> None:
     missing = missing_host_packages()
     if not missing:
         log.write("host tools: all present\n")
         return
-    command = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
+    # apt's own wait for the lock (DPkg::Lock::Timeout) backs ours up: another apt may take the lock
+    # between our look and apt's start
+    apt_get = ["apt-get", "-o", f"DPkg::Lock::Timeout={APT_WAIT:.0f}"]
+    command = [*apt_get, "install", "-y", "--no-install-recommends", *missing]
     say(f"installing host packages: {' '.join(missing)}")
     env_cmd = ["env", "DEBIAN_FRONTEND=noninteractive", *command]
+    wait_for_apt(DPKG_LOCK)
     try:
         run(log, env_cmd, "installing host packages")
     except BuildError:
-        run(log, ["apt-get", "update"], "apt-get update")
+        wait_for_apt(LISTS_LOCK)
+        run(log, [*apt_get, "update"], "apt-get update")
+        wait_for_apt(DPKG_LOCK)
         run(log, env_cmd, "installing host packages")
     still = missing_host_packages()
     if still:

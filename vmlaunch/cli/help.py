@@ -6,7 +6,7 @@ import argparse
 import functools
 import sys
 
-from vmlaunch.cli.common import Commands, command
+from vmlaunch.cli.common import Commands, command, did_you_mean
 from vmlaunch.errors import UsageError
 
 
@@ -34,7 +34,8 @@ def cmd_help(parser: argparse.ArgumentParser, commands: Commands, args: argparse
         parser.print_help()
         return 0
     if args.topic not in commands.choices:
-        raise UsageError(f"no command {args.topic!r}", f"commands: {', '.join(commands.choices)}")
+        raise UsageError(f"no command {args.topic!r}", f"{did_you_mean(args.topic, list(commands.choices))}"
+                         f"commands: {', '.join(commands.choices)}")
     commands.choices[args.topic].print_help()
     return 0
 

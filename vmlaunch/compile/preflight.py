@@ -217,6 +217,33 @@ def _test_guest_hint(path: Path) -> str | None:
             "(tools/build_guest.py) to only build it")
 
 
+def _whose(info: os.stat_result) -> str:
+    """`: it is root's, mode 0600`, for a file another user owns: the why of "not readable by you"."""
+    if info.st_uid == os.geteuid():
+        return ""
+    return f": it is {_user(info.st_uid)}'s, mode {stat.S_IMODE(info.st_mode):04o}"
+
+
+def _give_back(path: Path, info: os.stat_result, may_be_missing: bool) -> str | None:
+    """What to do about a file another user owns (a disk a lab brought up as root made, in a shared
+    checkout): have it given back, or, when `up` makes it anew from its size, removed."""
+    if info.st_uid == os.geteuid():
+        return None
+    owner = _user(info.st_uid)
+    anew = " (or remove it, if its data may go: `up` makes it anew)" if may_be_missing else ""
+    return (f"a lab brought up by {owner} made it or used it: `sudo chown {_user(os.geteuid())}: "
+            f"{_p(path)}` gives it to you{anew}")
+
+
+def _user(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
 def not_a_file(path: Path, mode: int, *, disk: bool,
                device_ok: bool = False) -> tuple[str, str | None] | None:
     """What `path` (of st_mode `mode`) is when it is no file a spec may name there (a folder, a FIFO,
@@ -255,10 +282,12 @@ def _problem(path: Path, *, disk: bool, writable: bool = False, device_ok: bool 
     if stat.S_ISREG(mode) and info.st_size == 0 and not may_be_missing:
         return f"{_p(path)} is empty", None
     if not os.access(path, os.R_OK):
-        return f"{_p(path)} is not readable by you", None
+        return f"{_p(path)} is not readable by you{_whose(info)}", _give_back(path, info, may_be_missing)
     if writable and not os.access(path, os.W_OK):
-        return (f"{_p(path)} is not writable by you (the VM writes to this disk)",
-                "add readonly = true to the disk if the VM only reads it")
+        readonly = "add readonly = true to the disk if the VM only reads it"
+        given = _give_back(path, info, may_be_missing)
+        return (f"{_p(path)} is not writable by you (the VM writes to this disk){_whose(info)}",
+                f"{given}; or {readonly}" if given else readonly)
     if executable and not (os.access(path, os.X_OK) and stat.S_IMODE(mode) & 0o111):
         return (f"{_p(path)} is not executable: vmlaunch runs it as `SCRIPT TAP`, without a shell",
                 f"chmod +x {_p(path)}, and start it with a #! line")

@@ -52,6 +52,9 @@ class Context:
     lab: str
     qemu_img: str = "qemu-img"
     sysfs: Path | None = None  # None: VMLAUNCH_SYSFS, else /sys
+    # The umask of whoever runs vmlaunch: a file made for the user (a disk `up` creates beside the
+    # spec) takes it, not the 077 under which the run dir and its logs are made.
+    umask: int = 0o022
 
 
 @runtime_checkable

@@ -254,6 +254,7 @@ class Image(OfVm):
             raise RuntimeFailure(f"cannot create image {self.path}: {exc.strerror}",
                                  "check that its folder exists and is writable") from None
         try:
+            os.fchmod(fd, 0o644 & ~ctx.umask)  # the user's file, as `qemu-img create` would make it
             st = self._run_qemu_img(ctx, fd, size)
             _rename_noreplace(partial, self.path)
         except BaseException:

@@ -221,11 +221,19 @@ class Journal:
     def check_spec(self, spec: str | os.PathLike[str], *, force: bool) -> None:
         """Two spec files with one lab name would share this run dir: a lab that is up answers only
         to the spec that brought it up (compared as resolved paths), unless `force` takes it over."""
-        mine = os.path.realpath(spec)
-        if self.spec is None or self.empty or os.path.realpath(self.spec) == mine or force:
+        other = self.other_spec(spec)
+        if other is None or force:
             return
-        raise LabTaken(f"lab {self.run_dir.lab} is up from another spec, {self.spec}, not {mine}",
+        mine = os.path.realpath(spec)
+        raise LabTaken(f"lab {self.run_dir.lab} is up from another spec, {other}, not {mine}",
                        "use that spec, give this lab another name, or add --force to take it over")
+
+    def other_spec(self, spec: str | os.PathLike[str]) -> str | None:
+        """The spec file the lab is up from when it is not `spec` (compared as resolved paths): its
+        run dir is that file's lab, whose VMs are not `spec`'s even where their names are."""
+        if self.spec is None or self.empty or os.path.realpath(self.spec) == os.path.realpath(spec):
+            return None
+        return self.spec
 
     @property
     def empty(self) -> bool:
