@@ -6,7 +6,7 @@ tar streams a guest sends back."""
 from __future__ import annotations
 
 import base64
-import io
+import contextlib
 import json
 import os
 import socket
@@ -22,7 +22,7 @@ from vmlaunch.errors import AgentError, CommandTimedOut, RuntimeFailure, UsageEr
 from vmlaunch.guests import guest_agent
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.runtime import agent
-from vmlaunch.runtime.rig import CommandFailed, Guest, safe_members, split_vm_path
+from vmlaunch.runtime.rig import CommandFailed, Guest, split_vm_path
 
 
 @pytest.fixture
@@ -192,9 +192,41 @@ def test_an_agent_that_lies_or_closes_is_an_agent_error(run_dir: RunDir, reply: 
 def test_an_agent_that_stops_answering_is_a_hung_channel(run_dir: RunDir,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(agent, "GRACE", 0.5)
-    serve(run_dir.vm("a").agent, lying_agent(lambda rid: b"", close=False))
-    with pytest.raises(AgentError, match="stopped answering"):
+    serve(run_dir.vm("a").agent, lying_agent(lambda rid: f"VLA1 {rid} done 0 0 10 0 0\nab".encode(),
+                                             close=False))
+    with pytest.raises(AgentError, match=r"stopped answering \(reading the output\)"):
         agent.run(run_dir, "a", "true", timeout=1)
+
+
+@pytest.mark.parametrize("babbles", [False, True])
+def test_an_agent_that_never_says_the_command_ended_times_out(run_dir: RunDir,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             babbles: bool) -> None:
+    """Silence, or lines that are not the answer, after the command was sent: the command times out
+    (exit 124) at its timeout and SETTLE, counted from before it was sent, whatever comes meanwhile."""
+    monkeypatch.setattr(agent, "SETTLE", 1.0)
+
+    def babble(rid: str) -> bytes:
+        return f"VLA1 {rid}x done 0 0 0 0 0\n".encode()  # a line of the protocol, not the answer
+
+    def handler(conn: socket.socket) -> None:
+        answer = lying_agent(babble if babbles else lambda rid: b"", close=False)
+        if not babbles:
+            answer(conn)
+            return
+        threading.Thread(target=answer, args=(conn,), daemon=True).start()
+        with contextlib.suppress(OSError):
+            for _ in range(200):  # and again every 50 ms, for 10 s
+                time.sleep(0.05)
+                conn.sendall(babble("r"))
+
+    serve(run_dir.vm("a").agent, handler)
+    started = time.monotonic()
+    with pytest.raises(CommandTimedOut, match="did not say it ended it") as caught:
+        agent.run(run_dir, "a", "sleep 8", timeout=1)
+    assert time.monotonic() - started < 1 + 1 + 2
+    assert caught.value.exit_code == 124
+    assert caught.value.result.timed_out  # type: ignore[attr-defined]
 
 
 def test_a_greeting_cut_short_is_sent_again(run_dir: RunDir, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -278,6 +310,86 @@ def test_qemus_guest_agent_is_used_when_it_answers(run_dir: RunDir) -> None:
     assert call["arg"][-1] == "echo hi" and base64.b64decode(call["input-data"]) == b"in"
 
 
+def hung_up_ok(handler: Callable[[socket.socket], None]) -> Callable[[socket.socket], None]:
+    """`handler`, for a client that goes away while it still answers."""
+    def quietly(conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            handler(conn)
+    return quietly
+
+
+def test_qemus_guest_agent_still_running_forever_times_out(run_dir: RunDir) -> None:
+    """A qemu-ga (or what stands in its place) that answers "still running" to every poll, also after
+    the command was killed: the command times out (exit 124) at its timeout and SETTLE."""
+    seen: dict[str, object] = {"status": {"exited": False}}
+    serve(run_dir.vm("a").qga, hung_up_ok(fake_qga(seen)))
+    started = time.monotonic()
+    with pytest.raises(CommandTimedOut, match="QEMU's guest agent did not say it ended it") as caught:
+        agent.run(run_dir, "a", "sleep 8", timeout=1, wait=5)
+    assert time.monotonic() - started < 1 + agent.SETTLE + 2
+    assert caught.value.exit_code == 124
+    assert "kill -KILL" in seen["calls"][1]["arg"][1]  # type: ignore[index]
+
+
+def endless_qga(piece: bytes, pause: float) -> Callable[[socket.socket], None]:
+    """A qemu-ga whose reply to guest-exec-status never ends: `piece` after `piece`, no newline."""
+    def handler(conn: socket.socket) -> None:
+        stream = conn.makefile("rb")
+        with contextlib.suppress(OSError):
+            while line := stream.readline():
+                request = json.loads(line.lstrip(b"\xff"))
+                if request["execute"] == "guest-sync-delimited":
+                    answer = {"return": request["arguments"]["id"]}
+                    conn.sendall(b"\xff" + json.dumps(answer).encode() + b"\n")
+                elif request["execute"] == "guest-exec":
+                    conn.sendall(b'{"return": {"pid": 42}}\n')
+                else:
+                    conn.sendall(b'{"return": {"exited": true, "out-data": "')
+                    for _ in range(100_000):
+                        conn.sendall(piece)
+                        time.sleep(pause)
+    return handler
+
+
+def test_qemus_guest_agent_with_an_endless_reply(run_dir: RunDir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply longer than QGA_LONGEST is refused once that much came; one that trickles forever ends
+    at the command's timeout and SETTLE."""
+    monkeypatch.setattr(agent, "QGA_LONGEST", 4 << 20)
+    serve(run_dir.vm("a").qga, endless_qga(b"A" * 65536, 0))
+    started = time.monotonic()
+    with pytest.raises(AgentError, match="a line longer than 4194304 bytes"):
+        agent.run(run_dir, "a", "true", timeout=60, wait=5)
+    assert time.monotonic() - started < 10
+    monkeypatch.setattr(agent, "SETTLE", 1.0)
+    (run_dir.vm("a").qga).unlink()
+    serve(run_dir.vm("a").qga, endless_qga(b"AAAA", 0.01))
+    started = time.monotonic()
+    with pytest.raises(CommandTimedOut):
+        agent.run(run_dir, "a", "true", timeout=1, wait=5)
+    assert time.monotonic() - started < 1 + 1 + 2
+
+
+@pytest.mark.parametrize(("status", "message"), [
+    ({"exited": True, "exitcode": 0, "out-data": 7}, "garbage to guest-exec-status"),
+    ({"exited": True, "exitcode": 0, "out-data": "not base64!"}, "garbage to guest-exec-status"),
+    ({"exited": True, "exitcode": "0"}, "garbage to guest-exec-status"),
+    (["exited"], "garbage to guest-exec-status"),
+])
+def test_qemus_guest_agent_answering_garbage_is_an_agent_error(run_dir: RunDir, status: object,
+                                                               message: str) -> None:
+    serve(run_dir.vm("a").qga, fake_qga({"status": status}))
+    with pytest.raises(AgentError, match=message):
+        agent.run(run_dir, "a", "true", timeout=5, wait=5)
+
+
+def test_qemus_guest_agent_output_is_kept_to_the_limit(run_dir: RunDir) -> None:
+    big = bytes(range(256)) * 4096  # 1 MiB
+    serve(run_dir.vm("a").qga, fake_qga({"status": {"exited": True, "exitcode": 0,
+                                                     "out-data": base64.b64encode(big).decode()}}))
+    result = agent.run(run_dir, "a", "true", timeout=5, wait=5, limit=1000)
+    assert (result.stdout, result.truncated) == (big[:1000], True)
+
+
 def test_a_command_word_list_is_quoted_for_the_shell() -> None:
     assert agent.command_line(["printf", "%s", "it's $HOME"]) == b"exec printf %s 'it'\"'\"'s $HOME'"
     assert agent.command_line("ls | wc -l") == b"ls | wc -l"
@@ -286,41 +398,84 @@ def test_a_command_word_list_is_quoted_for_the_shell() -> None:
     assert split_vm_path("/abs/a:b") == (None, "/abs/a:b")
 
 
-def tar_of(*members: tuple[tarfile.TarInfo, bytes]) -> tarfile.TarFile:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        for info, data in members:
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data) if data else None)
-    buffer.seek(0)
-    return tarfile.open(fileobj=buffer, mode="r")
+def hostile_tar(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                *members: tuple[tarfile.TarInfo, bytes]) -> str:
+    """The 'guest' (this host, through the Python agent) answers every tar with the stream `members`:
+    what a guest whose root replaced its `tar` or its agent sends."""
+    from tests.test_beneath import stream_of
+
+    bin_dir = tmp_path / "hostile-bin"
+    (bin_dir / "x").mkdir(parents=True)  # what the copy names exists; what comes back is the stream
+    (bin_dir / "stream.tar").write_bytes(stream_of(*members).getvalue())
+    (bin_dir / "tar").write_text(f"#!/bin/sh\ncat {bin_dir}/stream.tar\n")
+    os.chmod(bin_dir / "tar", 0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    return f"{bin_dir}/x"
 
 
-def member(name: str, kind: bytes = tarfile.REGTYPE, mode: int = 0o644, link: str = "") -> tarfile.TarInfo:
-    info = tarfile.TarInfo(name)
-    info.type, info.mode, info.linkname, info.uid = kind, mode, link, 0
-    return info
+def test_copy_from_a_hostile_guest_writes_nothing_outside(python_agent: RunDir, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_beneath import entry, tree_state
+
+    canary = tmp_path / "canary"
+    canary.mkdir()
+    (canary / "secret").write_text("root's\n")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    source = hostile_tar(tmp_path, monkeypatch, entry("x", tarfile.DIRTYPE),
+                         entry("x/dot", tarfile.SYMTYPE, link="."),
+                         entry("x/up", tarfile.SYMTYPE, link="dot/dot/../.."),
+                         entry("x/h", tarfile.LNKTYPE, link="x/up/canary/secret"),
+                         entry("x/h", data=b"pwned", mode=0o777))
+    before = tree_state(tmp_path, skip=dest)
+    with pytest.raises(RuntimeFailure, match=r"^a: the copy of .*/x was refused: x/up is not a folder"):
+        Guest(python_agent, "a").copy_from(source, f"{dest}/")
+    assert tree_state(tmp_path, skip=dest) == before
+    assert os.listdir(dest) == []  # nor the staging folder
 
 
-@pytest.mark.parametrize(("bad", "message"), [
-    (member("/etc/passwd"), "outside"),
-    (member("x/../../etc/passwd"), "outside"),
-    (member("other/file"), "outside"),
-    (member("x/dev", tarfile.CHRTYPE), "device node"),
-    (member("x/fifo", tarfile.FIFOTYPE), "device node or FIFO"),
-    (member("x/link", tarfile.SYMTYPE, link="/etc/shadow"), "links to /etc/shadow"),
-    (member("x/link", tarfile.SYMTYPE, link="../../etc"), "outside the copy"),
-    (member("x/hard", tarfile.LNKTYPE, link="etc/shadow"), "outside the copy"),
-])
-def test_a_tar_from_a_guest_is_refused_when_it_reaches_out(bad: tarfile.TarInfo, message: str) -> None:
-    with pytest.raises(RuntimeFailure, match=message):
-        safe_members(tar_of((member("x", tarfile.DIRTYPE, 0o755), b""), (bad, b"")), "x")
+def test_copy_from_merges_without_following_links(python_agent: RunDir, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_beneath import entry
+
+    dest = tmp_path / "dest"
+    (dest / "x").mkdir(parents=True)
+    (dest / "x" / "sub").symlink_to(tmp_path)
+    source = hostile_tar(tmp_path, monkeypatch, entry("x", tarfile.DIRTYPE), entry("x/sub", tarfile.DIRTYPE),
+                         entry("x/sub/planted", data=b"p"))
+    with pytest.raises(RuntimeFailure, match="x/sub is a symbolic link: a copy never writes through it"):
+        Guest(python_agent, "a").copy_from(source, dest)
+    assert not (tmp_path / "planted").exists()
 
 
-def test_a_tar_from_a_guest_loses_setuid_and_owners() -> None:
-    members = safe_members(tar_of((member("x", tarfile.DIRTYPE, 0o3777), b""),
-                                  (member("x/sh", mode=0o4755), b"#!"),
-                                  (member("x/ok", tarfile.SYMTYPE, link="sh"), b"")), "x")
-    assert [(m.name, m.mode, m.uid) for m in members] == [("x", 0o777, os.geteuid()),
-                                                         ("x/sh", 0o755, os.geteuid()),
-                                                         ("x/ok", 0o644, os.geteuid())]
+def recorder(heard: list[bytes]) -> Callable[[socket.socket], None]:
+    """A channel that keeps what it is sent and answers nothing, until the client goes away."""
+    def handler(conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := conn.recv(4096):
+                heard.append(data)
+    return handler
+
+
+def test_qemus_guest_agent_is_not_greeted_when_vmlaunchs_answers(python_agent: RunDir) -> None:
+    """qemu-ga with a reply for a client that went away retries its write for as long as no client is
+    there (the guest's shutdown then waits 90 s for it): a channel that is not chosen is not greeted."""
+    heard: list[bytes] = []
+    listening = serve(python_agent.vm("a").qga, recorder(heard))
+    result = agent.run(python_agent, "a", "echo hi", wait=5)
+    assert (result.stdout, result.via) == (b"hi\n", "agent")
+    listening.join(5)  # the client went away: the qga channel was opened, and closed with nothing sent
+    assert not listening.is_alive() and heard == []
+
+
+def test_qemus_guest_agent_is_greeted_when_vmlaunchs_is_silent(run_dir: RunDir) -> None:
+    heard: list[bytes] = []
+    serve(run_dir.vm("a").agent, recorder(heard))  # a port nobody reads in the guest
+    seen: dict[str, object] = {"status": {"exited": True, "exitcode": 0,
+                                          "out-data": base64.b64encode(b"out").decode()}}
+    serve(run_dir.vm("a").qga, fake_qga(seen))
+    started = time.monotonic()
+    result = agent.run(run_dir, "a", "true", wait=5)
+    assert (result.stdout, result.via) == (b"out", "qga")
+    assert agent.PREFER <= time.monotonic() - started < agent.PREFER + 2
+    assert heard and heard[0].startswith(b"VLA1 hello ")  # vmlaunch's was greeted first

@@ -130,6 +130,40 @@ def test_errors_have_exit_codes_and_no_traceback(args: list[str], code: int, mes
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize(("args", "hint"), [
+    (["snapshot", "save", "lab.toml", "s2"],  # the sub-command before the spec
+     "  hint: SPEC comes first, then SUBCOMMAND: `vmlaunch snapshot lab.toml save s2` "
+     "(see `vmlaunch snapshot --help`)"),
+    (["link", "up", "lab.toml", "a", "eth0"],
+     "  hint: SPEC VM NIC comes first, then up|down: `vmlaunch link lab.toml a eth0 up` "
+     "(see `vmlaunch link --help`)"),
+    (["stauts", "lab.toml"], "  hint: did you mean 'status'? see `vmlaunch --help`"),
+    (["snapshot", "lab.toml", "sve", "s2"], "  hint: did you mean 'save'? see `vmlaunch snapshot --help`"),
+    (["snapshot", "lab.toml", "keep"], "  hint: see `vmlaunch snapshot --help`"),
+    (["up", "--bogus", "lab.toml"], "  hint: see `vmlaunch up --help`"),  # a wrong argument: its command's
+    (["help", "stat"], "  hint: did you mean 'status'? commands: init, "),
+])
+def test_a_usage_mistake_says_what_was_meant(args: list[str], hint: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(args) == 64
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith("vmlaunch: error: ")
+    assert err[1].startswith(hint)
+
+
+def test_the_errors_page_shows_what_a_usage_mistake_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    page = (Path(__file__).parent.parent / "docs" / "reference" / "errors.md").read_text()
+    block = page.split("## Mistakes on the command line", 1)[1].split("```\n", 2)[1]
+    shown = re.split(r"^\$ vmlaunch ", block, flags=re.M)[1:]
+    assert len(shown) == 3
+    for each in shown:
+        command, error, hint = each.splitlines()
+        assert main(shlex.split(command)) == 64
+        printed = capsys.readouterr().err.splitlines()
+        assert printed[0].startswith(error.removesuffix("...)").removesuffix(", ")), command
+        assert printed[1] == hint, command
+
+
 def test_missing_qemu_is_a_host_error(tmp_path: Path) -> None:
     done = vmlaunch("cmdline", str(EXAMPLES / "lab.toml"),
                     env={"VMLAUNCH_QEMU": str(tmp_path / "no-qemu"),
@@ -275,3 +309,57 @@ def test_a_signal_unwinds_once_then_is_ignored() -> None:
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize(("args", "options", "command"), [
+    (["--timeout", "2", "--", "sleep", "8"], {"timeout": 2.0}, ["sleep", "8"]),
+    (["--via", "qga", "-i", "--wait", "5", "--", "sh", "-c", "x", "--", "y"],
+     {"via": "qga", "stdin": True, "wait": 5.0}, ["sh", "-c", "x", "--", "y"]),
+    (["--no-timeout", "--", "--timeout"], {"no_timeout": True, "timeout": 60.0}, ["--timeout"]),
+    (["sh", "-c", "x", "--", "--timeout"], {"timeout": 60.0}, ["sh", "-c", "x", "--", "--timeout"]),
+    (["ls", "--timeout", "2"], {"timeout": 60.0}, ["ls", "--timeout", "2"]),
+])
+def test_options_after_vm_are_the_commands_own_before_dashes(args: list[str], options: dict[str, object],
+                                                             command: list[str]) -> None:
+    """`exec SPEC VM --timeout 2 -- sleep 8`: the options stand where the help shows them, after VM;
+    after `--` (or from the first word that is not an option) every word is the command's."""
+    from vmlaunch.cli import build_parser
+
+    parsed = build_parser().parse_args(["exec", "lab.toml", "vm1", *args])
+    assert (parsed.spec, parsed.vm, parsed.command) == ("lab.toml", "vm1", command)
+    assert {name: getattr(parsed, name) for name in options} == options
+    ssh = build_parser().parse_args(["ssh", "lab.toml", "vm1", "--", "ls / | wc -l"])
+    assert (ssh.vm, ssh.command) == ("vm1", ["ls / | wc -l"])
+
+
+def test_an_option_where_the_command_begins_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["exec", "lab.toml", "vm1", "--timeout", "2", "sleep", "8"]) == 64
+    err = capsys.readouterr().err
+    assert "--timeout stands where the command begins: options come before --" in err
+    assert "`vmlaunch exec SPEC VM --timeout ... -- CMD...`" in err
+    assert main(["exec", "lab.toml", "vm1", "--bogus", "--", "true"]) == 64
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("words", "text"), [
+    (["ls / | wc -l"], "ls / | wc -l"),
+    (["echo", "'two  spaces'", "$HOME"], "echo 'two  spaces' $HOME"),
+])
+def test_ssh_gives_the_guests_shell_the_words_joined_as_openssh_does(
+        words: list[str], text: str, tmp_path: Path, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vmlaunch.runtime import running
+
+    spec = write_spec(tmp_path, '[lab]\nname = "sshwords"\n[vm.a]\nmemory = 64\nkernel = "k"\nssh = true\n'
+                      '[vm.a.cloud_init]\n')
+    (tmp_path / "k").write_bytes(b"kernel")
+    asked: list[object] = []
+
+    def ssh_argv_of(run_dir: object, lab: object, vm: str, command: object) -> list[str]:
+        asked.append(command)
+        return ["ssh"]
+
+    monkeypatch.setattr(running, "ssh_argv_of", ssh_argv_of)
+    monkeypatch.setattr(subprocess, "run", lambda argv, check: subprocess.CompletedProcess(argv, 3))
+    assert main(["ssh", str(spec), "a", "--", *words]) == 3
+    assert asked == [text]
+    assert main(["ssh", str(spec), "a", "--", " "]) == 64

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -112,6 +113,16 @@ def test_a_command_that_never_ends_is_killed_in_the_guest(rig: Lab) -> None:
     assert b"did not end within 1 s" in timed_out.stderr and b"Traceback" not in timed_out.stderr
 
 
+def test_exec_takes_its_options_after_the_vm(rig: Lab) -> None:
+    """Where the help shows them: `exec SPEC VM --timeout 2 -- sleep 8` is `sleep 8` with a timeout
+    of 2 s (it was `--timeout 2 -- sleep 8` run in the guest)."""
+    started = time.monotonic()
+    timed_out = vmlaunch(rig, "exec", str(rig.spec), "a", "--timeout", "2", "--", "sleep", "8")
+    assert timed_out.returncode == EXIT_TIMED_OUT, timed_out.stderr
+    assert time.monotonic() - started < 7
+    assert b"'sleep 8' did not end within 2 s" in timed_out.stderr
+
+
 def test_an_interrupted_exec_kills_its_command_in_the_guest(rig: Lab) -> None:
     import signal
 
@@ -185,12 +196,95 @@ def test_what_comes_from_a_guest_cannot_harm_the_host(rig: Lab, tmp_path: Path) 
     a = rig.vm("a")
     a.succeed("mkdir -p /root/evil && cp /bin/busybox /root/evil/rootsh && chmod 4755 /root/evil/rootsh"
               " && ln -sf /etc/shadow /root/evil/shadow")
-    with pytest.raises(Exception, match="links to /etc/shadow, outside the copy"):
+    with pytest.raises(Exception, match="evil/shadow: a link to an absolute path, outside the copy"):
         a.copy_from("/root/evil", tmp_path)
     assert not (tmp_path / "evil").exists() and not list(tmp_path.iterdir())  # nothing left behind
     a.succeed("rm /root/evil/shadow")
     a.copy_from("/root/evil", tmp_path)
     assert stat.S_IMODE((tmp_path / "evil" / "rootsh").stat().st_mode) == 0o755  # no setuid
+
+
+# What a guest's root can do: replace vmlaunch's agent (init restarts /bin/vmlaunch-agent when it ends)
+# with one that answers every `tar -c` with /root/hostile.tar.
+HOSTILE_AGENT = r"""set -e
+[ -e /root/agent.saved ] || cp /bin/vmlaunch-agent /root/agent.saved
+if [ "$1" = on ]; then
+    printf '%s\n' '#!/bin/sh' \
+        'if grep -q -e "tar -[c] -f -" "$1"; then exec cat /root/hostile.tar; fi' \
+        'exec sh -c "$(cat "$1")" sh' >/root/run-hostile
+    sed 's|sh -c "$(cat "$W/cmd")" sh|sh /root/run-hostile "$W/cmd"|' /root/agent.saved >/root/agent.new
+    grep -q run-hostile /root/agent.new
+else
+    cp /root/agent.saved /root/agent.new
+fi
+mv /root/agent.new /bin/vmlaunch-agent
+setsid sh -c 'sleep 0.5; for p in /proc/[0-9]*; do
+    case "$(tr "\0" " " <"$p/cmdline" 2>/dev/null)" in "sh /bin/vmlaunch-agent"*) kill -9 "${p#/proc/}";; esac
+done' </dev/null >/dev/null 2>&1 &
+"""
+
+
+def hostile_agent(vm: Any, on: bool) -> None:
+    vm.run(["sh", "-c", "printf HOSTILE >/root/hostile.tar"], timeout=30)
+    vm.run(["sh", "-c", HOSTILE_AGENT, "hostile", "on" if on else "off"], timeout=30)
+    time.sleep(2)  # the old agent killed, init's loop starts the new one within a second
+    probe = "echo 'tar -c -f -' | grep -q . && echo plain"  # the hostile agent answers HOSTILE
+    want = "HOSTILE" if on else "plain\n"
+    for _ in range(60):
+        try:
+            if vm.run(["sh", "-c", probe], timeout=10).stdout.decode() == want:
+                return
+        except Exception:  # noqa: BLE001 - the agent is being replaced
+            pass
+        time.sleep(1)
+    raise AssertionError(f"the guest's agent was not switched {'on' if on else 'off'}")
+
+
+def test_a_guest_that_replaced_its_agent_writes_nothing_outside_its_destination(rig: Lab,
+                                                                               tmp_path: Path) -> None:
+    """The probe's attack, on the real channel: the guest's root answers `cp` with a tar stream of links
+    through links; vmlaunch (root) refuses it with one line, and no host file changes (a canary tree's
+    contents, modes and owners). Then a merge into a folder holding a link is refused too."""
+    import tarfile
+
+    from tests.test_beneath import entry, stream_of, tree_state
+
+    spec, b = str(rig.spec), rig.vm("b")
+    canary = tmp_path / "canary"
+    canary.mkdir()
+    (canary / "secret").write_text("root's\n")
+    os.chmod(canary / "secret", 0o600)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    streams = {
+        "chain": stream_of(entry("evil", tarfile.DIRTYPE), entry("evil/dot", tarfile.SYMTYPE, link="."),
+                           entry("evil/up", tarfile.SYMTYPE, link="dot/dot/../.."),
+                           entry("evil/up/canary/secret", data=b"pwned")),
+        "hard link": stream_of(entry("evil", tarfile.DIRTYPE), entry("evil/dot", tarfile.SYMTYPE, link="."),
+                               entry("evil/up", tarfile.SYMTYPE, link="dot/dot/../.."),
+                               entry("evil/h", tarfile.LNKTYPE, link="evil/up/canary/secret"),
+                               entry("evil/h", data=b"pwned", mode=0o777)),
+        "merge": stream_of(entry("evil", tarfile.DIRTYPE), entry("evil/sub", tarfile.DIRTYPE),
+                           entry("evil/sub/secret", data=b"pwned")),
+    }
+    b.succeed("mkdir -p /root/evil")
+    (dest / "evil").mkdir()
+    (dest / "evil" / "sub").symlink_to(canary)  # what a first copy or the user left: never followed
+    before = tree_state(tmp_path, skip=dest)
+    hostile_agent(b, True)
+    try:
+        for name, stream in streams.items():
+            b.run(["sh", "-c", "cat >/root/hostile.tar"], input=stream.getvalue(), timeout=30)
+            done = vmlaunch(rig, "cp", spec, "b:/root/evil", f"{dest}/")
+            assert done.returncode == 4, (name, done.stderr)
+            assert done.stderr.decode().count("\n") <= 2 and b"was refused" in done.stderr, done.stderr
+            assert tree_state(tmp_path, skip=dest) == before, name
+            with pytest.raises(Exception, match="was refused"):
+                b.copy_from("/root/evil", dest)
+            assert tree_state(tmp_path, skip=dest) == before, name
+    finally:
+        hostile_agent(b, False)
+    assert sorted(os.listdir(dest)) == ["evil"] and os.listdir(dest / "evil") == ["sub"]
 
 
 def test_bad_requests_are_one_line_errors(rig: Lab, tmp_path: Path) -> None:

@@ -234,9 +234,16 @@ def test_ssh_argv(lab_dir: LabDir) -> None:
     assert shell[-1] == "dev@127.0.0.1" and "--" not in shell
 
 
+def test_shell_text_is_given_to_ssh_as_it_is(lab_dir: LabDir) -> None:
+    """A string is the remote shell's text, as OpenSSH's own command line makes it: not one quoted word."""
+    argv = sshkeys.ssh_argv(lab_dir, "web", "dev", 40022, "ls / | wc -l")
+    assert argv[-3:] == ["dev@127.0.0.1", "--", "ls / | wc -l"]
+
+
 @pytest.mark.parametrize(("user", "port", "command"), [
     ("Dev", 22, None), ("-oProxyCommand=x", 22, None), ("dev", 0, None), ("dev", 65536, None),
-    ("dev", True, None), ("dev", 22, []), ("dev", 22, "ls -l"),
+    ("dev", True, None), ("dev", 22, []), ("dev", 22, ""), ("dev", 22, "  "), ("dev", 22, "a\0b"),
+    ("dev", 22, ["a\0b"]),
 ])
 def test_ssh_argv_refuses_odd_values(lab_dir: LabDir, user: str, port: int,
                                      command: list[str] | None) -> None:
@@ -371,6 +378,16 @@ def test_words_arrive_intact(sshd: Server) -> None:
     result = sshd.ssh(["printf", "%s\\0", *words])
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\0")[:-1] == words
+
+
+def test_shell_text_runs_in_the_remote_shell(sshd: Server) -> None:
+    """`vmlaunch ssh SPEC VM -- 'ls / | wc -l'`, as OpenSSH runs it: a pipe, and a word quoted inside."""
+    argv = sshkeys.ssh_argv(sshd.lab_dir, sshd.vm, sshd.user, sshd.port, "printf '%s\\n' a b | wc -l; "
+                            "echo 'two  spaces'")
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                            check=False)
+    assert (result.returncode, result.stdout.split()[0], result.stdout.splitlines()[1]) == \
+        (0, "2", "two  spaces"), result.stderr
 
 
 def test_the_pinned_host_key_is_the_only_one_taken(sshd: Server, tmp_path: Path) -> None:

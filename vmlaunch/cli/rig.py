@@ -19,8 +19,10 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
                   "neither the guest's network nor SSH: it works with every NIC of the VM down. The "
                   "command's standard output and standard error come out on vmlaunch's own, apart, and "
                   "vmlaunch exits with its status (128+N when a signal N ended it). Exit 124: it did not "
-                  "end within --timeout and was killed in the guest, with what it started; exit 5: the "
-                  "channel failed (no agent answered, or it closed or hung).", spec=True)
+                  "end within --timeout and was killed in the guest, with what it started (or the guest "
+                  "did not say so within 5 s more); exit 5: the channel failed (no agent answered, or it "
+                  "closed or hung). Options go before --, after VM too: every word after -- is the "
+                  "command's.", spec=True)
     add_vm(run, help="the VM to run the command in")
     run.add_argument("command", metavar="CMD", nargs=argparse.REMAINDER,
                      help="-- and the command: one word is run by the guest's shell (-- 'ls /tmp | wc -l'), "

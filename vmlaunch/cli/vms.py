@@ -6,8 +6,19 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
+from typing import TextIO
 
-from vmlaunch.cli.common import Commands, add_json, add_timeout, add_vm, add_vms, command, lab_vm
+from vmlaunch.cli.common import (
+    Commands,
+    add_json,
+    add_timeout,
+    add_vm,
+    add_vms,
+    command,
+    lab_vm,
+    say_other_spec,
+)
 from vmlaunch.errors import RuntimeFailure, UsageError
 
 log = logging.getLogger("vmlaunch")
@@ -30,7 +41,8 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
                    "/var/log/vmlaunch/LAB as root, else ~/.local/state/vmlaunch/logs/LAB). With "
                    "--events, the lab's event log: what QEMU reported of its VMs (an I/O error, a "
                    "pause, a panic, a reset) and what vmlaunch did to them at runtime (a disk fault), "
-                   "one line each.", spec=True)
+                   "one line each. On a terminal the guest's escape sequences and control characters "
+                   "are left out; into a pipe or a file its output goes as it is.", spec=True)
     add_vms(logs, "the VM whose console output to print (none with --manager); with --events, only "
             "these VMs' events (default: all)")
     logs.add_argument("-f", "--follow", action="store_true",
@@ -52,11 +64,14 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
 
     ssh = command(commands, "ssh", cmd_ssh, help="log in to a VM over SSH, or run a command there",
                   description="Run OpenSSH with the lab's key, the VM's user and port and its pinned host "
-                  "key. With -- CMD..., run CMD in the VM (each word arrives as a word) and exit with its "
-                  "status.", spec=True)
+                  "key. With -- CMD..., run CMD in the VM and exit with its status: as with OpenSSH's own "
+                  "ssh, the words are joined by spaces and the guest's shell reads them, so a word that "
+                  "holds spaces or quotes is quoted for that shell too: "
+                  "-- \"grep -c 'model name' /proc/cpuinfo\".",
+                  spec=True)
     add_vm(ssh, help="the VM to log in to")
     ssh.add_argument("command", metavar="CMD", nargs=argparse.REMAINDER,
-                     help="-- and the command to run, e.g. -- sh -c 'exit 7'")
+                     help="-- and the command, text for the guest's shell, e.g. -- 'ls / | wc -l'")
 
     balloon = command(commands, "balloon", cmd_balloon, help="print or set a VM's balloon size",
                       description="Without SIZE, print the memory the guest has now. With "
@@ -123,6 +138,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         return hosts.status(args, lab)
     rows = status(run_dir, [vm.name for vm in lab.vms], lab)
+    say_other_spec(run_dir, args.spec)
     if args.json:
         print(json.dumps({row.name: row.to_json() for row in rows}, indent=2))
         return 0
@@ -203,13 +219,22 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if not is_up(run_dir, vm):
         kept = lastrun.path_of(run_dir.lab, vm, "qemu" if args.qemu else "serial")
         log.info("%s is not up: this is its last run's log (%s)", vm, kept)
+    shown = _guest_text_for(sys.stdout)
     if not args.follow or args.qemu or not is_up(run_dir, vm):
-        sys.stdout.write(text)
+        sys.stdout.write(shown(text))
         return 0
     for chunk in follow_log(run_dir, vm):
-        sys.stdout.write(chunk)
+        sys.stdout.write(shown(chunk))
         sys.stdout.flush()
     return 0
+
+
+def _guest_text_for(stream: TextIO) -> Callable[[str], str]:
+    """What a guest printed, as `stream` may get it: on a terminal without escape sequences and control
+    characters (the guest is not the user's terminal's to drive), untouched into a pipe or a file."""
+    from vmlaunch.core.textsafe import for_terminal
+
+    return for_terminal if stream.isatty() else str
 
 
 def _print_events(args: argparse.Namespace) -> int:
@@ -263,12 +288,16 @@ def cmd_ssh(args: argparse.Namespace) -> int:
     words = list(args.command)
     if words and words[0] == "--":
         words = words[1:]
+    # as OpenSSH's own command line: the words joined by spaces are the guest's shell's text
+    command = " ".join(words) if words else None
+    if command is not None and not command.strip():
+        raise UsageError("the command after -- is empty", "leave out -- for a login shell")
     if lab.hosts:
         from vmlaunch.multihost.vms import ssh_argv
 
-        argv = ssh_argv(lab, args.vm, words or None)
+        argv = ssh_argv(lab, args.vm, command)
     else:
-        argv = ssh_argv_of(run_dir, lab, args.vm, words or None)
+        argv = ssh_argv_of(run_dir, lab, args.vm, command)
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for ssh (and the guest)
     try:
         return subprocess.run(argv, check=False).returncode

@@ -108,16 +108,18 @@ def unpin(lab_dir: LabDir, vm: str) -> None:
             write_atomic(lab_dir.known_hosts, "".join(f"{each}\n" for each in kept), 0o600)
 
 
-def ssh_argv(lab_dir: LabDir, vm: str, user: str, port: int, command: Sequence[str] | None, *,
+def ssh_argv(lab_dir: LabDir, vm: str, user: str, port: int, command: str | Sequence[str] | None, *,
              address: str = "127.0.0.1", jump: Sequence[str] | None = None) -> list[str]:
     """The OpenSSH command line that logs `user` into the VM through its forwarded 127.0.0.1 `port`,
     with the lab's key, checking the host key pinned under the VM's alias. A VM on a libvirt host is
     reached at its `address` on a lab network, through `jump`: the ssh command line (its options, the
     host last) to its host, which forwards the connection (`ssh -W`, as the ProxyCommand).
 
-    `command` (words, like an argv) runs in the guest exactly as given: ssh joins its arguments into
-    one string for the remote shell, so each word is quoted for a POSIX shell here, and ssh's exit
-    status is the command's. None opens a login shell (with a TTY when ours is one).
+    `command`, a string, is text for the guest's shell, as OpenSSH's own command line gives it (the
+    words of `vmlaunch ssh SPEC VM -- ...` joined by spaces: `ls / | wc -l` is a pipe there). A
+    sequence of words (like an argv) runs in the guest exactly as given: ssh joins its arguments into
+    one string for the remote shell, so each word is quoted for a POSIX shell here. ssh's exit status
+    is the command's. None opens a login shell (with a TTY when ours is one).
 
     - `-F /dev/null`: no ssh_config is read, so a `Host *` ProxyCommand, ControlMaster or
       RemoteCommand in the user's config cannot redirect or alter the connection.
@@ -138,8 +140,10 @@ def ssh_argv(lab_dir: LabDir, vm: str, user: str, port: int, command: Sequence[s
         raise ValueError(f"{user!r} is not a user name vmlaunch makes")
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
         raise ValueError(f"{port!r} is not a TCP port")
-    if command is not None and (isinstance(command, str) or not command):
-        raise ValueError("the command is a non-empty sequence of words (None: a login shell)")
+    if command is not None and (not command or isinstance(command, str) and not command.strip()):
+        raise ValueError("the command is shell text or a non-empty sequence of words (None: a login shell)")
+    if command is not None and "\0" in (command if isinstance(command, str) else "".join(command)):
+        raise ValueError("a command holds a NUL byte, which no argv can carry")
     ipaddress.ip_address(address)  # ValueError for anything else
     proxy = []
     if jump is not None:  # ssh expands % tokens in a ProxyCommand: the jump's own words keep theirs
@@ -164,7 +168,9 @@ def ssh_argv(lab_dir: LabDir, vm: str, user: str, port: int, command: Sequence[s
         "-o", f"ConnectTimeout={CONNECT_TIMEOUT}",
         f"{user}@{address}",
     ]
-    if command is not None:
+    if isinstance(command, str):
+        argv += ["--", command]
+    elif command is not None:
         argv += ["--", *(shlex.quote(word) for word in command)]
     return argv
 

@@ -130,7 +130,7 @@ def console_argv(lab: LabSpec, vm: str) -> list[str]:
     return ["virsh", "--connect", record.uri, "console", record.name]
 
 
-def ssh_argv(lab: LabSpec, vm: str, command: list[str] | None) -> list[str]:
+def ssh_argv(lab: LabSpec, vm: str, command: str | list[str] | None) -> list[str]:
     """`ssh` to the VM's address on a lab network, jumping through its host with the host's SSH."""
     record, _ = _domain(lab, vm)
     spec = lab.vm(vm)

@@ -34,16 +34,19 @@ from typing import IO, Any
 
 import attrs
 
+from vmlaunch.core.textsafe import printable
 from vmlaunch.errors import AgentError, CommandTimedOut, GuestPaused, RuntimeFailure, UsageError
 from vmlaunch.layout.rundir import RunDir, VmFiles, open_in_run_dir
 
 DEFAULT_TIMEOUT = 60.0  # seconds a command may run
 DEFAULT_WAIT = 60.0  # seconds to wait for an agent to answer (a guest still booting)
 DEFAULT_LIMIT = 64 << 20  # bytes kept of each output stream
-GRACE = 15.0  # seconds past a command's timeout before the channel counts as hung
+GRACE = 15.0  # seconds a step of the protocol (a reply, the output) may take before the channel is hung
+SETTLE = 5.0  # seconds past a command's timeout for the agent to end it and say so: then it has timed out
 PREFER = 0.3  # seconds vmlaunch's agent gets to answer after QEMU's guest agent did
 CHUNK = 1 << 16
 QGA_LONGEST = 64 << 20  # bytes of one reply of QEMU's guest agent (it caps each output at 16 MiB)
+GREETING = 4096  # bytes kept of what comes before an answer to the greeting (older replies)
 REGREET = 1.0  # seconds without an answer to the greeting before another is sent
 REOPEN = 5.0  # seconds without an answer before the channel is opened again
 WATCH = 1.0  # seconds of silence on the channel after which vmlaunch looks whether the VM still runs
@@ -125,6 +128,16 @@ def run(run_dir: RunDir, vm: str, cmd: Command, *, timeout: float | None = DEFAU
         try:
             sent = True
             result = channel.exec(text, input or b"", timeout, limit, stdout)
+        except _Overdue:
+            # a deadline no reply moves: a guest that says "still running" forever, or nothing, is done
+            # with at its timeout like one that ends its command then
+            assert timeout is not None
+            error = CommandTimedOut(f"{vm}: {describe(cmd)!r} did not end within {timeout:g} s, and "
+                                    f"{channel.what} did not say it ended it within {SETTLE:g} s more: "
+                                    "it may still run in the guest", "give it more time with a larger "
+                                    "timeout; `vmlaunch logs` shows the guest's console")
+            error.result = Result(-1, b"", b"", timed_out=True, via=channel.via)  # type: ignore[attr-defined]
+            raise error from None
         finally:
             channel.close()
     if result.timed_out:
@@ -133,6 +146,24 @@ def run(run_dir: RunDir, vm: str, cmd: Command, *, timeout: float | None = DEFAU
         error.result = result  # type: ignore[attr-defined]
         raise error
     return result
+
+
+class _Overdue(Exception):
+    """A command's timeout and SETTLE seconds passed without the agent saying that it ended."""
+
+
+class _Late(AgentError):
+    """A deadline passed before the guest sent what was waited for."""
+
+
+def _sooner(hard: float | None) -> float:
+    """The deadline of one step of the protocol: GRACE seconds from now, or `hard` when it comes first."""
+    soon = time.monotonic() + GRACE
+    return soon if hard is None else min(soon, hard)
+
+
+def _passed(hard: float | None) -> bool:
+    return hard is not None and time.monotonic() >= hard
 
 
 class PauseWatch:
@@ -215,9 +246,15 @@ def _connect(files: VmFiles, vm: str, deadline: float, via: str | None, wait: fl
             raise RuntimeFailure(f"VM {vm} is not running", "`vmlaunch up` it first")
         raise AgentError(f"VM {vm} has no command channel", "set agent = true on the VM in the spec and "
                          "`up` it again (see the manual's Test rigs guide)")
+    # QEMU's guest agent is greeted only once vmlaunch's had PREFER seconds to answer: qemu-ga with a
+    # reply for a client that went away writes it again and again while no client is connected, never
+    # back in its main loop (ga_channel_write_all; the guest's shutdown then waits 90 s for it), so a
+    # channel that is not chosen must not be left with a greeting to answer
+    held = [c for c in candidates if isinstance(c, QgaChannel)] if len(candidates) > 1 else []
     try:
         for channel in candidates:
-            channel.greet()
+            if channel not in held:
+                channel.greet(deadline)
         opened = greeted = time.monotonic()
         reopen = REOPEN
         chosen: Channel | None = None
@@ -227,8 +264,14 @@ def _connect(files: VmFiles, vm: str, deadline: float, via: str | None, wait: fl
             limit = deadline if chosen is None else min(deadline, chosen_at + PREFER)
             if now >= limit:
                 break
-            readable, _, _ = select.select([c.conn for c in candidates], [], [], min(limit - now, WATCH))
-            if not readable and watch is not None and chosen is None:
+            if held and now - opened >= PREFER:  # vmlaunch's agent did not answer: QEMU's may
+                for channel in held:
+                    channel.greet(deadline)
+                held = []
+            early = bool(held) and opened + PREFER - now < min(limit - now, WATCH)  # to greet QEMU's
+            wait = opened + PREFER - now if early else min(limit - now, WATCH)
+            readable, _, _ = select.select([c.conn for c in candidates], [], [], wait)
+            if not readable and watch is not None and chosen is None and not early:
                 watch()
             if not readable and chosen is None and time.monotonic() - opened >= reopen:
                 # the guest's end of the port may not have heard that this client opened it (a client
@@ -240,13 +283,15 @@ def _connect(files: VmFiles, vm: str, deadline: float, via: str | None, wait: fl
                 if not candidates:
                     raise RuntimeFailure(f"VM {vm} is not running", "`vmlaunch up` it first")
                 opened, reopen, greeted = time.monotonic(), reopen * 2, -REGREET  # greeted at once
+                held = []
             if not readable and chosen is None and time.monotonic() - greeted >= REGREET:
                 # a greeting the agent did not take whole (a client before this one went away in the
                 # middle of a command, and what watched for that in the guest took a byte of ours):
                 # another, on a line of its own; an answer to any of them will do (a stale answer of
                 # QEMU's guest agent is not one of its replies: `QgaChannel.call` skips it)
                 for channel in candidates:
-                    channel.greet()
+                    if channel not in held:
+                        channel.greet(deadline)
                 greeted = time.monotonic()
             for channel in [c for c in candidates if c.conn in readable]:
                 if channel.answered():
@@ -286,6 +331,7 @@ class Channel:
     """One connection to an agent."""
 
     what = "an agent"
+    via = "agent"
 
     def __init__(self, conn: socket.socket, vm: str, watch: Callable[[], None] | None = None) -> None:
         self.conn = conn
@@ -298,8 +344,12 @@ class Channel:
     def close(self) -> None:
         self.conn.close()
 
-    def greet(self) -> None:
+    def greet(self, deadline: float) -> None:
+        """Send a greeting (within 5 s, and by `deadline`); an answer to it or an earlier one will do."""
         raise NotImplementedError
+
+    def _greeting_deadline(self, deadline: float) -> float:
+        return min(time.monotonic() + 5.0, deadline)
 
     def answered(self) -> bool:
         """Read what there is; whether the greeting was answered."""
@@ -329,8 +379,8 @@ class Channel:
             if self.watch is not None:
                 self.watch()
         if not readable:
-            raise AgentError(f"{self.vm}: the command channel stopped answering ({doing})",
-                             "the guest may hang; `vmlaunch logs` shows its console")
+            raise _Late(f"{self.vm}: the command channel stopped answering ({doing})",
+                        "the guest may hang; `vmlaunch logs` shows its console")
         try:
             data = self.conn.recv(CHUNK)
         except BlockingIOError:
@@ -349,8 +399,8 @@ class Channel:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             _, writable, _ = select.select([], [self.conn], [], wait)
             if not writable:
-                raise AgentError(f"{self.vm}: the command channel takes nothing more ({doing})",
-                                 "the agent in the guest stopped reading")
+                raise _Late(f"{self.vm}: the command channel takes nothing more ({doing})",
+                            "the agent in the guest stopped reading")
             try:
                 view = view[self.conn.send(view[:CHUNK]):]
             except BlockingIOError:
@@ -360,11 +410,20 @@ class Channel:
                                  f"{exc.strerror or exc}") from None
 
     def _line(self, deadline: float | None, doing: str, longest: int = 4096) -> bytes:
-        while b"\n" not in self.buffer:
-            if len(self.buffer) > longest:
-                raise AgentError(f"{self.vm}: the agent answered garbage ({doing})")
-            self.buffer += self._receive(deadline, doing)
+        """A line of at most `longest` bytes (a longer one is garbage, refused once that many came)."""
+        if b"\n" not in self.buffer:
+            pending = bytearray(self.buffer)  # grown in place: a long reply is not copied once a chunk
+            while b"\n" not in (piece := self._receive(deadline, doing)):
+                pending += piece
+                if len(pending) > longest:
+                    raise AgentError(f"{self.vm}: the agent answered garbage ({doing}): a line longer than "
+                                     f"{longest} bytes")
+            pending += piece
+            self.buffer = bytes(pending)
         line, _, self.buffer = self.buffer.partition(b"\n")
+        if len(line) > longest:
+            raise AgentError(f"{self.vm}: the agent answered garbage ({doing}): a line longer than "
+                             f"{longest} bytes")
         return line
 
     def _copy(self, size: int, sink: IO[bytes] | None, deadline: float | None, doing: str) -> bytes:
@@ -387,10 +446,10 @@ class VlaChannel(Channel):
 
     what = "vmlaunch's agent"
 
-    def greet(self) -> None:
+    def greet(self, deadline: float) -> None:
         nonce = secrets.token_hex(8)
         self.greetings.append(nonce.encode())
-        self._send(f"VLA1 hello {nonce}\n".encode(), time.monotonic() + 5.0, "greeting")
+        self._send(f"VLA1 hello {nonce}\n".encode(), self._greeting_deadline(deadline), "greeting")
 
     def answered(self) -> bool:
         self._take()
@@ -401,8 +460,7 @@ class VlaChannel(Channel):
                     and words[2] == b"ready":
                 self.flavour = (words[4] if len(words) > 4 else b"?").decode("ascii", "replace")
                 return True
-        if len(self.buffer) > CHUNK:
-            self.buffer = b""  # a stale stream without lines: drop it
+        self.buffer = self.buffer[-GREETING:]  # a stale stream without lines: only its end may matter
         return False
 
     def exec(self, text: bytes, data: bytes, timeout: float | None, limit: int,
@@ -410,14 +468,22 @@ class VlaChannel(Channel):
         request = secrets.token_hex(4)
         seconds = 0 if timeout is None else max(1, int(timeout + 0.999))
         header = f"VLA1 exec {request} {len(text)} {len(data)} {seconds} {limit}\n".encode()
-        send_deadline = time.monotonic() + GRACE + len(data) / (1 << 20)  # the guest reads >= 1 MiB/s
+        start = time.monotonic()
+        send_deadline = start + GRACE + len(data) / (1 << 20)  # the guest reads >= 1 MiB/s
         self._send(header + text + data + f"VLA1 end {request}\n".encode(), send_deadline, "sending")
-        reply_deadline = None if timeout is None else time.monotonic() + seconds + GRACE
-        while True:
-            words = self._line(reply_deadline, "waiting for the command to end").decode(
-                "utf-8", "replace").split(" ")
-            if len(words) >= 3 and words[0] == "VLA1" and words[1] == request:
-                break
+        # the answer comes by the timeout and SETTLE, counted from before the command was sent, whatever
+        # else the guest sends meanwhile
+        hard = None if timeout is None else start + seconds + SETTLE
+        try:
+            while True:
+                line = self._line(hard, "waiting for the command to end")
+                words = line.decode("utf-8", "replace").split(" ")
+                if len(words) >= 3 and words[0] == "VLA1" and words[1] == request:
+                    break
+        except _Late:
+            if hard is None:
+                raise
+            raise _Overdue from None
         if words[2] == "error":
             raise AgentError(f"{self.vm}: the agent could not run the command: {' '.join(words[3:])}")
         if words[2] != "done" or len(words) != 8 or not all(w.isdigit() for w in words[3:]):
@@ -436,23 +502,27 @@ class QgaChannel(Channel):
     """QEMU's guest agent (qemu-ga): JSON commands, output base64 in the replies."""
 
     what = "QEMU's guest agent"
+    via = "qga"
     POLL = 0.05
 
-    def greet(self) -> None:
+    def greet(self, deadline: float) -> None:
         sync_id = secrets.randbelow(1 << 30)
         self.greetings.append(sync_id)
         self._send(b"\xff" + json.dumps({"execute": "guest-sync-delimited",
                                          "arguments": {"id": sync_id}}).encode() + b"\n",
-                   time.monotonic() + 5.0, "greeting")
+                   self._greeting_deadline(deadline), "greeting")
 
     def answered(self) -> bool:
         self._take()
         while b"\n" in self.buffer:
             line, _, self.buffer = self.buffer.partition(b"\n")
             line = line.rpartition(b"\xff")[2].strip()
-            with contextlib.suppress(ValueError, AttributeError):
+            with contextlib.suppress(ValueError, AttributeError, RecursionError):
                 if json.loads(line).get("return") in self.greetings:
                     return True
+        # what is not yet a line: a stale reply (up to QGA_LONGEST) may come before the answer, which
+        # is short and follows a 0xff byte; its end is all that may matter
+        self.buffer = self.buffer[-GREETING:]
         return False
 
     def call(self, command: str, arguments: dict[str, Any], deadline: float | None) -> Any:
@@ -462,15 +532,20 @@ class QgaChannel(Channel):
             line = self._line(deadline, f"waiting for {command}", longest=QGA_LONGEST).strip()
             try:
                 reply = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # not a reply (a nesting too deep is not one either)
                 continue
             if not isinstance(reply, dict):
                 continue
             if "error" in reply:
                 desc = reply["error"].get("desc") if isinstance(reply["error"], dict) else reply["error"]
-                raise AgentError(f"{self.vm}: QEMU's guest agent refused {command}: {desc}")
+                raise AgentError(f"{self.vm}: QEMU's guest agent refused {command}: "
+                                 f"{printable(str(desc))[:200]}")
             if "return" in reply:
                 return reply["return"]
+
+    def garbage(self, what: str, reply: object) -> AgentError:
+        return AgentError(f"{self.vm}: QEMU's guest agent answered garbage to {what}: "
+                          f"{printable(repr(reply))[:200]}")
 
     def exec(self, text: bytes, data: bytes, timeout: float | None, limit: int,
              stdout: IO[bytes] | None) -> Result:
@@ -479,27 +554,62 @@ class QgaChannel(Channel):
                                 "arg": ["-c", script, text.decode("utf-8", "surrogateescape")]}
         if data:
             args["input-data"] = base64.b64encode(data).decode()
-        started = self.call("guest-exec", args, time.monotonic() + GRACE)
-        pid = int(started["pid"])
         deadline = None if timeout is None else time.monotonic() + timeout
-        timed_out = False
-        while True:
-            status = self.call("guest-exec-status", {"pid": pid}, time.monotonic() + GRACE)
-            if status.get("exited"):
-                break
-            if deadline is not None and time.monotonic() >= deadline and not timed_out:
-                timed_out = True
-                self.call("guest-exec", {"path": "/bin/sh", "arg": [
-                    "-c", 'kill -KILL -- "-$0" 2>/dev/null || kill -KILL "$0"', str(pid)]},
-                    time.monotonic() + GRACE)
-            time.sleep(self.POLL)
-        code = int(status["exitcode"]) if "exitcode" in status else 128 + int(status.get("signal", 0))
-        out = base64.b64decode(status.get("out-data", ""))
-        err = base64.b64decode(status.get("err-data", ""))
-        truncated = bool(status.get("out-truncated") or status.get("err-truncated")) \
-            or len(out) > limit or len(err) > limit
-        out, err = out[:limit], err[:limit]
+        # every call, and the polling, end by the timeout and SETTLE, whatever the guest answers
+        # ("still running" forever, or nothing)
+        hard = None if deadline is None else deadline + SETTLE
+        try:
+            started = self.call("guest-exec", args, _sooner(hard))
+            pid = started.get("pid") if isinstance(started, dict) else None
+            if not isinstance(pid, int) or isinstance(pid, bool):
+                raise self.garbage("guest-exec", started)
+            timed_out = False
+            while True:
+                status = self.call("guest-exec-status", {"pid": pid}, _sooner(hard))
+                if not isinstance(status, dict):
+                    raise self.garbage("guest-exec-status", status)
+                if status.get("exited") is True:
+                    break
+                if deadline is not None and time.monotonic() >= deadline and not timed_out:
+                    timed_out = True
+                    self.call("guest-exec", {"path": "/bin/sh", "arg": [
+                        "-c", 'kill -KILL -- "-$0" 2>/dev/null || kill -KILL "$0"', str(pid)]}, _sooner(hard))
+                if _passed(hard):
+                    raise _Overdue
+                time.sleep(self.POLL)
+        except _Late:
+            if _passed(hard):
+                raise _Overdue from None
+            raise
+        code = self._exit_code(status)
+        out, out_cut = self._output(status, "out", limit)
+        err, err_cut = self._output(status, "err", limit)
         if stdout is not None:
             stdout.write(out)
             out = b""
-        return Result(code, out, err, truncated, timed_out, "qga")
+        return Result(code, out, err, out_cut or err_cut, timed_out, "qga")
+
+    def _exit_code(self, status: dict[str, Any]) -> int:
+        """The exit status of a command that ended, 128+N when signal N ended it."""
+        code, signal = status.get("exitcode"), status.get("signal")
+        if isinstance(code, int) and not isinstance(code, bool):
+            return code
+        if isinstance(signal, int) and not isinstance(signal, bool) and 0 <= signal < 128:
+            return 128 + signal
+        if "exitcode" not in status and "signal" not in status:
+            return 128  # qemu-ga says neither when it could not tell
+        raise self.garbage("guest-exec-status", {"exitcode": code, "signal": signal})
+
+    def _output(self, status: dict[str, Any], stream: str, limit: int) -> tuple[bytes, bool]:
+        """`limit` bytes at most of one output stream of the status (base64: only what becomes those
+        is decoded), and whether there was more."""
+        encoded = status.get(f"{stream}-data", "")
+        if not isinstance(encoded, str) or not encoded.isascii():
+            raise self.garbage("guest-exec-status", {f"{stream}-data": encoded})
+        keep = (limit + 3) // 3 * 4  # base64 characters of a little more than `limit` bytes
+        try:
+            decoded = base64.b64decode(encoded[:keep], validate=True)
+        except ValueError:  # binascii.Error
+            raise self.garbage("guest-exec-status", {f"{stream}-data": encoded[:40]}) from None
+        truncated = bool(status.get(f"{stream}-truncated")) or len(encoded) > keep or len(decoded) > limit
+        return decoded[:limit], truncated

@@ -38,8 +38,9 @@ def no_ssh(lab: LabSpec, name: str) -> UsageError:
                       f"[vm.{name}.cloud_init])")
 
 
-def ssh_argv_of(run_dir: RunDir, lab: LabSpec, name: str, command: Sequence[str] | None) -> list[str]:
-    """The OpenSSH command line into a running VM (`vmlaunch ssh`, `Vm.ssh`)."""
+def ssh_argv_of(run_dir: RunDir, lab: LabSpec, name: str, command: str | Sequence[str] | None) -> list[str]:
+    """The OpenSSH command line into a running VM (`vmlaunch ssh`, `Vm.ssh`); `command` as
+    `guests/sshkeys.ssh_argv` takes it (shell text, or words that arrive as words)."""
     from vmlaunch.guests.sshkeys import ssh_argv
     from vmlaunch.layout.labdir import LabDir
     from vmlaunch.spec.model import DEFAULT_CLOUD_USER
