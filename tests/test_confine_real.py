@@ -15,6 +15,7 @@ import pytest
 from tests.test_e2e import READY, Netns, assert_clean, lab, netns_named, pair
 from vmlaunch.host import confine
 from vmlaunch.host.confine import Confinement, process_status
+from vmlaunch.qemu.qmp import QuickQmp
 
 pytestmark = [pytest.mark.qemu, pytest.mark.guest]
 
@@ -80,9 +81,16 @@ def test_a_root_lab_runs_each_qemu_confined_and_works_as_before(tmp_path: Path, 
     assert netns.vmlaunch("down", str(spec)).returncode == 0
     warm = netns.vmlaunch("up", str(spec), "--from-snapshot", "s1")
     assert warm.returncode == 0, warm.stderr
-    for pid in qemus(netns).values():
+    # the confined QEMU reopened its disk with O_DIRECT (cache = "none", as compiled) after the load,
+    # through the descriptor vmlaunch handed it: it cannot open root's 0600 file by its path
+    assert "page cache" not in warm.stderr and "Permission denied" not in warm.stderr, warm.stderr
+    for vm, pid in qemus(netns).items():
         assert Confinement.of(pid).problems(as_root=True) == []
         assert Confinement.of(pid).uid in confine.uid_range()
+        with QuickQmp(netns.run_root / "conf" / f"{vm}.qmp", timeout=5) as qmp:
+            nodes = {node["node-name"]: node for node in qmp.cmd("query-named-block-nodes", flat=True)}
+        assert nodes["disk0-file"]["cache"]["direct"] is True, nodes["disk0-file"]
+        assert os.stat(tmp_path / f"{vm}.qcow2").st_mode & 0o777 == 0o600  # given to nobody
     assert netns.vmlaunch("down", str(spec)).returncode == 0
     assert netns.links() == {"lo"}
     assert_clean(netns, "conf")

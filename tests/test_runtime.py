@@ -227,7 +227,10 @@ def test_down_says_which_vm_it_still_waits_for(tmp_path: Path, run_dir: Path,
     messages = [r.getMessage() for r in caplog.records]
     assert "solo: still shutting down, 2 s: the guest has 3 s to power off after the ACPI power " \
            "button" in messages, messages
-    assert "solo: quit (the guest did not power off within 3 s)" in messages
+    assert "solo: quit (the guest did not power off within 3 s, so its disks were not cleanly unmounted; " \
+           "give it longer with `vmlaunch down SPEC --timeout S`)" in messages
+    quit = next(r for r in caplog.records if r.getMessage().startswith("solo: quit"))
+    assert quit.levelno == logging.WARNING  # not a line among the others: the guest lost its shutdown
 
 
 def test_the_cli_commands_in_process(tmp_path: Path, run_dir: Path, test_guest: Path,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
 import shutil
 import socket
@@ -23,7 +24,7 @@ from typing import Any
 import attrs
 import pytest
 
-from tests.conftest import fake_host
+from tests.conftest import EXAMPLES, fake_host
 from vmlaunch.cli import main
 from vmlaunch.compile.compiler import compile_lab
 from vmlaunch.errors import RuntimeFailure, UsageError
@@ -190,15 +191,33 @@ def test_a_lab_that_cannot_be_snapshotted_is_refused_and_left_alone(
     (tmp_path / "base.img").write_bytes(b"\0" * 512)
     (tmp_path / "vmlinuz").write_bytes(b"not booted")
     before = (tmp_path / "b.qcow2").read_bytes()
-    assert main(["snapshot", str(spec), "save", "first"]) == 4
+    assert main(["snapshot", str(spec), "save", "first"]) == 2  # the spec's problems: exit 2
     err = capsys.readouterr().err
     assert "vm.a.disk[0]: the raw disk" in err and "vm.a.share[0]: the 9p share" in err
     assert "vm.b: VM b is not running" in err
     assert (tmp_path / "b.qcow2").read_bytes() == before
-    assert main(["up", str(spec), "--from-snapshot", "first"]) == 4
+    assert main(["up", str(spec), "--from-snapshot", "first"]) == 2
     assert "cannot start lab refused from snapshot 'first':" in capsys.readouterr().err
     assert main(["snapshot", str(spec), "list", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {}
+
+
+def test_the_demo_lab_is_refused_as_a_problem_of_its_spec(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/lab.toml cannot be snapshotted (a raw disk, a VM without a disk): exit 2, as every
+    problem of a spec, each with its line; examples/snapshots.toml is the lab that can."""
+    monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(tmp_path / "run"))
+    demo = EXAMPLES / "lab.toml"
+    assert main(["snapshot", str(demo), "save", "first"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"\n{re.escape(str(demo))}:\d+: vm.alpha.disk\[0\]: the raw disk "
+                     rf"{re.escape(str(EXAMPLES / 'alpha.img'))} cannot hold a snapshot", err), err
+    assert re.search(rf"\n{re.escape(str(demo))}:\d+: vm.beta: VM beta has no writable qcow2 disk", err), err
+    assert "hint: change the spec as each line says; bring the lab up first" in err
+    assert snapshot.check(load_lab(EXAMPLES / "snapshots.toml"), ["gamma", "delta"])  # none refused
+    with pytest.raises(snapshot.SnapshotRefused) as caught:  # the lab's state, not its spec: exit 4
+        snapshot.check(load_lab(EXAMPLES / "snapshots.toml"), ["gamma"], running={})
+    assert caught.value.exit_code == 4 and "VM gamma is not running" in caught.value.message
 
 
 # A qemu-img whose `snapshot -d X` deletes the snapshot with the ID X first, as old releases did: the real
@@ -236,6 +255,25 @@ def test_delete_leaves_a_disk_alone_where_qemu_img_would_take_the_name_for_an_id
     assert table(disk) == [("1", "first"), ("2", "1")]
     assert snapshot._delete_down("qemu-img", disk, "1") is None  # by name: "first" stays
     assert table(disk) == [("1", "first")]
+
+
+@pytest.mark.parametrize("by_id_first", [False, True])
+def test_a_clone_s_copy_loses_every_snapshot(tmp_path: Path, by_id_first: bool) -> None:
+    """What a fork runs on a clone's qcow2 copy: every snapshot goes, with a qemu-img that takes a
+    number for an ID first too (then "1" deletes "first", whose ID is 1, and a second round the rest)."""
+    qemu_img = "qemu-img"
+    if by_id_first:
+        fake = tmp_path / "qemu-img"
+        fake.write_text(ID_FIRST.replace("PYTHON", sys.executable))
+        fake.chmod(0o755)
+        qemu_img = str(fake)
+    disk = tmp_path / "a,b.qcow2"
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(disk), "1M"], check=True)
+    for name in ("first", "1", "other"):
+        subprocess.run(["qemu-img", "snapshot", "-c", name, str(disk)], check=True)
+    snapshot.drop_all(qemu_img, disk)
+    assert table(disk) == []
+    snapshot.drop_all(qemu_img, disk)  # none: nothing to do
 
 
 def test_a_clock_is_set_to_the_time_sent_once_the_command_runs(tmp_path: Path,
@@ -524,6 +562,36 @@ def test_an_interrupted_restore_holds_its_vms_and_a_save_resumes_its_own(
     assert running(rig) == ["running", "running"] and not rig.run_dir.intent.exists()
 
 
+def test_a_clone_has_no_part_in_the_snapshots_of_its_source(
+        rig: Rig, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clone's disk is a copy of its source's. The fork deletes the snapshots the copy holds; and a
+    snapshot taken before a fork is neither listed for the clone nor restored into it, even on a copy
+    that kept it (as a clone an older vmlaunch made did): the restore is refused, nothing changes."""
+    from vmlaunch.layout.labdir import LabDir
+
+    assert rig.cli("snapshot", "save", "first", "--force") == 0
+    assert rig.cli("fork", "b") == 0  # b-1
+    copy = LabDir.of(rig.spec, "snap").vm("b-1").disk_copy(0, "qcow2")
+    assert table(copy) == [] and [name for _, name in table(disk_of(rig, "b"))] == ["first"]
+    monkeypatch.setattr(snapshot, "drop_all", lambda qemu_img, file: None)
+    assert rig.cli("fork", "b") == 0  # b-2, whose copy keeps "first"
+    kept = LabDir.of(rig.spec, "snap").vm("b-2").disk_copy(0, "qcow2")
+    assert [name for _, name in table(kept)] == ["first"]
+    capsys.readouterr()
+    doc = listed(rig, capsys)
+    assert set(doc) == {"first"} and set(doc["first"]) == {"a", "b"}, doc
+    for clone in ("b-1", "b-2"):
+        on_console(rig, clone, "echo mine > /tmp/x")
+    assert rig.cli("snapshot", "restore", "first") == 4
+    err = capsys.readouterr().err
+    assert "cannot restore 'first': b-1, b-2 were forked after it was taken, so have no part in it: " \
+           "nothing was changed" in err and "`vmlaunch down SPEC b-1 b-2` removes those clones" in err
+    for clone in ("b-1", "b-2"):  # still themselves: neither turned back into b
+        assert on_console(rig, clone, "hostname; cat /tmp/x") == f"{clone}\nmine\n"
+    assert rig.cli("down", "b-1", "b-2", "--timeout", "5") == 0
+    assert rig.cli("snapshot", "restore", "first") == 0
+
+
 DOWN_NAME = "2026-11-22.prä"  # saved while up, deleted while down
 
 
@@ -594,6 +662,10 @@ def test_up_from_snapshot_starts_without_booting(rig: Rig, capsys: pytest.Captur
     started = time.time()
     assert rig.cli("up", "--from-snapshot", "first") == 0
     assert running(rig) == ["running", "running"]
+    said = capsys.readouterr().err
+    for vm in ("a", "b"):  # no SSH: through the command channel (not "it has no SSH to set it with")
+        assert f"{vm}: clock set to the host's through its command channel (it was " in said, said
+        assert abs(int(on_console(rig, vm, "date +%s")) - time.time()) < 5
     assert on_console(rig, "a", "cat /tmp/x") == "a-first\n"
     assert on_console(rig, "b", "cat /tmp/x") == "b-first\n"
     for vm in ("a", "b"):
@@ -652,3 +724,63 @@ def test_a_warm_start_reads_the_saved_ram_through_the_page_cache() -> None:
     assert json.loads(started[2])["cache"] == {"direct": False, "no-flush": False}
     assert started[3:] == argv[3:]
     assert reopen == [json.loads(argv[2])]
+
+
+def test_the_example_lab_snapshots(rig: Rig, tmp_path: Path, test_guest: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/snapshots.toml, which the snapshots guide names: up, save, restore, list, down. In
+    the run root of the module's lab, up beside it (a host setting such as KSM has one record)."""
+    folder = tmp_path / "lab"
+    folder.mkdir()
+    shutil.copy(EXAMPLES / "snapshots.toml", folder / "snapshots.toml")
+    (folder / "guest").symlink_to(test_guest)
+    spec = str(folder / "snapshots.toml")
+    rig = Rig(folder / "snapshots.toml", load_lab(folder / "snapshots.toml"),
+              RunDir.of(run_root(), "snapshots"))
+    try:
+        assert main(["up", spec, "--wait-for", READY, "--timeout", "120"]) == 0
+        on_console(rig, "gamma", "echo saved > /tmp/x")
+        capsys.readouterr()
+        assert main(["snapshot", spec, "save", "first"]) == 0
+        assert capsys.readouterr().out == "first: saved (gamma, delta)\n"
+        on_console(rig, "gamma", "echo later > /tmp/x")
+        assert main(["snapshot", spec, "restore", "first"]) == 0
+        assert capsys.readouterr().out == "first: restored (gamma, delta)\n"
+        assert on_console(rig, "gamma", "cat /tmp/x") == "saved\n"
+        assert set(listed(rig, capsys)["first"]) == {"gamma", "delta"}
+    finally:
+        executor.down(rig.run_dir, timeout=1, force=True)
+
+
+def test_a_warm_start_hands_qemu_its_disks_as_descriptors(tmp_path: Path) -> None:
+    """The file nodes to reopen are opened by vmlaunch and named `/dev/fdset/N` (a confined QEMU cannot
+    open root's 0600 file again for the reopen), in the argv and in the reopen's options alike; a
+    qcow2 whose backing file is named relative to it keeps its path (QEMU would look beside
+    /dev/fdset/N)."""
+    for name, backing in (("own.qcow2", None), ("relative.qcow2", "own.qcow2")):
+        argv = ["qemu-img", "create", "-q", "-f", "qcow2", str(tmp_path / name), "1M"]
+        if backing is not None:
+            argv[5:5] = ["-b", backing, "-F", "qcow2"]
+        subprocess.run(argv, check=True)
+        (tmp_path / name).chmod(0o600)
+
+    def blockdev(node: str, file: str) -> dict[str, Any]:
+        return {"driver": "file", "filename": str(tmp_path / file), "node-name": node,
+                "cache": {"direct": True, "no-flush": False}, "read-only": False}
+
+    compiled = [blockdev("disk0-file", "own.qcow2"), blockdev("disk1-file", "relative.qcow2")]
+    line = ("qemu", "-blockdev", json.dumps(compiled[0]), "-blockdev", json.dumps(compiled[1]), "-S")
+    started, reopen, fds = snapshot._through_descriptors("a", line, compiled)
+    try:
+        assert len(fds) == 1 and os.fstat(fds[0]).st_ino == os.stat(tmp_path / "own.qcow2").st_ino
+        assert os.get_blocking(fds[0]) and not os.get_inheritable(fds[0])  # passed by Popen's pass_fds
+        assert json.loads(started[2]) == {**compiled[0], "filename": "/dev/fdset/1"}
+        assert started[3:6] == line[3:6]
+        assert started[6:] == ("-add-fd", f"fd={fds[0]},set=1,opaque=disk0-file")
+        assert reopen == [{**compiled[0], "filename": "/dev/fdset/1"}, compiled[1]]
+    finally:
+        for fd in fds:
+            os.close(fd)
+    missing = [blockdev("disk0-file", "gone.qcow2")]
+    with pytest.raises(RuntimeFailure, match=r"a: cannot open .*gone\.qcow2 for its warm start: No such"):
+        snapshot._through_descriptors("a", ("qemu",), missing)

@@ -194,8 +194,10 @@ class Lab:
         `VM/qemu.log`, `VM/screen.png`), `status.json` (as `vmlaunch status --json`), `wire.json`
         (the faults set on the wire), `manager.log` (the lab manager's log), `events.jsonl` (the
         lab's event log), and `README.txt` listing what was saved and what could not be, and why.
-        Never raises for a missing piece: after `down` it saves the logs of the last run. The pytest
-        fixture calls it when a test fails."""
+        Never raises for a missing piece: after `down` it saves the logs of the last run; files are
+        made new, never through a link standing in `folder`. OutputRefused (exit 73) when `folder`
+        cannot be made or nothing could be saved in it. The pytest fixture calls it when a test
+        fails."""
         from vmlaunch.runtime.evidence import collect
 
         return collect(self.run_dir, self.model, self.vms, Path(folder), screenshots=screenshots).folder

@@ -131,7 +131,7 @@ def up(plan: Plan, *, spec: str | os.PathLike[str], qemu_img: str | None = None,
                          "hold the snapshot anew")
     umask = os.umask(0o077)  # the run dir, journal and logs are for their owner only
     try:
-        ctx = Context(lab=plan.lab, qemu_img=qemu_img or "qemu-img")
+        ctx = Context(lab=plan.lab, qemu_img=qemu_img or "qemu-img", umask=umask)
         return _up(plan, os.fspath(spec), ctx, wait_for, timeout, force, wait_ssh, fresh, from_snapshot,
                    parallel)
     finally:
@@ -190,7 +190,12 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
                 to_start = [from_snapshot.starting(vm) for vm in to_start]
             # Before start: a signal the moment start returns must not leave its QEMUs running.
             stack.callback(qemu.kill_serving, [vm.files for vm in to_start])
-            pids = qemu.start(to_start, identities(journal, to_start))
+            try:
+                pids = qemu.start(to_start, identities(journal, to_start),
+                                  from_snapshot.descriptors if from_snapshot is not None else None)
+            finally:
+                if from_snapshot is not None:
+                    from_snapshot.close()
             timeline = Timeline({vm.name: (vm.files, journal.vms[vm.name].started) for vm in to_start})
             for vm in to_start:
                 timeline.mark(vm.name, "qmp")  # `start` returns once each QEMU answered QMP
@@ -802,8 +807,10 @@ def take_down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.
         diskfault.undo(run_dir, names, why="down", timeout=min(timeout, 5.0))
     stopped = qemu.stop_all(targets, timeout)
     lastrun.keep(run_dir, stopped)  # before the run dir, and the logs in it, go
-    for name, how in stopped.items():
-        log.info("%s: %s", name, how)
+    for name, how in stopped.items():  # a guest made to quit lost what it had not written: said louder,
+        # unless --timeout 0 asked for just that
+        unasked = timeout > 0 and how.startswith("quit (the guest did not")
+        log.log(logging.WARNING if unasked else logging.INFO, "%s: %s", name, how)
         del journal.vms[name]
         if journal.vms:  # the lab stays up: this VM's files go now, as the run dir would
             _remove_files(run_dir.vm(name))

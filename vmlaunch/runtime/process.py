@@ -14,6 +14,7 @@ import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vmlaunch.compile.plan import VmPlan
 from vmlaunch.core.signals import held
@@ -23,6 +24,9 @@ from vmlaunch.errors import RuntimeFailure
 from vmlaunch.layout.rundir import VmFiles, open_in_run_dir
 from vmlaunch.qemu.opts import escape
 from vmlaunch.qemu.qmp import AsyncQmp, QmpError
+
+if TYPE_CHECKING:
+    import asyncio
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +38,16 @@ class QemuFailed(RuntimeFailure):
 START_TIMEOUT = 60.0  # seconds a QEMU has to initialise (answer QMP) before it counts as failed
 
 
-def start(vms: Sequence[VmPlan], identities: Mapping[str, tuple[int, int]] | None = None) -> dict[str, int]:
+def start(vms: Sequence[VmPlan], identities: Mapping[str, tuple[int, int]] | None = None,
+          fds: Mapping[str, Sequence[int]] | None = None) -> dict[str, int]:
     """Start every VM at once, paused (`-S`); return name -> pid once each has initialised.
 
     The caller lets them run with `cont` once all are up: guests that boot while other QEMUs are still
     initialising slow those down (ten at once on two cores: 0.96 s running, 0.37 s paused).
 
     `identities`: VM -> (uid, gid) its QEMU drops to once it has opened what it needs (`-runas`,
-    host/confine.py). QEMU is not told to -daemonize (its sandbox forbids the fork): it is started in a
+    host/confine.py). `fds`: VM -> the descriptors its QEMU inherits (those its argv's `-add-fd` names),
+    at the same numbers. QEMU is not told to -daemonize (its sandbox forbids the fork): it is started in a
     session of its own, detached from vmlaunch's terminal, and counts as initialised once it answers
     on its QMP socket. A QEMU that exits first failed, with its own message (kept in the run dir);
     the others that did start are then killed before QemuFailed is raised.
@@ -59,7 +65,8 @@ def start(vms: Sequence[VmPlan], identities: Mapping[str, tuple[int, int]] | Non
                 # umask 077: the QMP and console sockets QEMU creates are for their owner only.
                 procs[vm.name] = subprocess.Popen(argvs[vm.name], stdin=subprocess.DEVNULL,
                                                   stdout=subprocess.DEVNULL, stderr=stderr, umask=0o077,
-                                                  cwd="/", start_new_session=True)
+                                                  cwd="/", start_new_session=True,
+                                                  pass_fds=tuple((fds or {}).get(vm.name, ())))
             finally:
                 os.close(stderr)
         failures = []
@@ -306,6 +313,7 @@ def kill_all(pids: Sequence[int]) -> None:
         wait_gone(pid, 5)
 
 
+CHANNEL_CHUNK = 1 << 16  # bytes read at once from a command channel while its VM powers off
 PROGRESS_AFTER = 2.0  # seconds before `down` says which VMs it still waits for, then every 5 s
 PROGRESS_EVERY = 5.0
 
@@ -343,10 +351,18 @@ async def _report(steps: dict[str, str], timeout: float) -> None:
         await asyncio.sleep(PROGRESS_EVERY)
 
 
+def unclean(timeout: float) -> str:
+    """Why a guest that was running was made to quit, and what that cost: a guest stopped in the middle
+    of its shutdown did not unmount its file systems (a journal replay, or fsck, at its next boot)."""
+    return (f"the guest did not power off within {timeout:g} s, so its disks were not cleanly "
+            "unmounted; give it longer with `vmlaunch down SPEC --timeout S`")
+
+
 async def _stop(name: str, pid: int | None, files: VmFiles, timeout: float, steps: dict[str, str]) -> str:
     if pid is None or not is_our_qemu(pid, files):
         return "not running"
     qmp = AsyncQmp(files.qmp, timeout=2)
+    listening: list[asyncio.Task[None]] = []
     try:
         steps[name] = "connecting to QMP"
         await qmp.connect()
@@ -355,6 +371,7 @@ async def _stop(name: str, pid: int | None, files: VmFiles, timeout: float, step
         deaf = "the guest panicked" if state == "guest-panicked" or console_panic(files) else \
             f"the VM is {state}" if state != "running" else None
         if deaf is None:
+            listening = await _listen_to_agents(files)
             await qmp.cmd("system_powerdown")
             steps[name] = f"the guest has {timeout:g} s to power off after the ACPI power button"
             if await wait_until_async(lambda: not alive(pid), timeout):
@@ -363,11 +380,49 @@ async def _stop(name: str, pid: int | None, files: VmFiles, timeout: float, step
         with contextlib.suppress(QmpError):
             await qmp.cmd("quit")
         if await wait_until_async(lambda: not alive(pid), 5):
-            return f"quit ({deaf or f'the guest did not power off within {timeout:g} s'})"
+            return f"quit ({deaf or unclean(timeout)})"
     except QmpError:
         pass
     finally:
         steps.pop(name, None)
         await qmp.close()
+        await _stop_listening(listening)
     kill_all([pid])
     return "killed"
+
+
+async def _listen_to_agents(files: VmFiles) -> list[asyncio.Task[None]]:
+    """A client on each command channel socket of the VM while it powers off, reading what comes and
+    dropping it. QEMU's guest agent with a reply for a client that went away (one given up, killed,
+    or of an older vmlaunch, which greeted both agents and kept the first to answer: runtime/agent.py)
+    writes it again and again while no client is there
+    (virtio-serial answers EAGAIN; qemu-ga's ga_channel_write_all retries at once), never back in its
+    main loop: it cannot take the SIGTERM of the guest's shutdown, and systemd waits 90 s for it
+    (`Job qemu-guest-agent.service/stop running`). With a client there the reply goes through."""
+    import asyncio
+
+    async def drain(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await reader.read(CHANNEL_CHUNK):
+                pass
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+    tasks = []
+    for path in (files.agent, files.qga):
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), 1.0)
+        except (OSError, asyncio.TimeoutError):
+            continue  # no such channel (agent = false), or QEMU is not listening
+        tasks.append(asyncio.ensure_future(drain(reader, writer)))
+    return tasks
+
+
+async def _stop_listening(tasks: Sequence[asyncio.Task[None]]) -> None:
+    import asyncio
+
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -22,11 +22,17 @@ writable raw disk (only qcow2 holds internal snapshots), a 9p share (QEMU 7.2 bl
 with it the saving of RAM, while the guest has the share mounted: "Migration is disabled when VirtFS
 export path '...' is mounted in the guest using mount_tag 'share0'"), a passed-through PCI device
 (QEMU cannot save its state; vfio-pci blocks migration), a VM without a writable qcow2 disk to hold
-its RAM, and for `save`/`restore` a VM that is not running.
+its RAM, and for `save`/`restore` a VM that is not running. What the spec rules out is a problem of
+the spec (`SnapshotUnsupported`, exit 2); the lab's state at the time, a run-time one (exit 4).
+
+Clones: a clone's disks are copies of its source's, snapshots included. `runtime/fork.py` deletes
+them from the copies (`drop_all`), and a snapshot a clone's disk holds from before its fork is never
+listed for it nor loaded into it (`_own`): a restore never turns a clone back into its source.
 
 Clocks: a loaded guest's clock reads the snapshot's time, behind by its age. After a load each VM
-with SSH has its clock set to the host's over SSH, to within the time a line takes through SSH; for
-the others vmlaunch says how far behind it may be (`step_clocks`).
+with SSH has its clock set to the host's over SSH, to within the time a line takes through SSH; the
+others through their command channel, to the second; for a VM neither reaches vmlaunch says how far
+behind it may be (`step_clocks`).
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from vmlaunch.core.wait import remaining
-from vmlaunch.errors import KeyPath, Location, RuntimeFailure, UsageError, VmlaunchError
+from vmlaunch.errors import KeyPath, Location, RuntimeFailure, SpecUnfit, UsageError, VmlaunchError
 from vmlaunch.layout.labdir import LabDir
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.qemu.opts import escape
@@ -60,6 +66,7 @@ from vmlaunch.spec.model import Disk, DiskFormat, LabSpec, VmSpec
 if TYPE_CHECKING:
     from vmlaunch.compile.plan import Plan, VmPlan
     from vmlaunch.qemu.qmp import AsyncQmp
+    from vmlaunch.spec.forks import Clone
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +80,12 @@ SSH_TIMEOUT = 15.0  # seconds for the SSH command that steps a guest's clock
 
 
 class SnapshotRefused(RuntimeFailure):
-    """The lab cannot be snapshotted (or restored) as it is: nothing was changed."""
+    """The lab cannot be snapshotted (or restored) as it is now: nothing was changed."""
+
+
+class SnapshotUnsupported(SnapshotRefused, SpecUnfit):
+    """The spec asks for what a snapshot cannot hold (a raw disk, a 9p share, a PCI device, a VM
+    without a qcow2 disk): a problem of the spec, exit 2 as every other; nothing was changed."""
 
 
 def check_name(name: str, *, number_ok: bool = False) -> str:
@@ -168,18 +180,23 @@ def check(lab: LabSpec, names: Sequence[str], *, running: Mapping[str, int] | No
     (name -> pid), each VM must also be in it. `doing` names the operation refused."""
     doing = doing.format(lab=lab.name)
     if not names:
-        raise SnapshotRefused(f"cannot {doing}: it has no VM")
+        raise SnapshotUnsupported(f"cannot {doing}: it has no VM")
     found: list[str] = []
+    unsupported = False  # a reason in the spec, not in the lab's state: exit 2 (SnapshotUnsupported)
     for name in names:
         vm = lab.vm(name)
-        found += problems(lab, vm)
+        reasons = problems(lab, vm)
+        unsupported = unsupported or bool(reasons)
+        found += reasons
         if running is not None and name not in running:
             found.append(f"{_where(lab, ('vm', name))} VM {name} is not running")
     if found:
         down = running is not None and any(name not in running for name in names)
-        hint = ("bring the lab up first; a lab that is down starts from a snapshot with `vmlaunch up "
-                "SPEC --from-snapshot NAME`" if down else "nothing was changed")
-        raise SnapshotRefused(f"cannot {doing}:\n" + "\n".join(found), hint)
+        hints = ["change the spec as each line says"] if unsupported else []
+        hints.append("bring the lab up first; a lab that is down starts from a snapshot with `vmlaunch "
+                     "up SPEC --from-snapshot NAME`" if down else "nothing was changed")
+        refused = SnapshotUnsupported if unsupported else SnapshotRefused
+        raise refused(f"cannot {doing}:\n" + "\n".join(found), "; ".join(hints))
     return {name: vm_disks(lab, lab.vm(name)) for name in names}
 
 
@@ -246,6 +263,43 @@ def _table(qemu_img: str, file: Path) -> list[SnapInfo]:
     return [SnapInfo.of(snap) for snap in json.loads(done.stdout).get("snapshots", [])]
 
 
+def drop_all(qemu_img: str, file: Path) -> None:
+    """Delete every internal snapshot of a qcow2 file no QEMU has open (a clone's copy of its source's
+    disk, `runtime/fork.py`), with `qemu-img snapshot -d` by name; RuntimeFailure when some are left.
+    Read again after: a qemu-img that took a name for another snapshot's ID deleted that one, so a
+    second round deletes what is left."""
+    for _ in range(2):
+        table = _table(qemu_img, file)
+        if not table:
+            return
+        image = f"driver=qcow2,file.driver=file,file.filename={escape(str(file))}"
+        for snap in table:
+            subprocess.run([qemu_img, "snapshot", "--image-opts", "-q", "-d", snap.name, image],
+                           capture_output=True, check=False, stdin=subprocess.DEVNULL)
+    left = _table(qemu_img, file)
+    if left:
+        raise RuntimeFailure(f"cannot delete the snapshots {file} holds from its source "
+                             f"({', '.join(repr(snap.name) for snap in left)}): a restore would turn "
+                             "the clone back into it")
+
+
+def _clones_of(run_dir: RunDir) -> dict[str, Clone]:
+    """The lab's clones that say when they were forked, by name (`resources/clone.py`'s book)."""
+    from vmlaunch.resources.clone import read_book
+
+    return {clone.name: clone for clone in read_book(run_dir).clones if clone.forked > 0}
+
+
+def _own(found: Found, clone: Clone | None) -> Found:
+    """What a VM's disks hold of its own: for a clone, only what was taken once it was forked; what was
+    taken before came with the copies of its source's disks (a fork drops those; one an older
+    vmlaunch made kept them). A restore must never turn a clone back into its source."""
+    if clone is None:
+        return found
+    return {node: {tag: snap for tag, snap in tags.items() if snap.taken >= clone.forked}
+            for node, tags in found.items()}
+
+
 def _found(run_dir: RunDir, disks: VmDisks, running: Mapping[str, int], qemu_img: str) -> Found:
     if disks.vm in running:
         with QuickQmp(run_dir.vm(disks.vm).qmp, timeout=5) as qmp:
@@ -291,12 +345,13 @@ def list_snapshots(run_dir: RunDir, lab: LabSpec, *, qemu_img: str = "qemu-img")
     settle_unlocked(run_dir)
     names = [vm.name for vm in lab.vms]
     running = running_vms(Journal.load(run_dir), names)
+    clones = _clones_of(run_dir)
     result = []
     for name in names:
         disks = vm_disks(lab, lab.vm(name))
         if not disks.disks:
             continue
-        found = _found(run_dir, disks, running, qemu_img)
+        found = _own(_found(run_dir, disks, running, qemu_img), clones.get(name))
         tags = sorted({tag for per_node in found.values() for tag in per_node})
         for tag in tags:
             info = found[disks.vmstate].get(tag) or next(n[tag] for n in found.values() if tag in n)
@@ -527,22 +582,30 @@ def restore(run_dir: RunDir, lab: LabSpec, name: str, *, timeout: float = 60.0) 
         running = running_vms(Journal.load(run_dir), names)
         disks = check(lab, names, running=running, doing="restore lab {lab}")
         _faults_off(run_dir, disks, "snapshot restore")
-        taken = _run(_restore(run_dir, disks, name, time.monotonic() + timeout))
+        taken = _run(_restore(run_dir, disks, name, time.monotonic() + timeout, _clones_of(run_dir)))
     log.debug("lab %s: restored snapshot %s", lab.name, name)
     step_clocks(taken, {vm.name: functools.partial(ssh_argv_of, run_dir, lab, vm.name)
-                        for vm in lab.vms if vm.ssh})
+                        for vm in lab.vms if vm.ssh}, run_dir)
 
 
-async def _restore(run_dir: RunDir, disks: Mapping[str, VmDisks], name: str,
-                   deadline: float) -> dict[str, float]:
-    """Load NAME into every VM; returns VM -> when the snapshot was taken."""
+async def _restore(run_dir: RunDir, disks: Mapping[str, VmDisks], name: str, deadline: float,
+                   clones: Mapping[str, Clone]) -> dict[str, float]:
+    """Load NAME into every VM; returns VM -> when the snapshot was taken. A clone forked after NAME
+    was taken has no part in it: the restore is refused (`_own`)."""
     async with _Lab(_sockets(run_dir, disks)) as lab:
-        found = await lab.found(disks)
+        found = {vm: _own(per_vm, clones.get(vm)) for vm, per_vm in (await lab.found(disks)).items()}
         if not any(name in tags for per_node in found.values() for tags in per_node.values()):
             raise SnapshotRefused(f"the lab has no snapshot {name!r}",
                                   "`vmlaunch snapshot SPEC list` shows the snapshots; nothing was changed")
         lacking = {vm: _missing(found[vm], disks[vm], name) for vm in disks}
         lacking = {vm: missing for vm, missing in lacking.items() if missing}
+        later = [vm for vm in lacking if vm in clones and not any(name in t for t in found[vm].values())]
+        if later:
+            raise SnapshotRefused(
+                f"cannot restore {name!r}: {', '.join(later)} {'was' if len(later) == 1 else 'were'} forked "
+                f"after it was taken, so {'has' if len(later) == 1 else 'have'} no part in it: nothing was "
+                f"changed", f"`vmlaunch down SPEC {' '.join(later)}` removes "
+                f"{'that clone' if len(later) == 1 else 'those clones'}; then restore")
         if lacking:
             raise SnapshotRefused(f"snapshot {name!r} is not whole in every VM of the lab: " + "; ".join(
                 f"{vm} lacks it on {', '.join(str(disk.file) for disk in missing)}"
@@ -673,10 +736,12 @@ async def _settle_jobs(qmp: AsyncQmp, deadline: float) -> None:
 _SET_CLOCK = 'date +%s.%N; read t; date -u -s "@$t" >/dev/null'
 
 
-def step_clocks(taken: Mapping[str, float], ssh: Mapping[str, Callable[[list[str]], list[str]]]) -> None:
+def step_clocks(taken: Mapping[str, float], ssh: Mapping[str, Callable[[list[str]], list[str]]],
+                run_dir: RunDir | None = None) -> None:
     """After a load, set each guest's clock to the host's over SSH where the VM has SSH (`ssh[vm]`
-    makes the command line that runs words there), all at once; say so for the others. `taken`: VM ->
-    when its snapshot was taken.
+    makes the command line that runs words there), else through its command channel (in `run_dir`)
+    where its agent answers, all at once; say so for the others. `taken`: VM -> when its snapshot was
+    taken.
 
     A loaded guest's clock reads the snapshot's time, behind by its age, while QEMU's RTC follows the
     host's (`hwclock -s` in the guest sets the clock from it). Seen here under TCG with a Debian guest:
@@ -687,20 +752,52 @@ def step_clocks(taken: Mapping[str, float], ssh: Mapping[str, Callable[[list[str
     from concurrent.futures import ThreadPoolExecutor
 
     for vm, when in taken.items():
-        if vm not in ssh:
+        if vm not in ssh and run_dir is None:
             log.info("%s: its clock may be up to %.0f s behind (the snapshot's age): it has no SSH to set "
                      "it with (NTP or `hwclock -s` in the guest does)", vm, max(0.0, time.time() - when))
-    chosen = [vm for vm in taken if vm in ssh]
+    chosen = [vm for vm in taken if vm in ssh or run_dir is not None]
     if not chosen:
         return
+
+    def step(vm: str) -> float | str:
+        if vm in ssh:
+            return _step_clock(ssh[vm])
+        assert run_dir is not None  # chosen without SSH only with a run dir
+        return _step_clock_by_channel(run_dir, vm)
+
     with ThreadPoolExecutor(len(chosen)) as pool:
-        outcomes = list(pool.map(lambda vm: _step_clock(ssh[vm]), chosen))
+        outcomes = list(pool.map(step, chosen))
     for vm, stepped in zip(chosen, outcomes):
+        how = "" if vm in ssh else " through its command channel"
         if isinstance(stepped, float):
-            log.info("%s: clock set to the host's (it was %.1f s %s)", vm, abs(stepped),
+            log.info("%s: clock set to the host's%s (it was %.1f s %s)", vm, how, abs(stepped),
                      "behind" if stepped >= 0 else "ahead")
-        else:
+        elif vm in ssh:
             log.warning("%s: its clock could not be set to the host's: %s", vm, stepped)
+        else:
+            log.info("%s: its clock may be up to %.0f s behind (the snapshot's age): it has no SSH, and its "
+                     "command channel could not set it (%s); NTP or `hwclock -s` in the guest does", vm,
+                     max(0.0, time.time() - taken[vm]), stepped)
+
+
+CHANNEL_CLOCK_WAIT = 10.0  # seconds for a loaded guest's agent to answer before its clock is left
+
+
+def _step_clock_by_channel(run_dir: RunDir, vm: str) -> float | str:
+    """Set the guest's clock to ours through its command channel (as root, to the second: busybox's
+    `date -s` takes whole seconds): how far behind it was, or why it could not be set."""
+    from vmlaunch.runtime import agent
+
+    sent = time.time()
+    command = f"date +%s; date -u -s @{round(sent)} >/dev/null"
+    try:
+        result = agent.run(run_dir, vm, command, timeout=CHANNEL_CLOCK_WAIT, wait=CHANNEL_CLOCK_WAIT)
+    except VmlaunchError as exc:
+        return exc.message
+    said = result.stdout.decode(errors="replace").split()
+    if result.exit_code != 0 or not said or not said[0].isdigit():
+        return f"`date -s` exited {result.exit_code}: {result.stderr.decode(errors='replace').strip()}"
+    return sent - int(said[0])
 
 
 def _step_clock(argv_of: Callable[[list[str]], list[str]], timeout: float = SSH_TIMEOUT) -> float | str:
@@ -883,15 +980,33 @@ class WarmStart:
     taken: Mapping[str, float] = attrs.field(eq=False)  # VM -> when its snapshot was taken
     # VM -> the options of the file nodes `starting` opened through the page cache, as compiled
     reopen: dict[str, list[dict[str, Any]]] = attrs.field(factory=dict, eq=False)
+    # VM -> vmlaunch's own copies of the descriptors `starting` handed its QEMU (`close` closes them)
+    descriptors: dict[str, list[int]] = attrs.field(factory=dict, eq=False)
 
     def starting(self, vm: VmPlan) -> VmPlan:
         """The VM as it starts for the load: the files of its snapshot disks through the host's page
         cache (cache.direct off), where the compiled line has O_DIRECT. QEMU reads the saved RAM from
         the first disk in small pieces: with O_DIRECT each one is a read from the disk (1.4-2.6 s for
         256 MiB of a Debian guest's RAM here, 0.2-0.9 s through the page cache that just wrote it).
-        `load` reopens them as compiled (QMP blockdev-reopen) before the guest runs."""
-        argv, self.reopen[vm.name] = _page_cached(vm.argv, self.disks[vm.name].devices)
+        `load` reopens them as compiled (QMP blockdev-reopen) before the guest runs.
+
+        A QEMU confined to a uid of its own (host/confine.py) cannot open those files again for the
+        reopen (root's, mode 0600): vmlaunch opens each one and hands QEMU the descriptor in an fd set
+        (`-add-fd`, `descriptors`), the node's filename being `/dev/fdset/N`. QEMU opens such a name by
+        duplicating the descriptor, at start and at the reopen alike, never by path (QEMU 7.2; a
+        reopen cannot change a node's filename, so the node starts with that name)."""
+        argv, compiled = _page_cached(vm.argv, self.disks[vm.name].devices)
+        argv, self.reopen[vm.name], self.descriptors[vm.name] = _through_descriptors(vm.name, argv, compiled)
         return attrs.evolve(vm, argv=argv)
+
+    def close(self) -> None:
+        """Once the QEMUs started (or failed to): vmlaunch's copies of their descriptors closed (each
+        QEMU holds its own)."""
+        for fds in self.descriptors.values():
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.descriptors.clear()
 
     def load(self, vms: Sequence[VmPlan], timeout: float) -> None:
         """Load the snapshot into each VM's QEMU, all at once, while they wait paused (`-S`) for their
@@ -930,7 +1045,7 @@ class WarmStart:
             port = ports.get(vm.name)
             if vm.ssh_user is not None and port is not None and plan.lab_dir is not None:
                 ssh[vm.name] = functools.partial(ssh_argv, plan.lab_dir, vm.name, vm.ssh_user, port)
-        step_clocks({vm.name: self.taken[vm.name] for vm in vms}, ssh)
+        step_clocks({vm.name: self.taken[vm.name] for vm in vms}, ssh, plan.run_dir)
 
 
 def _page_cached(argv: Sequence[str], nodes: Iterable[str]) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
@@ -953,6 +1068,63 @@ def _page_cached(argv: Sequence[str], nodes: Iterable[str]) -> tuple[tuple[str, 
             originals.append(options)
             out[index] = json_arg({**options, "cache": {**cache, "direct": False}})
     return tuple(out), originals
+
+
+def _through_descriptors(vm: str, argv: Sequence[str], compiled: Sequence[dict[str, Any]]) -> tuple[
+        tuple[str, ...], list[dict[str, Any]], list[int]]:
+    """`argv` with the file nodes `compiled` (their options as compiled) opened through descriptors
+    vmlaunch opens here: each node's filename `/dev/fdset/N`, and `-add-fd fd=FD,set=N` for its
+    descriptor. Returns that argv, the options to reopen each node with (as compiled, but for that
+    filename) and the descriptors, which QEMU's process must be given. A qcow2 file whose backing
+    file is named relative to it keeps its path: QEMU would look for that file beside /dev/fdset/N."""
+    import json
+
+    from vmlaunch.qemu.opts import json_arg
+
+    out, reopen, fds = list(argv), [], []
+    try:
+        for options in compiled:
+            path = str(options["filename"])
+            flags = os.O_RDONLY if options.get("read-only") else os.O_RDWR
+            try:
+                fd = os.open(path, flags | os.O_CLOEXEC)
+            except OSError as exc:
+                raise RuntimeFailure(f"{vm}: cannot open {path} for its warm start: "
+                                     f"{exc.strerror or exc}") from None
+            if _backing_named_relative(fd):
+                os.close(fd)
+                reopen.append(options)
+                continue
+            fds.append(fd)
+            fdset = len(fds)
+            for index in range(1, len(out)):
+                if out[index - 1] == "-blockdev" and out[index].startswith("{"):
+                    node = json.loads(out[index])
+                    if node.get("node-name") == options["node-name"]:
+                        out[index] = json_arg({**node, "filename": f"/dev/fdset/{fdset}"})
+            out += ["-add-fd", f"fd={fd},set={fdset},opaque={escape(str(options['node-name']))}"]
+            reopen.append({**options, "filename": f"/dev/fdset/{fdset}"})
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return tuple(out), reopen, fds
+
+
+def _backing_named_relative(fd: int) -> bool:
+    """Whether the qcow2 file open as `fd` names a backing file by a relative name (or by a
+    protocol's, `json:...`), which QEMU finds from the file's own name: its header (big-endian
+    backing_file_offset at byte 8, backing_file_size at 16) and the name it points to."""
+    import struct
+
+    try:
+        header = os.pread(fd, 20, 0)
+        if len(header) < 20 or header[:4] != b"QFI\xfb":
+            return False
+        offset, size = struct.unpack(">QI", header[8:20])
+        return bool(offset and size) and not os.pread(fd, 1, offset).startswith(b"/")
+    except OSError:
+        return False
 
 
 def warm_start(lab: LabSpec, names: Sequence[str], name: str, *, qemu_img: str | None = None) -> WarmStart:
