@@ -193,8 +193,8 @@ class Vmlaunch(Arm):
         subprocess.run([*argv, *args], env=self.env, check=True, stdout=subprocess.DEVNULL)
 
     def start(self) -> None:
+        from vmlaunch.lab.journal import Journal
         from vmlaunch.layout.rundir import RunDir
-        from vmlaunch.runtime.journal import Journal
 
         text = '[lab]\nname = "density"\n'  # KSM: on by default (root, several VMs)
         for vm in self.vms():

@@ -150,12 +150,12 @@ def test_long_lists_of_names_are_cut_short() -> None:
         "0/12 ready; booting v00..v07 (8); 4 waiting to boot; v03 panicked")
 
 
-# --- the boot timeline (runtime/timeline.py) ---------------------------------------------------------
+# --- the boot timeline (lab/timeline.py) ---------------------------------------------------------
 
 
 def test_the_phases_come_from_the_marks_and_the_kernels_time_stamps(tmp_path: Path) -> None:
+    from vmlaunch.lab.timeline import VmBoot, render
     from vmlaunch.layout.rundir import VmFiles
-    from vmlaunch.runtime.timeline import VmBoot, render
 
     files = VmFiles(tmp_path, "a")
     boot = VmBoot(files, started=100.0)
@@ -179,8 +179,8 @@ def test_the_phases_come_from_the_marks_and_the_kernels_time_stamps(tmp_path: Pa
 
 
 def test_phases_not_seen_count_in_the_next_one(tmp_path: Path) -> None:
+    from vmlaunch.lab.timeline import VmBoot
     from vmlaunch.layout.rundir import VmFiles
-    from vmlaunch.runtime.timeline import VmBoot
 
     boot = VmBoot(VmFiles(tmp_path, "b"), started=10.0)
     boot.mark("qmp", 10.5)

@@ -1,4 +1,4 @@
-"""The command channel without a VM: the host's client (runtime/agent.py) against vmlaunch's Python
+"""The command channel without a VM: the host's client (rig/agent.py) against vmlaunch's Python
 agent (guests/guest_agent.py, run here on a socket instead of a virtio-serial port), against a fake
 QEMU guest agent and against agents that lie, hang or close; what the rig makes of the results; the
 tar streams a guest sends back."""
@@ -21,8 +21,8 @@ import pytest
 from vmlaunch.errors import AgentError, CommandTimedOut, RuntimeFailure, UsageError
 from vmlaunch.guests import guest_agent
 from vmlaunch.layout.rundir import RunDir
-from vmlaunch.runtime import agent
-from vmlaunch.runtime.rig import CommandFailed, Guest, split_vm_path
+from vmlaunch.rig import agent
+from vmlaunch.rig.guest import CommandFailed, Guest, split_vm_path
 
 
 @pytest.fixture

@@ -59,9 +59,13 @@ def import_helper(folder: Path) -> ModuleType:
 
 def test_every_name_in_all_resolves_to_its_definition() -> None:
     from vmlaunch import api, errors
-    from vmlaunch.runtime import agent, control, rig
+    from vmlaunch.qemu import qmp
+    from vmlaunch.rig import agent
+    from vmlaunch.rig import guest as rig
+    from vmlaunch.runtime import control
 
-    homes = {"Lab": api, "Vm": api, "VmStatus": control, "Result": agent, "CommandFailed": rig}
+    homes = {"Lab": api, "Vm": api, "VmStatus": control, "Result": agent, "CommandFailed": rig,
+             "QmpError": qmp}
     for name in vmlaunch.__all__:
         value = getattr(vmlaunch, name)
         assert name in dir(vmlaunch)

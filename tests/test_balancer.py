@@ -1,4 +1,4 @@
-"""The lab manager's NUMA balancer (runtime/balancer.py) on a fake 2-node host with fake VMs: it counts
+"""The lab manager's NUMA balancer (manager/balancer.py) on a fake 2-node host with fake VMs: it counts
 their runnable vCPU threads from proc, finds where each is from its cpuset cgroup, and moves one by
 rewriting that cgroup; it logs like the seed's balancer and keeps its state for `vmlaunch numa`."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.fakenuma import make_cgroup, make_cpusets_v1, make_nodes, make_vm, set_state
+from vmlaunch.manager.balancer import Balancer
 from vmlaunch.resources.manager import ManagedVm, ManagerConfig
-from vmlaunch.runtime.balancer import Balancer
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def rounds(balancer: Balancer, config: ManagerConfig, running: dict[str, int], c
 def test_a_busy_node_gives_a_vm_to_the_idle_one(host: tuple[Path, Path, Path],
                                                 caplog: pytest.LogCaptureFixture) -> None:
     _, proc, root = host
-    caplog.set_level(logging.INFO, logger="vmlaunch.runtime.manager")
+    caplog.set_level(logging.INFO, logger="vmlaunch.manager.manager")
     cgroups = {name: make_cgroup(root, f"vmlaunch.lab.{name}", "0-1", "0") for name in ("a", "b", "c")}
     for pid in (100, 200, 300):
         make_vm(proc, pid, [("R", 0), ("R", 1)], {0: 1000})

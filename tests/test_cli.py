@@ -347,7 +347,7 @@ def test_an_option_where_the_command_begins_is_refused(capsys: pytest.CaptureFix
 ])
 def test_ssh_gives_the_guests_shell_the_words_joined_as_openssh_does(
         words: list[str], text: str, tmp_path: Path, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from vmlaunch.runtime import running
+    from vmlaunch.lab import running
 
     spec = write_spec(tmp_path, '[lab]\nname = "sshwords"\n[vm.a]\nmemory = 64\nkernel = "k"\nssh = true\n'
                       '[vm.a.cloud_init]\n')

@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import fake_host, write_spec
 from vmlaunch.compile.compiler import compile_lab
 from vmlaunch.errors import EXIT_HOST, EXIT_SPEC, EXIT_USAGE, SpecError
-from vmlaunch.runtime.diskfault import DISARM, _limits, _rules
+from vmlaunch.rig.diskfault import DISARM, _limits, _rules
 from vmlaunch.spec.diskfault import (
     describe,
     errno_number,

@@ -1,4 +1,4 @@
-"""The lab's event log (runtime/events.py) without QEMU: QMP events into lines, repeats folded, the cap,
+"""The lab's event log (lab/events.py) without QEMU: QMP events into lines, repeats folded, the cap,
 what a reader skips, how a line reads; the lab manager logging a fake QEMU's events as they come; why
 `status` says a VM is paused; `logs --events` of a lab that is down; the log kept by `down`. The real
 I/O error, on the test guest, is in test_diskfault_real.py."""
@@ -19,11 +19,8 @@ import pytest
 
 from tests.conftest import write_spec
 from vmlaunch.cli import main
-from vmlaunch.layout import lastrun
-from vmlaunch.layout.rundir import RunDir
-from vmlaunch.runtime import events
-from vmlaunch.runtime.control import failed_blocks, io_error_of, vm_state
-from vmlaunch.runtime.events import (
+from vmlaunch.lab import events
+from vmlaunch.lab.events import (
     CAPPED,
     Coalescer,
     Event,
@@ -38,6 +35,9 @@ from vmlaunch.runtime.events import (
     record,
     render,
 )
+from vmlaunch.layout import lastrun
+from vmlaunch.layout.rundir import RunDir
+from vmlaunch.runtime.control import failed_blocks, io_error_of, vm_state
 
 T0 = 1_795_709_601.0  # some second of 2026
 SHOWN = "a BLOCK_IO_ERROR disk1 write: Input/output error (action stop; the VM paused)"
@@ -380,8 +380,8 @@ class EventingQemu:
 
 
 def test_the_manager_logs_a_vms_events_as_they_come(run_dir: Path) -> None:
+    from vmlaunch.manager.manager import Manager
     from vmlaunch.resources.manager import ManagedVm
-    from vmlaunch.runtime.manager import Manager
 
     lab = RunDir(run_dir / "t")
     lab.create()

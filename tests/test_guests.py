@@ -285,7 +285,7 @@ def test_down_then_up_keeps_the_machine_and_reset_makes_it_anew(lab: tuple[Netns
     assert up.returncode == 0, up.stderr
     assert ssh(netns, spec, "a", "cat", "/var/tmp/kept").stdout == "kept\n"  # the same machine
     status = netns.vmlaunch("status", str(spec), "--json", env=netns.env)
-    boot = json.loads(status.stdout)["a"]["boot"]  # where its boot went (runtime/timeline.py)
+    boot = json.loads(status.stdout)["a"]["boot"]  # where its boot went (lab/timeline.py)
     assert {"qemu", "loader", "kernel", "userspace", "cloud-init"} <= set(boot), boot  # UEFI: no firmware log
     assert ssh(netns, spec, "b", "test", "-e", "/var/tmp/kept").returncode == 1  # a new one
 
@@ -339,7 +339,7 @@ def test_an_edited_lab_comes_back_and_a_snapshot_takes_it_back_in_time(lab: tupl
     assert up.returncode == 0, up.stderr
     assert ssh(netns, spec, "a", "cat", "/var/tmp/kept").stdout == "kept\n"  # the same machine
     status = netns.vmlaunch("status", str(spec), "--json", env=netns.env)
-    boot = json.loads(status.stdout)["a"]["boot"]  # where its boot went (runtime/timeline.py)
+    boot = json.loads(status.stdout)["a"]["boot"]  # where its boot went (lab/timeline.py)
     assert {"qemu", "loader", "kernel", "userspace", "cloud-init"} <= set(boot), boot  # UEFI: no firmware log
     assert reach(netns, spec, "a", "10.10.0.12") and reach(netns, spec, "b", "10.10.0.11")
 

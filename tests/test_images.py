@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from vmlaunch.errors import RuntimeFailure, VmlaunchError
+from vmlaunch.lab.journal import Journal
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.base import Context
 from vmlaunch.resources.image import Image, ImageClaim, ImageRecord, partial_path
 from vmlaunch.runtime import executor
-from vmlaunch.runtime.journal import Journal
 from vmlaunch.spec.model import DiskFormat
 
 CTX = Context(lab="t", qemu_img="qemu-img")
@@ -110,7 +110,7 @@ KILLED_UP = """
 import contextlib, sys
 from pathlib import Path
 from vmlaunch.runtime import executor
-from vmlaunch.runtime.journal import Journal
+from vmlaunch.lab.journal import Journal
 from vmlaunch.spec.model import DiskFormat
 from vmlaunch.resources.base import Context
 from vmlaunch.resources.image import Image

@@ -1,4 +1,4 @@
-"""The record of an operation under way on a running lab (`runtime/intent.py`), without QEMU: what it holds,
+"""The record of an operation under way on a running lab (`saved/intent.py`), without QEMU: what it holds,
 what `status` makes of it, and a damaged one (the recovery itself runs for real in test_snapshot.py)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from vmlaunch.layout.rundir import RunDir
-from vmlaunch.runtime import intent
-from vmlaunch.runtime.snapshot import finish_interrupted
+from vmlaunch.saved import intent
+from vmlaunch.saved.snapshot import finish_interrupted
 
 
 @pytest.fixture

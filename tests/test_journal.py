@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from vmlaunch.lab.journal import JOURNAL_VERSION, Entry, Journal, JournalError, VmEntry
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.bridge import BridgeRecord
 from vmlaunch.resources.clone import CloneRecord
@@ -30,7 +31,6 @@ from vmlaunch.resources.remote import (
 from vmlaunch.resources.script import ScriptEnv, ScriptRecord
 from vmlaunch.resources.tap import TapRecord
 from vmlaunch.resources.vmuser import VmUserClaimRecord, VmUserRecord
-from vmlaunch.runtime.journal import JOURNAL_VERSION, Entry, Journal, JournalError, VmEntry
 
 SAMPLES = [
     Entry("image", "/l/a.img", "a", ImageRecord(Path("/l/a.img"), created=True)),

@@ -15,6 +15,7 @@ from vmlaunch.compile.compiler import compile_lab
 from vmlaunch.errors import HostError, SpecError
 from vmlaunch.host.hostwide import RegistryError
 from vmlaunch.host.memory import KsmSupport
+from vmlaunch.lab.journal import JournalError
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.base import Context
 from vmlaunch.resources.ksm import (
@@ -28,7 +29,6 @@ from vmlaunch.resources.ksm import (
     explicit_settings,
     release_unjournaled_ksm,
 )
-from vmlaunch.runtime.journal import JournalError
 from vmlaunch.spec.load import load_lab
 
 HOST_AS_IT_WAS = {"run": "0", "pages_to_scan": "100", "sleep_millisecs": "20", "advisor_mode": "none",

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from vmlaunch.cli import main
+from vmlaunch.lab.journal import Journal
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.ksm import CLAIMS_FILE, HOST_CLAIMS_DIR, default_settings
-from vmlaunch.runtime.journal import Journal
 
 pytestmark = [pytest.mark.qemu]
 KSM = Path("/sys/kernel/mm/ksm")

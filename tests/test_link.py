@@ -1,4 +1,4 @@
-"""`vmlaunch link` and `Vm.link` (runtime/link.py) against a recorded QMP: the command sent, the record
+"""`vmlaunch link` and `Vm.link` (rig/link.py) against a recorded QMP: the command sent, the record
 in wire.json, and how `status` reads it. The guest seeing its carrier go is in tests/test_wire_real.py."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 
 from tests.conftest import write_spec
 from vmlaunch.errors import UsageError
+from vmlaunch.lab import wire
 from vmlaunch.layout.rundir import RunDir
-from vmlaunch.runtime import link, wire
+from vmlaunch.rig import link
 from vmlaunch.spec.load import load_lab
 from vmlaunch.spec.model import LabSpec
 

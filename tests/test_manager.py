@@ -146,9 +146,9 @@ def test_a_manager_missing_from_its_journal_stops_itself(tmp_path: Path) -> None
     journaled goes on."""
     import asyncio
 
+    from vmlaunch.lab.journal import Entry, Journal, locked
+    from vmlaunch.manager.manager import ORPHAN_AFTER, Manager
     from vmlaunch.resources.manager import ManagerRecord
-    from vmlaunch.runtime.journal import Entry, Journal, locked
-    from vmlaunch.runtime.manager import ORPHAN_AFTER, Manager
 
     run_dir = RunDir(tmp_path / "t")
     run_dir.create()
@@ -177,7 +177,7 @@ def test_the_manager_notes_a_guests_floor_when_its_balloon_stops_short(tmp_path:
     keeps it over. One that has not moved yet (its driver is still loading) has shown no floor."""
     from typing import Any, cast
 
-    from vmlaunch.runtime.manager import Manager, Watched
+    from vmlaunch.manager.manager import Manager, Watched
 
     run_dir = RunDir(tmp_path / "t")
     run_dir.create()
@@ -220,9 +220,9 @@ def test_a_manager_whose_lab_is_gone_stops_and_says_why(tmp_path: Path, loss: st
     import asyncio
     import shutil
 
+    from vmlaunch.lab.journal import Entry, Journal, VmEntry
+    from vmlaunch.manager.manager import Manager
     from vmlaunch.resources.manager import ManagerRecord
-    from vmlaunch.runtime.journal import Entry, Journal, VmEntry
-    from vmlaunch.runtime.manager import Manager
 
     run_dir = RunDir(tmp_path / "t")
     run_dir.create()
@@ -248,7 +248,7 @@ def test_a_manager_whose_lab_is_gone_stops_and_says_why(tmp_path: Path, loss: st
         await manager.round()
         return first, manager.stopping.is_set()
 
-    caplog.set_level("INFO", "vmlaunch.runtime.manager")
+    caplog.set_level("INFO", "vmlaunch.manager.manager")
     assert asyncio.run(rounds()) == (False, True)
     said = {"settings": f"its settings {run_dir.manager_config} are gone",
             "journal": f"the lab's journal {run_dir.state} is gone",
@@ -266,9 +266,9 @@ def test_a_manager_of_a_lab_without_vms_stops_after_the_grace_period(tmp_path: P
     (an `up` killed before its VMs were journaled, never taken down): nothing to manage."""
     import asyncio
 
+    from vmlaunch.lab.journal import Entry, Journal
+    from vmlaunch.manager.manager import ORPHAN_AFTER, Manager
     from vmlaunch.resources.manager import ManagerRecord
-    from vmlaunch.runtime.journal import Entry, Journal
-    from vmlaunch.runtime.manager import ORPHAN_AFTER, Manager
 
     run_dir = RunDir(tmp_path / "t")
     run_dir.create()

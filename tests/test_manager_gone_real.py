@@ -20,10 +20,10 @@ import pytest
 from vmlaunch.cli import main
 from vmlaunch.core.wait import wait_until
 from vmlaunch.host.processes import Kind, of_run_dir
+from vmlaunch.lab.journal import Journal
+from vmlaunch.lab.process import alive
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.manager import ManagerRecord
-from vmlaunch.runtime.journal import Journal
-from vmlaunch.runtime.process import alive
 
 pytestmark = [pytest.mark.qemu]
 ROUNDS = 10.0  # seconds: a few of the manager's 1 s rounds, on a busy host

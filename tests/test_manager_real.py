@@ -18,10 +18,10 @@ import pytest
 from vmlaunch.api import Lab
 from vmlaunch.cli import main
 from vmlaunch.core.wait import wait_until
+from vmlaunch.lab.journal import Journal
+from vmlaunch.lab.process import alive
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.qemu.qmp import QuickQmp
-from vmlaunch.runtime.journal import Journal
-from vmlaunch.runtime.process import alive
 
 pytestmark = [pytest.mark.qemu, pytest.mark.guest]
 READY = "VMLAUNCH-GUEST-READY"

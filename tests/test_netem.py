@@ -19,10 +19,11 @@ from vmlaunch.core.naming import interface_mark, netem_ifb_name, tap_name
 from vmlaunch.errors import HostError
 from vmlaunch.host import netem as host_netem
 from vmlaunch.host.links import IFB_KIND, TUN_KIND, LinkError, Netlink
+from vmlaunch.lab import wire
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.netem import NetemRecord, TapNetem
 from vmlaunch.resources.tap import Tap
-from vmlaunch.runtime import agent, netem, wire
+from vmlaunch.rig import agent, netem
 from vmlaunch.spec.load import load_lab
 from vmlaunch.spec.model import Netem, NetemWhere
 
@@ -329,7 +330,7 @@ def test_guest_failures(monkeypatch: pytest.MonkeyPatch, run_dir: Path, code: in
 
 @pytest.fixture
 def lab_up(run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[RunDir, Any]:
-    from vmlaunch.runtime import running
+    from vmlaunch.lab import running
 
     lab = load_lab(write_spec(tmp_path, LAB))
     rd = RunDir(run_dir / "nt")

@@ -1,4 +1,4 @@
-"""Partitions (runtime/partition.py) and the lab's nftables table (host/nftables.py), without a lab:
+"""Partitions (rig/partition.py) and the lab's nftables table (host/nftables.py), without a lab:
 the groups, where each network is cut, the rules and guest scripts made, and the command's errors.
 The real cut, pinged across, is in tests/test_wire_real.py."""
 
@@ -18,10 +18,11 @@ from vmlaunch.core.naming import nft_table_name, tap_name
 from vmlaunch.errors import AgentError, HostError, RuntimeFailure, UsageError
 from vmlaunch.host import nftables
 from vmlaunch.host.nftables import BridgeCut
+from vmlaunch.lab import wire
+from vmlaunch.lab.journal import Journal, VmEntry
 from vmlaunch.layout.rundir import RunDir
-from vmlaunch.runtime import agent, partition, wire
-from vmlaunch.runtime.agent import Result
-from vmlaunch.runtime.journal import Journal, VmEntry
+from vmlaunch.rig import agent, partition
+from vmlaunch.rig.agent import Result
 from vmlaunch.spec.load import load_lab
 from vmlaunch.spec.model import LabSpec
 

@@ -20,10 +20,10 @@ import pytest
 from vmlaunch.errors import EXIT_HOST
 from vmlaunch.host import pci
 from vmlaunch.host.pci import Binding, PciError, bind, check_viable, restore, sysfs_root
+from vmlaunch.lab.journal import Entry, Journal
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.base import Context
 from vmlaunch.resources.pci import PciBind
-from vmlaunch.runtime.journal import Entry, Journal
 from vmlaunch.spec.model import PciDriver
 
 NIC = "0000:15:00.0"

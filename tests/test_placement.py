@@ -381,11 +381,11 @@ def test_where_running_reads_the_cgroup_else_the_cpus_allowed(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
+    from vmlaunch.lab import process as qemu
+    from vmlaunch.lab.journal import Entry, Journal, VmEntry
+    from vmlaunch.lab.running import where_running
     from vmlaunch.layout.rundir import RunDir
     from vmlaunch.resources.placement import PlacementRecord
-    from vmlaunch.runtime import process as qemu
-    from vmlaunch.runtime.journal import Entry, Journal, VmEntry
-    from vmlaunch.runtime.running import where_running
 
     run_dir = RunDir(tmp_path / "run" / "numa")
     run_dir.create()

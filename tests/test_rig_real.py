@@ -20,8 +20,8 @@ import pytest
 
 from vmlaunch.api import Lab
 from vmlaunch.errors import EXIT_AGENT, EXIT_HOST, EXIT_TIMED_OUT, EXIT_USAGE, AgentError, CommandTimedOut
-from vmlaunch.runtime import agent
-from vmlaunch.runtime.rig import CommandFailed
+from vmlaunch.rig import agent
+from vmlaunch.rig.guest import CommandFailed
 
 pytestmark = [pytest.mark.qemu, pytest.mark.guest]
 READY = "VMLAUNCH-GUEST-READY"

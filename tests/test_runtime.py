@@ -16,9 +16,9 @@ from vmlaunch.compile.compiler import compile_lab
 from vmlaunch.compile.plan import Plan
 from vmlaunch.errors import RuntimeFailure, UsageError
 from vmlaunch.host.facts import detect_host
+from vmlaunch.lab import process as qemu
+from vmlaunch.lab.journal import Journal, JournalError
 from vmlaunch.runtime import control, executor
-from vmlaunch.runtime import process as qemu
-from vmlaunch.runtime.journal import Journal, JournalError
 from vmlaunch.spec.load import load_lab
 
 pytestmark = [pytest.mark.qemu, pytest.mark.guest]

@@ -1,4 +1,4 @@
-"""Key names, typed text and evidence without a running lab: pure parts of runtime/screen.py and
+"""Key names, typed text and evidence without a running lab: pure parts of rig/screen.py and
 runtime/evidence.py (tests/test_screen_real.py drives a real guest)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from tests.conftest import write_spec
 from vmlaunch.errors import UsageError
 from vmlaunch.layout.rundir import RunDir
+from vmlaunch.rig.screen import QKEYCODES, combination, keys_to_send, typed
 from vmlaunch.runtime.evidence import collect
-from vmlaunch.runtime.screen import QKEYCODES, combination, keys_to_send, typed
 from vmlaunch.spec.load import load_lab
 
 

@@ -14,7 +14,7 @@ import pytest
 import vmlaunch
 from vmlaunch.cli import main
 from vmlaunch.errors import EXIT_CANT_CREATE, OutputRefused, RuntimeFailure, UsageError
-from vmlaunch.runtime.screen import PNG_SIGNATURE
+from vmlaunch.rig.screen import PNG_SIGNATURE
 
 pytestmark = [pytest.mark.qemu, pytest.mark.guest]
 pytest_plugins = ["pytester"]

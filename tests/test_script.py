@@ -17,6 +17,7 @@ from tests.conftest import fake_host, write_spec
 from vmlaunch.compile.compiler import compile_lab
 from vmlaunch.core import signals
 from vmlaunch.errors import RuntimeFailure
+from vmlaunch.lab.journal import Journal
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.base import Context, UndoneWithError
 from vmlaunch.resources.script import (
@@ -29,7 +30,6 @@ from vmlaunch.resources.script import (
     run_checked,
 )
 from vmlaunch.runtime import executor
-from vmlaunch.runtime.journal import Journal
 from vmlaunch.spec.load import load_lab
 
 NOBODY = 65534

@@ -40,7 +40,7 @@ from vmlaunch.guests.shareaccess import (
     grant,
     hand_back,
 )
-from vmlaunch.runtime import journal
+from vmlaunch.lab import journal
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="gives files to other uids: needs root")
 

@@ -25,11 +25,11 @@ from vmlaunch.compile.plan import Plan
 from vmlaunch.core.textsafe import printable
 from vmlaunch.errors import EXIT_HOST, EXIT_RUNTIME, RuntimeFailure
 from vmlaunch.host.facts import detect_host
+from vmlaunch.lab import process as qemu
+from vmlaunch.lab.journal import Journal, JournalError, LabTaken, VmEntry, locked
 from vmlaunch.layout.dirs import UnsafeDirectory, secure_dir
 from vmlaunch.layout.rundir import RunDir, open_in_run_dir
 from vmlaunch.runtime import executor
-from vmlaunch.runtime import process as qemu
-from vmlaunch.runtime.journal import Journal, JournalError, LabTaken, VmEntry, locked
 from vmlaunch.spec.load import load_lab
 
 NOBODY = pwd.getpwnam("nobody").pw_uid

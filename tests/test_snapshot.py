@@ -1,4 +1,4 @@
-"""Snapshots of a whole lab (`vmlaunch/runtime/snapshot.py`, `vmlaunch snapshot`, `up --from-snapshot`).
+"""Snapshots of a whole lab (`vmlaunch/saved/snapshot.py`, `vmlaunch snapshot`, `up --from-snapshot`).
 
 What a snapshot may hold and the refusals are checked on specs alone; the rest on one booted lab of
 two test guests under TCG (a socket network: nothing is created on the host), shared by the tests
@@ -29,10 +29,11 @@ from vmlaunch.cli import main
 from vmlaunch.compile.compiler import compile_lab
 from vmlaunch.errors import RuntimeFailure, UsageError
 from vmlaunch.host.facts import Ovmf
+from vmlaunch.lab.journal import Journal
 from vmlaunch.layout.dirs import run_root
 from vmlaunch.layout.rundir import RunDir
-from vmlaunch.runtime import executor, snapshot
-from vmlaunch.runtime.journal import Journal
+from vmlaunch.runtime import executor
+from vmlaunch.saved import snapshot
 from vmlaunch.spec.load import load_lab
 from vmlaunch.spec.model import LabSpec
 
@@ -536,8 +537,8 @@ def test_an_interrupted_restore_holds_its_vms_and_a_save_resumes_its_own(
         rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
     """The state a restore killed half-way through its loads leaves (written here, so it is exactly
     that): both VMs paused, its intent there. Then what a killed save leaves: resumed."""
-    from vmlaunch.runtime import intent
     from vmlaunch.runtime.control import qmp_command
+    from vmlaunch.saved import intent
 
     disks: dict[str, tuple[tuple[str, str], ...]] = {vm: (("disk0", str(disk_of(rig, vm))),)
                                                       for vm in ("a", "b")}

@@ -12,9 +12,9 @@ import pytest
 from vmlaunch.doctor.findings import Status
 from vmlaunch.doctor.strays import check_strays
 from vmlaunch.host.processes import Kind, OwnProcess, of_run_dir, own_processes, recognise
+from vmlaunch.lab.journal import Entry, Journal, VmEntry
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.manager import ManagerRecord
-from vmlaunch.runtime.journal import Entry, Journal, VmEntry
 
 
 def qemu_argv(run_dir: Path, vm: str) -> list[str]:
@@ -24,7 +24,7 @@ def qemu_argv(run_dir: Path, vm: str) -> list[str]:
 
 
 def manager_argv(run_dir: str) -> list[str]:
-    return ["/usr/bin/python3", "-m", "vmlaunch.runtime.managerd", run_dir, "--ready-fd", "6"]
+    return ["/usr/bin/python3", "-m", "vmlaunch.manager.managerd", run_dir, "--ready-fd", "6"]
 
 
 def test_vmlaunchs_processes_are_known_by_their_command_lines(tmp_path: Path) -> None:
@@ -33,12 +33,12 @@ def test_vmlaunchs_processes_are_known_by_their_command_lines(tmp_path: Path) ->
     assert recognise(8, manager_argv(str(run)), None) == OwnProcess(8, Kind.MANAGER, run)
     assert recognise(8, manager_argv("run/lab"), tmp_path) == OwnProcess(8, Kind.MANAGER, run)
     assert recognise(8, manager_argv("run/lab"), None) is None  # relative, and its folder unknown
-    assert recognise(9, ["python3", "-m", "vmlaunch.runtime.manager", str(run)], None) is not None
+    assert recognise(9, ["python3", "-m", "vmlaunch.manager.manager", str(run)], None) is not None
     # Not vmlaunch's: a QEMU someone else started, one without vmlaunch's process name, a shell.
     assert recognise(10, ["qemu-system-x86_64", "-pidfile", "/run/x.pid", "-name", "x"], None) is None
     assert recognise(10, [*qemu_argv(run, "web")[:2], "guest=web,process=web", "-pidfile",
                           f"{run}/web.pid"], None) is None
-    assert recognise(11, ["bash", "-c", "-m vmlaunch.runtime.managerd"], None) is None
+    assert recognise(11, ["bash", "-c", "-m vmlaunch.manager.managerd"], None) is None
 
 
 def fake_process(proc: Path, pid: int, argv: list[str]) -> None:
@@ -85,7 +85,7 @@ def test_doctor_names_each_process_whose_lab_no_command_knows(tmp_path: Path, pr
 
 def test_a_lab_whose_up_runs_is_not_listed(tmp_path: Path, proc: Path) -> None:
     """An `up` holds the lab's lock while it starts the manager and journals it: not a stray yet."""
-    from vmlaunch.runtime.journal import locked
+    from vmlaunch.lab.journal import locked
 
     lab = RunDir(tmp_path / "run" / "busy")
     lab.create()

@@ -2,8 +2,8 @@
 
 The package's rooms, lowest first (ARCHITECTURE.md says what each holds; tests/test_layers.py keeps a
 room from importing one above it): core/ and errors, layout/, qemu/, spec/, policy/, host/, guests/,
-resources/, compile/, runtime/, doctor/ and export/, multihost/, api, cli/ and pytest_plugin, this
-package.
+resources/, compile/, lab/, rig/ and manager/, saved/, runtime/, doctor/ and export/, multihost/, api,
+cli/ and pytest_plugin, this package.
 
 Kept tiny on purpose: the CLI imports this package first, so nothing heavy may be imported here. The
 public API is resolved on first use by `__getattr__` below.
@@ -26,9 +26,9 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
         VmlaunchError,
     )
     from vmlaunch.qemu.qmp import QmpError
-    from vmlaunch.runtime.agent import Result
+    from vmlaunch.rig.agent import Result
+    from vmlaunch.rig.guest import CommandFailed
     from vmlaunch.runtime.control import VmStatus
-    from vmlaunch.runtime.rig import CommandFailed
 
 from vmlaunch.core.version import __version__
 
@@ -63,9 +63,9 @@ _LAZY = {
     "AgentError": "vmlaunch.errors",
     "CommandTimedOut": "vmlaunch.errors",
     "GuestPaused": "vmlaunch.errors",
-    "CommandFailed": "vmlaunch.runtime.rig",
+    "CommandFailed": "vmlaunch.rig.guest",
     "QmpError": "vmlaunch.qemu.qmp",
-    "Result": "vmlaunch.runtime.agent",
+    "Result": "vmlaunch.rig.agent",
 }
 
 

@@ -28,14 +28,15 @@ from vmlaunch.core.wait import TimedOut, wait_until
 from vmlaunch.errors import Location, Problem, RuntimeFailure, SpecError, UsageError, VmlaunchError
 from vmlaunch.guests.kernels import prepare as prepare_kernels
 from vmlaunch.host.facts import detect_host
+from vmlaunch.lab import running
 from vmlaunch.layout.rundir import RunDir
-from vmlaunch.runtime import control, executor, running
+from vmlaunch.runtime import control, executor
 from vmlaunch.runtime.control import VmStatus
 
 if TYPE_CHECKING:
-    from vmlaunch.runtime.agent import Command, Result
-    from vmlaunch.runtime.events import Event
-    from vmlaunch.runtime.rig import Guest
+    from vmlaunch.lab.events import Event
+    from vmlaunch.rig.agent import Command, Result
+    from vmlaunch.rig.guest import Guest
     from vmlaunch.spec.model import LabSpec
 
 log = logging.getLogger("vmlaunch")
@@ -209,14 +210,14 @@ class Lab:
         call cuts another group off from this one and from the rest. Returns the groups now.
         UsageError for no VM, a VM named twice or one the lab does not have; RuntimeFailure when the
         lab is not up; HostError when the host has no nft."""
-        from vmlaunch.runtime import partition
+        from vmlaunch.rig import partition
 
         return partition.partition(self.run_dir, self.model, vms)
 
     def heal(self, *vms: str) -> list[list[str]]:
         """Put `vms` back with the rest of the lab (none: heal every cut), as `vmlaunch partition
         --heal`; returns the groups still cut off."""
-        from vmlaunch.runtime import partition
+        from vmlaunch.rig import partition
 
         return partition.heal(self.run_dir, self.model, vms)
 
@@ -281,7 +282,7 @@ class Vm:
         panics (its console shows a kernel panic, or QEMU's pvpanic device reports one), naming the
         panic line.
         """
-        from vmlaunch.runtime import process
+        from vmlaunch.lab import process
 
         files = self.lab.run_dir.vm(self.name)
         asked = [0.0]  # when QEMU was last asked for its run state (a pvpanic panic): once a second
@@ -331,7 +332,7 @@ class Vm:
         guest sees its carrier go and come back; nothing passes while it is down). `nic`: its index,
         `nicN`, or the name of the network it is on. Returns the NIC's index. UsageError for a NIC
         the VM does not have; RuntimeFailure when the VM is not running."""
-        from vmlaunch.runtime.link import set_link
+        from vmlaunch.rig.link import set_link
 
         return set_link(self.lab.run_dir, self.lab.model, self.name, nic, up)
 
@@ -367,7 +368,8 @@ class Vm:
         figure, HostError where netem cannot run (`where="host"` on a kernel without netem, a guest
         without tc or netem).
         """
-        from vmlaunch.runtime import netem, wire
+        from vmlaunch.lab import wire
+        from vmlaunch.rig import netem
         from vmlaunch.spec.netem import parse_netem
 
         index = wire.resolve_nic(self.lab.model, self.name, str(nic))
@@ -390,7 +392,7 @@ class Vm:
         (`video` in the spec, VGA by default). RuntimeFailure when the VM is not running or has no
         screen (`video = "none"`)."""
         from vmlaunch.compile.compiler import video_of
-        from vmlaunch.runtime import screen
+        from vmlaunch.rig import screen
         from vmlaunch.spec.model import Video
 
         if video_of(self.lab.model, self.lab.model.vm(self.name)) is Video.NONE:
@@ -405,7 +407,7 @@ class Vm:
         `vm.send_keys(text="root\n")`. Each key is held `hold_ms` (QEMU's 100 ms by default).
         UsageError naming an unknown key or a character a US keyboard cannot type (nothing is sent
         then); RuntimeFailure when the VM is not running. Returns once QEMU has queued the keys."""
-        from vmlaunch.runtime import screen
+        from vmlaunch.rig import screen
 
         if hold_ms is not None and (isinstance(hold_ms, bool) or not isinstance(hold_ms, int) or hold_ms < 1):
             raise UsageError(f"hold_ms: {hold_ms!r} is not a number of milliseconds (1 or more)")
@@ -435,10 +437,10 @@ class Vm:
                                  done.stderr.strip()[-500:] or None)
         return done
 
-    # ---- the command channel (runtime/agent.py, runtime/rig.py): no network or SSH needed
+    # ---- the command channel (rig/agent.py, rig/guest.py): no network or SSH needed
 
     def _guest(self, via: str | None) -> Guest:
-        from vmlaunch.runtime.rig import Guest
+        from vmlaunch.rig.guest import Guest
 
         if via not in (None, "agent", "qga", "ssh"):
             raise UsageError(f"via={via!r}: give \"ssh\" (or \"agent\", \"qga\"), or nothing for the "
@@ -498,7 +500,7 @@ class Vm:
 
     def wait_ssh(self, timeout: float = 600.0) -> None:
         """Wait until the VM answers SSH and its cloud-init is done (as `up --wait ssh`)."""
-        from vmlaunch.runtime.journal import Journal
+        from vmlaunch.lab.journal import Journal
 
         plan = self.lab.plan.vm(self.name)
         entry = Journal.load(self.lab.run_dir).vms.get(self.name)
@@ -568,7 +570,7 @@ def _parallel(parallel: int | None) -> int | None:
 
 
 class Disk:
-    """A disk of a running VM, to break as `vmlaunch fault SPEC VM DISK ...` does (runtime/diskfault.py).
+    """A disk of a running VM, to break as `vmlaunch fault SPEC VM DISK ...` does (rig/diskfault.py).
     Each of `fail`, `hang`, `release` and `slow` returns the disk, which as a context manager clears
     every fault of the disk when the block ends, whatever happened in it. UsageError for a disk the VM
     does not have or a bad figure; RuntimeFailure (exit 3's) when the VM is not running."""
@@ -581,7 +583,7 @@ class Disk:
         return f"Disk({self.vm.name!r}, {self.name!r})"
 
     def _set(self, raw: dict[str, Any]) -> Disk:
-        from vmlaunch.runtime import diskfault
+        from vmlaunch.rig import diskfault
         from vmlaunch.spec.diskfault import parse_fault
 
         fault, problems = parse_fault({key: value for key, value in raw.items() if value is not None})
@@ -618,20 +620,20 @@ class Disk:
 
     def release(self) -> Disk:
         """Let the held requests go (UsageError when none is held)."""
-        from vmlaunch.runtime import diskfault
+        from vmlaunch.rig import diskfault
 
         diskfault.release(self.vm.lab.run_dir, self.vm.lab.model, self.vm.name, self.name)
         return self
 
     def clear(self) -> None:
         """Take every fault off the disk (holds released first)."""
-        from vmlaunch.runtime import diskfault
+        from vmlaunch.rig import diskfault
 
         diskfault.clear(self.vm.lab.run_dir, self.vm.lab.model, self.vm.name, self.name)
 
     def faults(self) -> list[dict[str, Any]]:
         """What is set on the disk now, as `vmlaunch fault SPEC --json` lists it."""
-        from vmlaunch.runtime import diskfault
+        from vmlaunch.rig import diskfault
         from vmlaunch.spec.diskfault import to_json
 
         found = diskfault.listing(self.vm.lab.run_dir).get(self.vm.name, {})

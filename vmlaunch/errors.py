@@ -2,7 +2,7 @@
 
 Exit codes (the manual's Errors page, docs/reference/errors.md):
   2   the spec is wrong (every problem is listed, `FILE:LINE: key.path: message`), or asks for what
-      it cannot have (a snapshot of a raw disk: runtime/snapshot.py's SnapshotUnsupported)
+      it cannot have (a snapshot of a raw disk: saved/snapshot.py's SnapshotUnsupported)
   3   the host cannot do what the spec asks (no QEMU, KVM unusable, a missing QEMU feature), or
       the engine a lab is exported to has no equivalent for a setting (`export --strict`)
   4   a run-time failure (QEMU refused to start, a host resource is busy)

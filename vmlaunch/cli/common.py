@@ -216,7 +216,7 @@ def say_other_spec(run_dir: RunDir, spec: str) -> None:
     import os
 
     from vmlaunch.errors import VmlaunchError
-    from vmlaunch.runtime.journal import Journal
+    from vmlaunch.lab.journal import Journal
 
     try:
         other = Journal.load(run_dir).other_spec(spec)

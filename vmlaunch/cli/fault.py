@@ -73,7 +73,7 @@ def _whole(text: str) -> int:
 def cmd_fault(args: argparse.Namespace) -> int:
     from vmlaunch.cli.common import lab_vm
     from vmlaunch.errors import UsageError
-    from vmlaunch.runtime import diskfault
+    from vmlaunch.rig import diskfault
     from vmlaunch.spec.diskfault import requests
 
     if args.vm is None:

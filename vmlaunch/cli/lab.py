@@ -171,10 +171,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     from vmlaunch.compile.compiler import compile_lab
     from vmlaunch.compile.preflight import load_checked
     from vmlaunch.host.facts import detect_host
+    from vmlaunch.lab.running import where_running
     from vmlaunch.layout.rundir import RunDir
     from vmlaunch.runtime import executor
     from vmlaunch.runtime.members import members
-    from vmlaunch.runtime.running import where_running
 
     spec_lab = load_checked(args.spec, vms=args.vms)
     if spec_lab.hosts:
@@ -208,8 +208,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     require_xattrs(lab, [vm.name for vm in plan.vms])  # it writes a probe: not for --dry-run
     log_accel(plan, args.verbose)
-    from vmlaunch.runtime.journal import Journal
-    from vmlaunch.runtime.running import running_vms
+    from vmlaunch.lab.journal import Journal
+    from vmlaunch.lab.running import running_vms
 
     before = running_vms(Journal.load(plan.run_dir))
     if any(vm.name not in before for vm in plan.vms):  # the lab checks that warn, once, before starting
@@ -219,7 +219,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             log.warning("%s", one_line(finding))
     warm = None
     if args.from_snapshot is not None:
-        from vmlaunch.runtime.snapshot import warm_start
+        from vmlaunch.saved.snapshot import warm_start
 
         warm = warm_start(lab, [vm.name for vm in plan.vms], args.from_snapshot, qemu_img=host.qemu.img)
     pids = executor.up(plan, spec=str(lab.file), qemu_img=host.qemu.img, wait_for=args.wait_for,
@@ -231,7 +231,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         left = ", already: left alone" if before.get(vm.name) == pids[vm.name] else ""
         print(f"{vm.name}: running (pid {pids[vm.name]}, {vm.accel.accel.value}{left})")
     if args.timeline:
-        from vmlaunch.runtime.timeline import render
+        from vmlaunch.lab.timeline import render
 
         entries = Journal.load(plan.run_dir).vms
         started = [vm.name for vm in plan.vms if before.get(vm.name) != pids[vm.name]]

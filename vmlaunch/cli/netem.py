@@ -1,7 +1,7 @@
 """`vmlaunch netem SPEC [VM NIC] [figures] [--where] [--clear] [--json]`: impairments of a NIC's traffic
 (the kernel's netem) while the lab runs, and the list of what is set.
 
-Kept light like the rest of `cli/`: argparse only at import; `runtime/netem.py` when a command runs.
+Kept light like the rest of `cli/`: argparse only at import; `rig/netem.py` when a command runs.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def cmd_netem(args: argparse.Namespace) -> int:
     import json
 
     from vmlaunch.cli.common import lab_vm
-    from vmlaunch.runtime import netem, wire
+    from vmlaunch.lab import wire
+    from vmlaunch.rig import netem
     from vmlaunch.spec.netem import figures, parse_netem
 
     given = {name: getattr(args, name) for name, _, _ in FIGURE_OPTIONS if getattr(args, name) is not None}

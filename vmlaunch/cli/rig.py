@@ -51,7 +51,7 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
 
 def cmd_exec(args: argparse.Namespace) -> int:
     from vmlaunch.errors import CommandTimedOut
-    from vmlaunch.runtime.rig import Guest
+    from vmlaunch.rig.guest import Guest
 
     words = list(args.command)
     if words and words[0] == "--":
@@ -87,7 +87,7 @@ def _emit(out: bytes, err: bytes) -> None:
 def cmd_cp(args: argparse.Namespace) -> int:
     import tempfile
 
-    from vmlaunch.runtime.rig import Guest, split_vm_path
+    from vmlaunch.rig.guest import Guest, split_vm_path
 
     source_vm, source = split_vm_path(args.source)
     target_vm, target = split_vm_path(args.target)

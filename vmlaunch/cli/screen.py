@@ -54,7 +54,7 @@ def cmd_screenshot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vmlaunch.compile.compiler import video_of
-    from vmlaunch.runtime import screen
+    from vmlaunch.rig import screen
     from vmlaunch.spec.model import Video
 
     run_dir, lab = lab_vm(args.spec, args.vm)
@@ -66,7 +66,7 @@ def cmd_screenshot(args: argparse.Namespace) -> int:
 
 
 def cmd_send_keys(args: argparse.Namespace) -> int:
-    from vmlaunch.runtime import screen
+    from vmlaunch.rig import screen
 
     run_dir, _ = lab_vm(args.spec, args.vm)
     sent = screen.send_keys(run_dir, args.vm, screen.keys_to_send(args.keys, args.text), args.hold)

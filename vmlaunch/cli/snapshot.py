@@ -1,6 +1,6 @@
 """`vmlaunch snapshot SPEC save|restore|list|delete`: snapshots of a whole lab from the command line.
 
-Kept light like the rest of `cli/`: argparse only at import; `runtime/snapshot.py` is imported when a
+Kept light like the rest of `cli/`: argparse only at import; `saved/snapshot.py` is imported when a
 command runs.
 """
 
@@ -101,7 +101,7 @@ def _qemu_img() -> str:
 
 
 def cmd_save(args: argparse.Namespace) -> int:
-    from vmlaunch.runtime import snapshot
+    from vmlaunch.saved import snapshot
 
     run_dir, lab = _lab(args.spec)
     snapshot.save(run_dir, lab, args.name, timeout=args.timeout, force=args.force)
@@ -110,7 +110,7 @@ def cmd_save(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from vmlaunch.runtime import snapshot
+    from vmlaunch.saved import snapshot
 
     run_dir, lab = _lab(args.spec)
     snapshot.restore(run_dir, lab, args.name, timeout=args.timeout)
@@ -122,7 +122,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from vmlaunch.runtime import snapshot
+    from vmlaunch.saved import snapshot
 
     run_dir, lab = _lab(args.spec)
     found = snapshot.list_snapshots(run_dir, lab, qemu_img=_qemu_img())
@@ -145,7 +145,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    from vmlaunch.runtime import snapshot
+    from vmlaunch.saved import snapshot
 
     run_dir, lab = _lab(args.spec)
     deleted = snapshot.delete(run_dir, lab, args.name, timeout=args.timeout, qemu_img=_qemu_img())

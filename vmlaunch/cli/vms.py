@@ -241,9 +241,9 @@ def _print_events(args: argparse.Namespace) -> int:
     """`logs --events`: the lab's event log, of the run that is up or else of the last one."""
     import json
 
+    from vmlaunch.lab.events import Event, render
     from vmlaunch.layout import lastrun
     from vmlaunch.runtime.control import follow_events, lab_is_up, read_events
-    from vmlaunch.runtime.events import Event, render
 
     run_dir, _ = lab_vm(args.spec, *args.vms)
 
@@ -282,7 +282,7 @@ def cmd_ssh(args: argparse.Namespace) -> int:
     import signal
     import subprocess
 
-    from vmlaunch.runtime.running import ssh_argv_of
+    from vmlaunch.lab.running import ssh_argv_of
 
     run_dir, lab = lab_vm(args.spec, args.vm)
     words = list(args.command)

@@ -43,7 +43,7 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
 
 
 def cmd_link(args: argparse.Namespace) -> int:
-    from vmlaunch.runtime.link import set_link
+    from vmlaunch.rig.link import set_link
 
     run_dir, lab = lab_vm(args.spec, args.vm)
     index = set_link(run_dir, lab, args.vm, args.nic, args.state == "up")
@@ -54,7 +54,8 @@ def cmd_link(args: argparse.Namespace) -> int:
 def cmd_partition(args: argparse.Namespace) -> int:
     import json
 
-    from vmlaunch.runtime import partition, wire
+    from vmlaunch.lab import wire
+    from vmlaunch.rig import partition
 
     run_dir, lab = lab_vm(args.spec)
     if args.heal is not None:

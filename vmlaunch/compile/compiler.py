@@ -340,7 +340,7 @@ def slot_name(node: str) -> str:
 def fault_slot(node: str, disk: Disk) -> dict[str, object]:
     """The options of the disk's fault slot: a `raw` node over the disk's format node `node`, as the
     device's drive. It passes every request through unchanged at the guest's offsets; a disk fault
-    (`runtime/diskfault.py`) puts QEMU's blkdebug between it and `node` while the VM runs (blkdebug
+    (`rig/diskfault.py`) puts QEMU's blkdebug between it and `node` while the VM runs (blkdebug
     injects only below a format node) and takes it out again. `bench/disk_slot.py` measures what the
     slot costs. The runtime reopens the slot with these options and only `file` changed."""
     slot: dict[str, object] = {"driver": "raw", "node-name": slot_name(node), "file": node,
@@ -660,7 +660,7 @@ class _Compiler:
     def channel(self, path: KeyPath, vm: VmSpec, files: VmFiles) -> list[str]:
         """The command channel (`agent`): one virtio-serial controller with two ports, each a socket
         server in the run dir: org.vmlaunch.agent.0 for vmlaunch's agent, org.qemu.guest_agent.0 for
-        QEMU's guest agent where the guest runs one (runtime/agent.py takes whichever answers)."""
+        QEMU's guest agent where the guest runs one (rig/agent.py takes whichever answers)."""
         if not agent_on(vm):
             return []
         if vm.agent is None and not {"virtio-serial-pci", "virtserialport"} <= self.host.qemu.devices:

@@ -25,7 +25,7 @@ class AccelChoice:
 @attrs.frozen
 class StartFaults:
     """The `[[fault]]`s of one disk, which `up` sets in the VM's QEMU before its guest runs
-    (runtime/diskfault.py)."""
+    (rig/diskfault.py)."""
 
     disk: str  # diskN
     key: str  # the disk's spec key
@@ -47,7 +47,7 @@ class VmPlan:
     ssh_user: str | None = None  # a VM with an SSH port (management NIC): the user `vmlaunch ssh` logs in as
     placement: Placed | None = None  # the NUMA node(s) and CPUs it runs on, when placed
     # (NIC index, its MAC, the figures) of the spec's netem that runs in the guest: `up` sets it through
-    # the command channel once the guest answers (runtime/netem.py)
+    # the command channel once the guest answers (rig/netem.py)
     guest_netem: tuple[tuple[int, str, Netem], ...] = ()
     disk_faults: tuple[StartFaults, ...] = ()  # the spec's disk faults, set before the guest runs
 

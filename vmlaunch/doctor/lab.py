@@ -98,9 +98,9 @@ def check_confined(lab: LabSpec, host: Host) -> Iterator[Finding]:
     own: read from each one's /proc/PID/status (Uid, Seccomp)."""
     from vmlaunch.errors import VmlaunchError
     from vmlaunch.host.confine import Confinement
+    from vmlaunch.lab import process as qemu
+    from vmlaunch.lab.journal import Journal
     from vmlaunch.layout.rundir import RunDir
-    from vmlaunch.runtime import process as qemu
-    from vmlaunch.runtime.journal import Journal
 
     run_dir = RunDir.of(host.run_root, lab.name)
     try:

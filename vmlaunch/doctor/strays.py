@@ -19,8 +19,8 @@ def why_stray(process: OwnProcess) -> str | None:
     """Why no command knows `process`'s lab; None when one does, or might (an `up` or `down` of the
     lab runs, its journal cannot be read)."""
     from vmlaunch.errors import VmlaunchError
+    from vmlaunch.lab.journal import Journal
     from vmlaunch.layout.rundir import RunDir
-    from vmlaunch.runtime.journal import Journal
 
     run_dir = RunDir(process.run_dir)
     if not process.run_dir.is_dir():

@@ -139,7 +139,7 @@ class LiveLab:
 def observe(run_dir: RunDir, lab: LabSpec) -> LiveLab:
     """What the lab does now: each VM's state (as `status` reads it: the journal, the process, QMP),
     each NIC's link, and the netem and partition wire.json records. Reads only."""
-    from vmlaunch.runtime import wire
+    from vmlaunch.lab import wire
     from vmlaunch.runtime.control import status
     from vmlaunch.spec.netem import from_json
 

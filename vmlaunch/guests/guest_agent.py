@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """vmlaunch's agent for guests with python3 (every cloud-init guest has one): it serves vmlaunch's
-command channel, protocol VLA1 (vmlaunch/runtime/agent.py is the host side), on the virtio-serial port
+command channel, protocol VLA1 (vmlaunch/rig/agent.py is the host side), on the virtio-serial port
 org.vmlaunch.agent.0. Whoever can open the channel's socket on the host is root in this guest: that
 socket is 0600, like QMP.
 

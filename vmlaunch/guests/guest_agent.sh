@@ -1,7 +1,7 @@
 #!/bin/sh
 # vmlaunch's agent for guests without python3 (the project's test guest; any POSIX sh with dd,
 # head, mkfifo, setsid and wc, as busybox has). It serves vmlaunch's command channel, protocol VLA1
-# (vmlaunch/runtime/agent.py is the host side), on the virtio-serial port org.vmlaunch.agent.0.
+# (vmlaunch/rig/agent.py is the host side), on the virtio-serial port org.vmlaunch.agent.0.
 # Whoever can open the channel's socket on the host is root in this guest: that socket is 0600.
 #
 #   host:  VLA1 hello NONCE\n                       guest: VLA1 NONCE ready 1 sh\n

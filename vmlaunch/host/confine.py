@@ -11,7 +11,7 @@ How, and why this way (QEMU 7.2, checked on these machines):
   touches nothing else of the host: its disks and sockets stay open, snapshots go into its open qcow2
   files, and a 9p share is reached through what vmlaunch grants that uid (guests/shareaccess.py). The
   one reopen a disk needs after the drop (a warm start's return to cache = none) goes through a
-  descriptor vmlaunch opened and passed in (`-add-fd`, `/dev/fdset/N`: runtime/snapshot.py).
+  descriptor vmlaunch opened and passed in (`-add-fd`, `/dev/fdset/N`: saved/snapshot.py).
 - `-sandbox on,obsolete=deny,spawn=deny,resourcecontrol=deny`: QEMU's seccomp filter. It cannot keep
   `elevateprivileges=deny` (or `children`) with -runas: the setuid -runas makes comes after the filter
   is installed and is killed as a "Bad system call". libvirt gets that one too by starting QEMU as its

@@ -4,8 +4,8 @@ no lab knows them any more.
 
 - A QEMU vmlaunch started (`compile/compiler.py`): `-pidfile RUN_DIR/V.pid` and
   `-name guest=V,process=vl-V,...`: the pidfile's folder is its lab's run dir.
-- A lab manager (`resources/manager.py`): `python -m vmlaunch.runtime.managerd RUN_DIR ...`, or
-  `-m vmlaunch.runtime.manager RUN_DIR` run by hand.
+- A lab manager (`resources/manager.py`): `python -m vmlaunch.manager.managerd RUN_DIR ...`, or
+  `-m vmlaunch.manager.manager RUN_DIR` run by hand.
 
 The host side of the command channel runs inside the command that uses it (`exec`, `cp`): vmlaunch
 leaves no other process running.
@@ -21,8 +21,12 @@ import attrs
 
 from vmlaunch.core.naming import process_name
 from vmlaunch.host.memory import proc_root
+from vmlaunch.layout.rundir import RunDir, vm_of_file
 
-MANAGER_MODULES = ("vmlaunch.runtime.managerd", "vmlaunch.runtime.manager")
+# the entry point now, and where it was before the runtime was split into rooms (a manager started by an
+# older vmlaunch is still one of ours)
+MANAGER_MODULES = ("vmlaunch.manager.managerd", "vmlaunch.manager.manager", "vmlaunch.runtime.managerd",
+                   "vmlaunch.runtime.manager")
 CMDLINE_MAX = 1 << 20  # a command line longer than this is nobody's vmlaunch
 
 
@@ -67,8 +71,9 @@ def recognise(pid: int, argv: list[str], cwd: Path | None) -> OwnProcess | None:
         return None
     pidfile = argv[argv.index("-pidfile") + 1] if argv.index("-pidfile") + 1 < len(argv) else ""
     name = argv[argv.index("-name") + 1] if argv.index("-name") + 1 < len(argv) else ""
-    vm = pidfile.rpartition("/")[2].removesuffix(".pid")
-    if not pidfile.endswith(".pid") or not vm or f"process={process_name(vm)}" not in name.split(","):
+    vm = vm_of_file(os.path.basename(pidfile))
+    if vm is None or RunDir(Path(pidfile).parent).vm(vm).pidfile.name != os.path.basename(pidfile) \
+            or f"process={process_name(vm)}" not in name.split(","):
         return None
     run_dir = absolute(pidfile)
     return OwnProcess(pid, Kind.QEMU, run_dir.parent, vm) if run_dir is not None else None

@@ -4,7 +4,7 @@
     log_root/LAB/V.serial.log   what the guest printed on its serial console
     log_root/LAB/V.qemu.log     what QEMU said (while starting, then its -D log)
     log_root/LAB/manager.log    what the lab manager did (kept when it stops)
-    log_root/LAB/events.jsonl   the lab's event log (`runtime/events.py`; kept when the manager stops)
+    log_root/LAB/events.jsonl   the lab's event log (`lab/events.py`; kept when the manager stops)
 
 `dirs.log_root()` is /var/log/vmlaunch as root, else ~/.local/state/vmlaunch/logs (VMLAUNCH_LOG_DIR
 overrides). Each run replaces the VM's previous logs; the last MAX_BYTES of each are kept. Keeping them

@@ -2,7 +2,7 @@
 
     run_root/LAB/              the run dir (0700)
         .vmlaunch-run-dir      vmlaunch's mark: only a run dir that has it is ever removed
-        state.json             the journal of what `up` did (`runtime/journal.py`)
+        state.json             the journal of what `up` did (`lab/journal.py`)
         V.qmp  V.console       QMP and serial console sockets of VM V
         V.agent  V.qga         the command channel (vmlaunch's agent, QEMU's guest agent) of VM V
         V.manager.qmp          the lab manager's own QMP monitor of VM V
@@ -11,15 +11,15 @@
         V.qemu.log             QEMU's messages from then on (-D), kept by `down` (`layout/lastrun.py`)
         V.serial.log           what the guest printed on its serial console
         V.console.lock         held while a `vmlaunch console` is attached
-        manager.log            what the lab manager did and why (`runtime/manager.py`), kept by `down`
+        manager.log            what the lab manager did and why (`manager/manager.py`), kept by `down`
         manager.json           the lab manager's settings, written by `up` (`resources/manager.py`)
         manager.state.json     what the lab manager saw and set last, read by `status`
         events.jsonl           the lab's event log: what QEMU reported of each VM (an I/O error, a
                                pause, a panic, ...) as the lab manager heard it, and what vmlaunch
                                did to a VM at runtime (a disk fault), one JSON object a line
-                               (`runtime/events.py`), kept by `down`
+                               (`lab/events.py`), kept by `down`
         wire.json  wire.lock   faults on the wire set at runtime: link states, netem, partitions
-        disk-faults.json       faults on the VMs' disks set at runtime (`runtime/diskfault.py`)
+        disk-faults.json       faults on the VMs' disks set at runtime (`rig/diskfault.py`)
         forks.json             the clones `vmlaunch fork` made, members of the lab until they go
                                down, and a fork under way (`runtime/fork.py`)
         fork.state             the state of the VM a fork is copying (RAM and devices), while it does
@@ -48,11 +48,11 @@ VM_SUFFIXES = (".qmp", ".manager.qmp", ".console", ".agent", ".qga", ".agent.loc
 MANAGER_LOG = "manager.log"
 MANAGER_CONFIG = "manager.json"
 MANAGER_STATE = "manager.state.json"
-WIRE = "wire.json"  # faults on the wire set at runtime (runtime/wire.py)
+WIRE = "wire.json"  # faults on the wire set at runtime (lab/wire.py)
 WIRE_LOCK = "wire.lock"
-DISK_FAULTS = "disk-faults.json"  # faults on the disks set at runtime (runtime/diskfault.py)
-INTENT = "intent.json"  # an operation on the running lab under way, or interrupted (runtime/intent.py)
-EVENTS = "events.jsonl"  # the lab's event log (runtime/events.py)
+DISK_FAULTS = "disk-faults.json"  # faults on the disks set at runtime (rig/diskfault.py)
+INTENT = "intent.json"  # an operation on the running lab under way, or interrupted (saved/intent.py)
+EVENTS = "events.jsonl"  # the lab's event log (lab/events.py)
 FORKS = "forks.json"  # the lab's clones, and a fork under way (runtime/fork.py)
 FORK_STATE = "fork.state"  # a forked VM's saved state, while the fork copies it
 FORK_MEMORY = "fork.mem"  # the RAM the clones of `fork --shared-memory` map, while they start

@@ -35,6 +35,7 @@ from vmlaunch.errors import HostError, RuntimeFailure, VmlaunchError
 from vmlaunch.export import Findings, qualified
 from vmlaunch.export.libvirt import SERIAL_LOG_DIR, UUID_NAMESPACE, domain_xml, network_xml
 from vmlaunch.host import remote
+from vmlaunch.lab.journal import Entry, Journal, locked
 from vmlaunch.layout.dirs import run_root
 from vmlaunch.layout.labdir import LabDir
 from vmlaunch.layout.rundir import RunDir
@@ -46,7 +47,6 @@ from vmlaunch.resources.remote import (
     RemoteNetworkRecord,
     RemotePoolRecord,
 )
-from vmlaunch.runtime.journal import Entry, Journal, locked
 from vmlaunch.spec.hosts import (
     VXLAN_PORT,
     host_addresses,

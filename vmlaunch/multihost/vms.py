@@ -14,11 +14,11 @@ import attrs
 from vmlaunch.errors import RuntimeFailure, UsageError, VmlaunchError
 from vmlaunch.guests.sshkeys import ssh_argv as lab_ssh_argv
 from vmlaunch.host import remote
+from vmlaunch.lab.journal import Journal
 from vmlaunch.layout.dirs import run_root
 from vmlaunch.layout.labdir import LabDir
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.remote import RemoteDomainRecord
-from vmlaunch.runtime.journal import Journal
 from vmlaunch.spec.hosts import SSH_PORT, parse_uri
 from vmlaunch.spec.model import DEFAULT_CLOUD_USER, BridgeNetwork, LabSpec
 

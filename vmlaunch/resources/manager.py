@@ -1,4 +1,4 @@
-"""The lab manager as a resource: `up` starts it (one process per lab, `vmlaunch/runtime/manager.py`), the
+"""The lab manager as a resource: `up` starts it (one process per lab, `vmlaunch/manager/manager.py`), the
 journal records which process it is, and `down` stops it.
 
 It is started for every lab, before the VMs (it finds them through the journal as they come, and goes
@@ -196,7 +196,7 @@ class LabManager(LabWide):
             # child, and no caller of `up` (the API, a test) is left with a zombie.
             # The run dir absolute: `doctor` and `down` know the manager's lab by its command line.
             child = subprocess.Popen(
-                [sys.executable, "-m", "vmlaunch.runtime.managerd", os.path.abspath(self.run_dir.path),
+                [sys.executable, "-m", "vmlaunch.manager.managerd", os.path.abspath(self.run_dir.path),
                  "--ready-fd", str(ready_w)], stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile,
                 pass_fds=(ready_w,), start_new_session=True, umask=0o077)
         finally:

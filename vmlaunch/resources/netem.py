@@ -4,10 +4,10 @@ to (host/netem.py), applied right after the tap exists and undone at `down`.
 The tap goes with the lab; the IFB would outlive it, so the record deletes it (and clears the tap's
 qdiscs when the tap is still there: a VM taken down alone). The IFB carries the lab's mark, so
 `down --force` finds it without the journal (runtime/salvage.py). `up` records the figures in wire.json
-once its VMs run (runtime/netem.py), so that `vmlaunch netem SPEC` lists them and `--clear` clears them.
+once its VMs run (rig/netem.py), so that `vmlaunch netem SPEC` lists them and `--clear` clears them.
 
 Netem in the guest (`where = "guest"`, or `auto` on a host without netem) is not a host resource: `up`
-sets it through the guest's command channel once the guest answers (runtime/netem.py).
+sets it through the guest's command channel once the guest answers (rig/netem.py).
 """
 
 from __future__ import annotations

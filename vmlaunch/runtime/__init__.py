@@ -1,7 +1,5 @@
-"""Carrying a Plan out and living with the lab while it runs: the executor (`executor`, up and down), the
-journal and lock (`journal`), intents of interrupted operations (`intent`), QEMU processes
-(`process`), the VMs continued in waves (`waves`) and their boot timeline (`timeline`), what runs
-(`running`), driving running VMs (`control`), snapshots (`snapshot`), `down --force` without a journal
-(`salvage`), the lab manager daemon (`manager`, `balancer`), the lab's event log it keeps (`events`)
-and the NUMA report (`numareport`).
+"""The lab's life: carrying a Plan out and taking it down (`executor`), the VMs continued in waves as
+they boot (`waves`), driving running VMs (`control`), new members forked from a running one (`fork`,
+`members`), `down --force` without a journal (`salvage`), the evidence of a lab for a failed test
+(`evidence`) and the NUMA report (`numareport`).
 """

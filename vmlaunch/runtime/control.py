@@ -19,15 +19,15 @@ import attrs
 from vmlaunch.core.wait import TimedOut, wait_until
 from vmlaunch.errors import RuntimeFailure, UsageError, VmlaunchError
 from vmlaunch.host.confine import Confinement
+from vmlaunch.lab import events as event_log
+from vmlaunch.lab import process as qemu
+from vmlaunch.lab.events import IoError
+from vmlaunch.lab.journal import Journal
+from vmlaunch.lab.running import running_pid
 from vmlaunch.layout import lastrun
 from vmlaunch.layout.rundir import RunDir, VmFiles, open_in_run_dir
 from vmlaunch.qemu.qmp import Qmp, QmpError, QuickQmp
 from vmlaunch.resources.remote import RemoteDomainRecord
-from vmlaunch.runtime import events as event_log
-from vmlaunch.runtime import process as qemu
-from vmlaunch.runtime.events import IoError
-from vmlaunch.runtime.journal import Journal
-from vmlaunch.runtime.running import running_pid
 
 if TYPE_CHECKING:
     from vmlaunch.spec.model import LabSpec, VmSpec
@@ -50,7 +50,7 @@ class NicStatus:
     forwards: tuple[str, ...] = ()  # user networks: the host ports forwarded into the guest
     mcast: str | None = None  # socket networks: the multicast group:port
     address: str | None = None  # the static address cloud-init sets ("10.10.0.11/24")
-    link: str = "up"  # "down" while `vmlaunch link ... down` holds it (runtime/link.py)
+    link: str = "up"  # "down" while `vmlaunch link ... down` holds it (rig/link.py)
 
     def describe(self) -> str:
         where = {"bridge": f"bridge {self.bridge}, tap {self.tap}", "tap": f"tap {self.tap}",
@@ -123,7 +123,7 @@ class VmStatus:
     why: str | None = None  # what makes `state` other than running: the panic line, QEMU's run state
     uid: int | None = None  # the uid its QEMU runs as (host/confine.py: a uid of its own, as root)
     sandbox: bool | None = None  # its QEMU runs in a seccomp sandbox
-    boot: dict[str, float] | None = None  # where its last boot's time went, by phase (runtime/timeline.py)
+    boot: dict[str, float] | None = None  # where its last boot's time went, by phase (lab/timeline.py)
     disks: tuple[DiskStatus, ...] = ()  # when the lab's spec was given
     io_error: IoError | None = None  # paused by a failed disk request (run state io-error): which
     forked_from: str | None = None  # a clone `vmlaunch fork` made: the VM it is a copy of
@@ -169,10 +169,11 @@ def nics_of(lab: LabSpec, vm: VmSpec) -> tuple[NicStatus, ...]:
 def status(run_dir: RunDir, names: Sequence[str], lab: LabSpec | None = None) -> list[VmStatus]:
     """Each VM of the lab: running, stopped (not up) or crashed (up, but its QEMU is gone); with the
     lab's spec, also each VM's NICs."""
-    from vmlaunch.runtime import diskfault, wire
-    from vmlaunch.runtime.intent import held_paused
-    from vmlaunch.runtime.link import link_of
-    from vmlaunch.runtime.snapshot import settle_unlocked
+    from vmlaunch.lab import wire
+    from vmlaunch.rig import diskfault
+    from vmlaunch.rig.link import link_of
+    from vmlaunch.saved.intent import held_paused
+    from vmlaunch.saved.snapshot import settle_unlocked
     from vmlaunch.spec.diskfault import to_json
 
     ongoing = settle_unlocked(run_dir)  # an interrupted snapshot save or restore: finished or undone
@@ -478,9 +479,9 @@ def resume(run_dir: RunDir, names: Sequence[str], timeout: float = 10.0) -> dict
 
 def _pause_or_resume(run_dir: RunDir, names: Sequence[str], timeout: float, *,
                      pausing: bool) -> dict[str, str]:
-    from vmlaunch.runtime.intent import held_paused
-    from vmlaunch.runtime.journal import locked
-    from vmlaunch.runtime.snapshot import settle
+    from vmlaunch.lab.journal import locked
+    from vmlaunch.saved.intent import held_paused
+    from vmlaunch.saved.snapshot import settle
 
     for name in names:
         running_pid(run_dir, name)
@@ -491,7 +492,7 @@ def _pause_or_resume(run_dir: RunDir, names: Sequence[str], timeout: float, *,
             raise RuntimeFailure("not resumed: " + "; ".join(f"{name} is kept paused {why}"
                                                              for name, why in held.items()))
         if pausing and run_dir.disk_faults.exists():  # QEMU pauses once every request is done
-            from vmlaunch.runtime.diskfault import held_requests
+            from vmlaunch.rig.diskfault import held_requests
 
             waiting = [(name, disk) for name in names for disk in held_requests(run_dir, name)]
             if waiting:

@@ -5,7 +5,7 @@ that outlives `down`.
     DIR/status.json         what `vmlaunch status --json` prints
     DIR/wire.json           the faults on the wire set at runtime (link states, netem, partition)
     DIR/manager.log         the lab manager's log
-    DIR/events.jsonl        the lab's event log (runtime/events.py): what QEMU reported of the VMs (an
+    DIR/events.jsonl        the lab's event log (lab/events.py): what QEMU reported of the VMs (an
                             I/O error, a pause, a panic, ...) and the faults set on them at runtime
     DIR/VM/serial.log       what the guest printed on its serial console
     DIR/VM/qemu.log         QEMU's command line, what it said while starting and then (its -D log)
@@ -36,9 +36,10 @@ import attrs
 
 from vmlaunch.core.fsutil import Unfit, open_folder_at, write_new_at
 from vmlaunch.errors import OutputRefused, VmlaunchError
+from vmlaunch.lab import process, wire
 from vmlaunch.layout import lastrun
 from vmlaunch.layout.rundir import RunDir, VmFiles
-from vmlaunch.runtime import process, screen, wire
+from vmlaunch.rig import screen
 from vmlaunch.runtime.control import VmStatus, is_up, lab_is_up, manager_record, status
 from vmlaunch.spec.model import LabSpec
 

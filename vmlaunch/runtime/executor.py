@@ -26,20 +26,20 @@ from vmlaunch.core import signals
 from vmlaunch.core.textsafe import last_line, printable
 from vmlaunch.core.wait import TimedOut, remaining, wait_until
 from vmlaunch.errors import RuntimeFailure, UsageError, VmlaunchError
+from vmlaunch.lab import process as qemu
+from vmlaunch.lab.journal import Entry, Journal, VmEntry, locked
+from vmlaunch.lab.running import running_vms
+from vmlaunch.lab.timeline import Timeline
 from vmlaunch.layout import lastrun
 from vmlaunch.layout.labdir import LabDir
 from vmlaunch.layout.rundir import RunDir, VmFiles
 from vmlaunch.qemu.qmp import QuickQmp
 from vmlaunch.resources.base import Context, Resource, UndoneWithError, preflight
-from vmlaunch.runtime import process as qemu
-from vmlaunch.runtime import snapshot
-from vmlaunch.runtime.journal import Entry, Journal, VmEntry, locked
-from vmlaunch.runtime.running import running_vms
-from vmlaunch.runtime.timeline import Timeline
 from vmlaunch.runtime.waves import ALL_AT_ONCE, Waves
+from vmlaunch.saved import snapshot
 
 if TYPE_CHECKING:
-    from vmlaunch.runtime.snapshot import WarmStart
+    from vmlaunch.saved.snapshot import WarmStart
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
             if from_snapshot is not None:  # still paused: the guests resume at the snapshot's instant
                 from_snapshot.load(to_start, timeout)
             if any(vm.disk_faults for vm in to_start):  # the spec's disk faults, before the guests run
-                from vmlaunch.runtime import diskfault
+                from vmlaunch.rig import diskfault
 
                 for vm in to_start:
                     diskfault.apply_at_up(plan.run_dir, vm, pids[vm.name])
@@ -242,7 +242,7 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
                 from_snapshot.step_clocks(plan, [vm for vm in to_start if vm not in waited],
                                           {vm.name: journal.vms[vm.name].ssh_port for vm in to_start})
             if any(vm.guest_netem for vm in to_start) or any(r.kind == "netem" for r in resources):
-                from vmlaunch.runtime import netem  # the spec's netem: recorded, and set in the guests
+                from vmlaunch.rig import netem  # the spec's netem: recorded, and set in the guests
 
                 netem.apply_at_up(plan, to_start, deadline)
         except BaseException:
@@ -576,7 +576,7 @@ def wait_for_ssh(plan: Plan, vms: Sequence[VmPlan], pids: dict[str, int], ports:
     from concurrent.futures import wait as futures_wait
 
     from vmlaunch.guests.sshkeys import ssh_argv
-    from vmlaunch.runtime.snapshot import clock_session
+    from vmlaunch.saved.snapshot import clock_session
 
     waiting = {vm.name: vm for vm in vms}
     asking = _Asking()
@@ -758,8 +758,8 @@ def _release_unjournaled(run_dir: RunDir, journaled: Callable[[str, str], bool])
 
 def _undo_wire(run_dir: RunDir, stopped: set[str], *, whole_lab: bool) -> list[str]:
     """The faults on the wire of what went down: link records die with their QEMUs; the lab's
-    partition table goes with the lab (runtime/partition.py). Returns what failed."""
-    from vmlaunch.runtime import link, partition
+    partition table goes with the lab (rig/partition.py). Returns what failed."""
+    from vmlaunch.rig import link, partition
 
     try:
         link.forget(run_dir, stopped)
@@ -802,7 +802,7 @@ def take_down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.
     targets = {name: (qemu.find_pid(run_dir.vm(name), journal.vms[name].pid), run_dir.vm(name))
                for name in names}
     if run_dir.disk_faults.exists():  # held requests go first: a guest waiting on one cannot power off
-        from vmlaunch.runtime import diskfault
+        from vmlaunch.rig import diskfault
 
         diskfault.undo(run_dir, names, why="down", timeout=min(timeout, 5.0))
     stopped = qemu.stop_all(targets, timeout)
@@ -816,7 +816,7 @@ def take_down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.
             _remove_files(run_dir.vm(name))
     failures: list[str] = []
     if stopped and run_dir.wire.exists():  # netem set at run time: its IFBs outlive the taps
-        from vmlaunch.runtime import netem
+        from vmlaunch.rig import netem
 
         failures += netem.undo_at_down(run_dir, run_dir.lab, list(stopped) if journal.vms else None)
     remaining_vms = set(journal.vms)

@@ -55,16 +55,18 @@ from vmlaunch.compile.plan import Plan, VmPlan
 from vmlaunch.core.wait import TimedOut, wait_until
 from vmlaunch.errors import AgentError, RuntimeFailure, SpecUnfit, VmlaunchError
 from vmlaunch.host.facts import Host
+from vmlaunch.lab import process as qemu
+from vmlaunch.lab.journal import Entry, Journal, VmEntry, locked
+from vmlaunch.lab.running import running_vms
 from vmlaunch.layout.labdir import LabDir
 from vmlaunch.layout.rundir import NOFOLLOW, RunDir
 from vmlaunch.qemu.opts import json_arg
 from vmlaunch.qemu.qmp import QmpError, QuickQmp
 from vmlaunch.resources.base import Context, Resource, preflight
 from vmlaunch.resources.clone import Book, CloneFiles, Forking, read_book, write_book
-from vmlaunch.runtime import agent, executor, snapshot
-from vmlaunch.runtime import process as qemu
-from vmlaunch.runtime.journal import Entry, Journal, VmEntry, locked
-from vmlaunch.runtime.running import running_vms
+from vmlaunch.rig import agent
+from vmlaunch.runtime import executor
+from vmlaunch.saved import snapshot
 from vmlaunch.spec import forks
 from vmlaunch.spec.forks import Clone
 from vmlaunch.spec.model import BUDGET_SHARE, LabSpec, UserNetwork, VmSpec, agent_on
@@ -160,7 +162,7 @@ def _fork(lab: LabSpec, host: Host, run_dir: RunDir, source: str, count: int, pa
                              f"start it with `vmlaunch up SPEC {source}`")
     refusals(lab, vm, count, host, list(running), shared_memory=shared_memory)
     if run_dir.disk_faults.exists():
-        from vmlaunch.runtime.diskfault import held_requests
+        from vmlaunch.rig.diskfault import held_requests
 
         held = held_requests(run_dir, source)
         if held:  # a pause waits for every request: it would never end
@@ -359,7 +361,7 @@ def _make(lab: LabSpec, plan: Plan, host: Host, run_dir: RunDir, journal: Journa
                            journal.vms[each.name].ssh_port,
                            tuple(rule for _, rules in clone.forwards for rule in rules),
                            identities[each.name], done_at[each.name] - started, clone.same_identity))
-    from vmlaunch.runtime import events
+    from vmlaunch.lab import events
 
     for forked in made:
         events.record(run_dir, forked.name, "VMLAUNCH_FORK",

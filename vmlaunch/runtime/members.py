@@ -28,8 +28,8 @@ def members(lab: LabSpec) -> LabSpec:
     try:
         book = read_book(run_dir)
         if book.forking is not None:
-            from vmlaunch.runtime import process
-            from vmlaunch.runtime.journal import LabBusy, locked
+            from vmlaunch.lab import process
+            from vmlaunch.lab.journal import LabBusy, locked
 
             if not process.alive(book.forking.pid):
                 from vmlaunch.runtime.executor import settle_fork

@@ -27,9 +27,9 @@ from vmlaunch.host.numa import (
     read_threads,
     read_topology,
 )
+from vmlaunch.lab import process as qemu
+from vmlaunch.lab.journal import Journal
 from vmlaunch.layout.rundir import RunDir
-from vmlaunch.runtime import process as qemu
-from vmlaunch.runtime.journal import Journal
 
 
 @attrs.frozen

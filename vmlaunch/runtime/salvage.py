@@ -26,9 +26,9 @@ from collections.abc import Collection
 from pathlib import Path
 
 from vmlaunch.errors import VmlaunchError
+from vmlaunch.lab import process as qemu
 from vmlaunch.layout.rundir import RunDir, vm_of_file
 from vmlaunch.qemu.opts import escape
-from vmlaunch.runtime import process as qemu
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +63,9 @@ def running_qemus(run_dir: RunDir, skip: Collection[str] = ()) -> dict[str, int]
 
 
 def manager_pids(run_dir: RunDir) -> list[int]:
-    """The lab manager processes of this run dir (`python -m vmlaunch.runtime.managerd RUN_DIR ...`, or
-    `vmlaunch.runtime.manager` run by hand or by an earlier version)."""
-    modules = {b"vmlaunch.runtime.managerd", b"vmlaunch.runtime.manager"}
+    """The lab manager processes of this run dir (`python -m vmlaunch.manager.managerd RUN_DIR ...`, or
+    `vmlaunch.manager.manager` run by hand or by an earlier version)."""
+    modules = {b"vmlaunch.manager.managerd", b"vmlaunch.manager.manager"}
     path = os.fsencode(run_dir.path)
     return [pid for pid, cmdline in _processes()
             if path in cmdline.split(b"\0") and modules & set(cmdline.split(b"\0"))]
@@ -147,7 +147,7 @@ def take_down(run_dir: RunDir, known: Collection[str], timeout: float) -> list[s
     from vmlaunch.layout import lastrun
     from vmlaunch.resources.base import Context
     from vmlaunch.resources.registry import release_unjournaled
-    from vmlaunch.runtime import partition
+    from vmlaunch.rig import partition
 
     lab = run_dir.lab
     found = running_qemus(run_dir, skip=known)

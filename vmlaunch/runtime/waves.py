@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable, Collection, Sequence
 
 from vmlaunch.errors import RuntimeFailure
+from vmlaunch.lab.timeline import Timeline
 from vmlaunch.policy.admission import Admission, Booting
 from vmlaunch.qemu.qmp import QmpError, QuickQmp
-from vmlaunch.runtime.timeline import Timeline
 
 log = logging.getLogger("vmlaunch")
 

@@ -51,7 +51,7 @@ class Clone:
     forwards: tuple[tuple[str, tuple[str, ...]], ...] = ()
     same_identity: bool = False  # forked with --same-identity: the guest was not told who it is
     forked: float = 0.0  # when it was forked (seconds since the epoch; 0: not known): what its disks
-    # held before then was its source's (runtime/snapshot.py leaves such snapshots out)
+    # held before then was its source's (saved/snapshot.py leaves such snapshots out)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, "base": self.base, "fork": self.fork,

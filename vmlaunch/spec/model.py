@@ -180,7 +180,7 @@ class Disk:
 
 
 class FaultKind(enum.Enum):
-    """A fault on a disk (spec/diskfault.py parses them, runtime/diskfault.py sets them)."""
+    """A fault on a disk (spec/diskfault.py parses them, rig/diskfault.py sets them)."""
 
     ERROR = "error"  # requests fail with an errno (QEMU's blkdebug)
     HANG = "hang"  # requests are held until `release`

@@ -4,7 +4,7 @@
      "data": {"device": "", "node-name": "disk1-slot", "operation": "write", "action": "stop",
               "nospace": false, "reason": "Input/output error"}}
 
-Two kinds of writer append to it. The lab manager (`runtime/manager.py`) hears each VM's QMP events on
+Two kinds of writer append to it. The lab manager (`manager/manager.py`) hears each VM's QMP events on
 its own monitor and logs those worth knowing (`LOGGED`: an I/O error, a pause, a panic, a reset, ...)
 the moment they come, `time` being QEMU's timestamp and `data` QEMU's own. vmlaunch's commands log
 what they do to a running VM themselves (`record`: a disk fault set or cleared), under event names of
@@ -89,7 +89,7 @@ class Event:
         """What makes two events repeats of one another; None for one that is never folded: a failed
         request that paused the VM (action stop) comes a few at a time (the requests in flight), once
         per resume, and a `--once` disk fault is known to have fired by its line
-        (runtime/diskfault.py), which must not wait for a window."""
+        (rig/diskfault.py), which must not wait for a window."""
         operation, reason = self.data.get("operation"), self.data.get("reason")
         if self.event == "BLOCK_IO_ERROR" and self.data.get("action", "stop") == "stop":
             return None

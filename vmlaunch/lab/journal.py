@@ -69,7 +69,7 @@ class VmEntry:
     started: float
     accel: str
     ssh_port: int | None = None  # the 127.0.0.1 port forwarded to the guest's 22 (a VM with ssh)
-    boot: dict[str, float] | None = None  # where its boot time went (runtime/timeline.py), once up
+    boot: dict[str, float] | None = None  # where its boot time went (lab/timeline.py), once up
 
 
 # --- (un)structuring ---------------------------------------------------------------------------------

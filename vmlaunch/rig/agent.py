@@ -178,8 +178,8 @@ class PauseWatch:
 
     def why(self) -> str | None:
         """What paused the VM (the failed request), when a failed disk request did and it still is."""
-        from vmlaunch.runtime import events
-        from vmlaunch.runtime.process import IO_ERROR_SAID, guest_stuck
+        from vmlaunch.lab import events
+        from vmlaunch.lab.process import IO_ERROR_SAID, guest_stuck
 
         try:
             stat = os.stat(self.run_dir.events)

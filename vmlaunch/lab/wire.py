@@ -8,7 +8,7 @@ what lives outside the QEMUs: netem on a shared host interface, the partition's 
      "partition": {"groups": [["a", "b"]], "where": {"lan": "host"}}}
 
 (`partition` also holds `"unfinished": "why"` while a change of it runs, and after one that could not
-be finished nor undone: `where` then names every cut that may exist; see `runtime/partition.py`.)
+be finished nor undone: `where` then names every cut that may exist; see `rig/partition.py`.)
 
 Every change goes through `update()`, under the file's lock, written atomically.
 """

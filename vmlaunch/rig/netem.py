@@ -15,7 +15,7 @@ Where it runs (`where`):
   machine asked to shape the traffic cannot, as for the host;
 - auto: host where the NIC has a host interface and the host kernel has netem, else guest.
 
-What is set is recorded in wire.json (runtime/wire.py) under nics["VM/INDEX"]["netem"]: the figures in
+What is set is recorded in wire.json (lab/wire.py) under nics["VM/INDEX"]["netem"]: the figures in
 fixed units, "where", and on the host the IFB's name. `down` deletes the IFBs of the VMs it stops
 (found by their mark, so what a crash left too) and forgets their records.
 """
@@ -33,8 +33,8 @@ from vmlaunch.compile.plan import Plan, VmPlan
 from vmlaunch.core.naming import netem_ifb_name, tap_name
 from vmlaunch.core.textsafe import printable
 from vmlaunch.errors import AgentError, HostError, RuntimeFailure, UsageError, VmlaunchError
+from vmlaunch.lab import wire
 from vmlaunch.layout.rundir import RunDir
-from vmlaunch.runtime import wire
 from vmlaunch.spec.model import TAP_NETWORKS, LabSpec, Netem, NetemWhere
 from vmlaunch.spec.netem import figures, from_json, resolve_where, to_json
 
@@ -112,7 +112,7 @@ def run_in_guest(run_dir: RunDir, vm: str, mac: str, index: int, netem: Netem | 
                  timeout: float = GUEST_TIMEOUT) -> None:
     """Set (or clear) NIC `index`'s netem in the guest through its command channel; a guest that cannot
     is a HostError (exit 3) naming what it lacks."""
-    from vmlaunch.runtime import agent
+    from vmlaunch.rig import agent
 
     result = agent.run(run_dir, vm, guest_script(mac, index, netem), timeout=timeout)
     if result.exit_code == 0:
@@ -202,7 +202,7 @@ def _save(run_dir: RunDir, key: str, data: dict[str, Any] | None) -> None:
 def set_netem(run_dir: RunDir, lab: LabSpec, vm: str, index: int, netem: Netem, *,
               timeout: float = GUEST_TIMEOUT, host_netem: bool | None = None) -> dict[str, Any]:
     """Set NIC `index`'s netem (replacing what it had) where `netem.where` says; returns its record."""
-    from vmlaunch.runtime.running import running_pid
+    from vmlaunch.lab.running import running_pid
 
     side = resolve_side(lab, vm, index, netem.where, host_netem)  # first: a host without netem never can
     running_pid(run_dir, vm)  # a RuntimeFailure when the VM is not running
@@ -236,7 +236,7 @@ def _clear_at(run_dir: RunDir, lab: LabSpec, vm: str, index: int, where: object,
 def clear_netem(run_dir: RunDir, lab: LabSpec, vm: str, index: int, *,
                 timeout: float = GUEST_TIMEOUT) -> bool:
     """Clear NIC `index`'s netem where it was set; False when none was set."""
-    from vmlaunch.runtime.running import running_pid
+    from vmlaunch.lab.running import running_pid
 
     running_pid(run_dir, vm)
     key = wire.nic_key(vm, index)

@@ -52,15 +52,15 @@ import attrs
 
 from vmlaunch.core.wait import remaining
 from vmlaunch.errors import KeyPath, Location, RuntimeFailure, SpecUnfit, UsageError, VmlaunchError
+from vmlaunch.lab import process as qemu
+from vmlaunch.lab.journal import Journal, LabBusy, locked
+from vmlaunch.lab.running import running_vms, ssh_argv_of
 from vmlaunch.layout.labdir import LabDir
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.qemu.opts import escape
 from vmlaunch.qemu.qmp import QuickQmp
-from vmlaunch.runtime import intent
-from vmlaunch.runtime import process as qemu
-from vmlaunch.runtime.intent import Intent, Operation
-from vmlaunch.runtime.journal import Journal, LabBusy, locked
-from vmlaunch.runtime.running import running_vms, ssh_argv_of
+from vmlaunch.saved import intent
+from vmlaunch.saved.intent import Intent, Operation
 from vmlaunch.spec.model import Disk, DiskFormat, LabSpec, VmSpec
 
 if TYPE_CHECKING:
@@ -437,7 +437,7 @@ class _Lab:
 
     async def pause(self, run_dir: RunDir, operation: Operation, name: str,
                     disks: Mapping[str, VmDisks], held: Sequence[str] = ()) -> None:
-        """Stop every VM that runs, together, once the intent to is written (runtime/intent.py): which VMs
+        """Stop every VM that runs, together, once the intent to is written (saved/intent.py): which VMs
         this operation pauses, so that a vmlaunch killed half-way leaves the next command what it
         needs to resume them. A VM the user paused stays paused afterwards; `held`, VMs an
         interrupted restore left paused, are resumed with the rest once this one succeeds."""
@@ -511,7 +511,7 @@ def _faults_off(run_dir: RunDir, vms: Iterable[str], doing: str) -> None:
     ends), and a fault is no part of a VM's state."""
     if not run_dir.disk_faults.exists():
         return
-    from vmlaunch.runtime import diskfault
+    from vmlaunch.rig import diskfault
 
     for cleared in diskfault.undo(run_dir, list(vms), why=doing):
         log.warning("%s: its disk faults were taken off for the %s", cleared, doing)
@@ -786,7 +786,7 @@ CHANNEL_CLOCK_WAIT = 10.0  # seconds for a loaded guest's agent to answer before
 def _step_clock_by_channel(run_dir: RunDir, vm: str) -> float | str:
     """Set the guest's clock to ours through its command channel (as root, to the second: busybox's
     `date -s` takes whole seconds): how far behind it was, or why it could not be set."""
-    from vmlaunch.runtime import agent
+    from vmlaunch.rig import agent
 
     sent = time.time()
     command = f"date +%s; date -u -s @{round(sent)} >/dev/null"

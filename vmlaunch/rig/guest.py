@@ -1,4 +1,4 @@
-"""What a test rig does in its guests through the command channel (runtime/agent.py): commands that
+"""What a test rig does in its guests through the command channel (rig/agent.py): commands that
 must succeed or fail, waits for a command, a systemd unit or a listening port, and copies of files and
 folders both ways. `api.Vm` and the `exec`/`cp` commands are thin over these.
 
@@ -27,7 +27,7 @@ import attrs
 from vmlaunch.core.wait import TimedOut, wait_until
 from vmlaunch.errors import AgentError, CommandTimedOut, RuntimeFailure, UsageError
 from vmlaunch.layout.rundir import RunDir
-from vmlaunch.runtime.agent import (
+from vmlaunch.rig.agent import (
     DEFAULT_LIMIT,
     DEFAULT_TIMEOUT,
     DEFAULT_WAIT,
@@ -136,7 +136,7 @@ class Guest:
 
     def _ssh(self, cmd: Command, timeout: float | None, input: bytes | None,
              stdout: IO[bytes] | None) -> Result:
-        from vmlaunch.runtime.running import ssh_argv_of
+        from vmlaunch.lab.running import ssh_argv_of
 
         if self.lab is None:
             raise UsageError("via=\"ssh\" needs the lab's spec")

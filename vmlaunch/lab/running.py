@@ -7,9 +7,9 @@ from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 from vmlaunch.errors import RuntimeFailure, UsageError, VmlaunchError
+from vmlaunch.lab import process as qemu
+from vmlaunch.lab.journal import Journal
 from vmlaunch.layout.rundir import RunDir
-from vmlaunch.runtime import process as qemu
-from vmlaunch.runtime.journal import Journal
 
 if TYPE_CHECKING:
     from vmlaunch.host.numa import Topology

@@ -1,5 +1,5 @@
-"""`python -m vmlaunch.runtime.managerd RUN_DIR --ready-fd FD`: how `up` starts the lab manager
-(`runtime/manager.py`). Light on purpose: it forks (the manager is nobody's child), says it runs, and
+"""`python -m vmlaunch.manager.managerd RUN_DIR --ready-fd FD`: how `up` starts the lab manager
+(`manager/manager.py`). Light on purpose: it forks (the manager is nobody's child), says it runs, and
 only then imports the manager, whose modules take 0.15-0.3 s to load, which `up` need not wait for. A
 manager that fails after that says why in its log (`manager.log`), and `status` shows it gone."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vmlaunch.runtime.managerd",
+    parser = argparse.ArgumentParser(prog="python -m vmlaunch.manager.managerd",
                                      description="Start the lab manager (as `vmlaunch up` does).")
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--ready-fd", type=int, default=None,
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             os.write(args.ready_fd, f"{os.getpid()}\n".encode())
             os.close(args.ready_fd)
-    from vmlaunch.runtime.manager import run
+    from vmlaunch.manager.manager import run
 
     return run(args.run_dir)
 

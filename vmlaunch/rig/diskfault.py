@@ -116,7 +116,7 @@ class Target:
 def load(run_dir: RunDir) -> dict[str, Any]:
     """VM -> {"pid": QEMU pid, "disks": {diskN: {"node": blkdebug node or None, "serial": n,
     "faults": [fault...]}}}; only VMs whose QEMU still runs that pid."""
-    from vmlaunch.runtime import process as qemu
+    from vmlaunch.lab import process as qemu
 
     try:
         fd = open_in_run_dir(run_dir.disk_faults, os.O_RDONLY)
@@ -184,7 +184,7 @@ def _spent_off(run_dir: RunDir, vm: str, disk: str, record: dict[str, Any]) -> l
     armed = record.get("armed") or {}
     if not any(fault.once for fault in faults):
         return faults
-    from vmlaunch.runtime import events
+    from vmlaunch.lab import events
 
     failed = [event for event in events.read(run_dir, [vm])
               if event.event == "BLOCK_IO_ERROR" and event.disk == disk]
@@ -241,9 +241,9 @@ def target(run_dir: RunDir, lab: LabSpec, vm: str, text: str) -> Target:
     VmDown when it is not running."""
     from vmlaunch.compile.compiler import boot_disks
     from vmlaunch.errors import format_key_path
+    from vmlaunch.lab import process as qemu
+    from vmlaunch.lab.journal import Journal
     from vmlaunch.layout.labdir import LabDir
-    from vmlaunch.runtime import process as qemu
-    from vmlaunch.runtime.journal import Journal
 
     index = _index(lab, vm, text)
     key, disk = boot_disks(LabDir.of(lab.file, lab.name), lab.vm(vm))[index]
@@ -299,7 +299,7 @@ def _disk(run_dir: RunDir, lab: LabSpec, vm: str, disk: str, timeout: float) -> 
     """A change of one disk's faults: under the lab's lock, with its QEMU's QMP, the disk as QEMU runs
     it, the lab's fault records, this disk's record and its faults not yet spent. The records are
     saved when the change ends, whether it went through or not."""
-    from vmlaunch.runtime.journal import locked
+    from vmlaunch.lab.journal import locked
 
     lab.select([vm])
     with locked(run_dir, timeout):
@@ -637,7 +637,7 @@ def _apply(qmp: QuickQmp, where: Target, record: dict[str, Any], faults: list[Di
 def _note(run_dir: RunDir, vm: str, disk: str, what: str) -> None:
     """Put the change in the lab's event log (`vmlaunch logs SPEC --events`): a test's evidence then
     says which fault was set when, beside what QEMU reported of it."""
-    from vmlaunch.runtime import events
+    from vmlaunch.lab import events
 
     log.debug("%s %s: %s", vm, disk, what)
     events.record(run_dir, vm, "VMLAUNCH_DISK_FAULT", {"message": f"disk fault {what}"}, disk=disk)

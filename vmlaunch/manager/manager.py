@@ -12,13 +12,13 @@ stops it (SIGTERM). Every round (`interval`, 1 s) it:
 2. samples each VM (query-balloon; the balloon's guest-stats: available and free memory, major faults
    and swap-ins since the last sample), the host (MemTotal, MemAvailable) and the KSM counters;
 3. asks the pure policy (`balloon_policy.decide`) for new targets, sets them, and logs each change with
-   its reason; with NUMA placement, the balancer (`runtime/balancer.py`) samples the VMs' runnable vCPUs and,
+   its reason; with NUMA placement, the balancer (`manager/balancer.py`) samples the VMs' runnable vCPUs and,
    every `lab.placement.interval`, moves at most one VM between nodes;
 4. writes what it saw and set to `manager.state.json`, for `status` and for itself after a restart,
    and the repeats of an event whose window closed to the event log.
 
 Events are not left for the rounds: one task per VM waits on its monitor and logs each event worth
-logging the moment it comes (`runtime/events.py`), so that a `status` run just after a VM paused on an
+logging the moment it comes (`lab/events.py`), so that a `status` run just after a VM paused on an
 I/O error finds why in the log, and the events a QEMU sends just before it exits are logged before
 the connection goes. Events a VM sent before the manager connected to it are not in the log.
 
@@ -46,15 +46,15 @@ import attrs
 
 from vmlaunch.core.fsutil import write_atomic
 from vmlaunch.host.memory import ksm_counters, meminfo
+from vmlaunch.lab.events import Writer
+from vmlaunch.lab.process import OUT_OF_MEMORY, console_line_since, console_size
 from vmlaunch.layout.rundir import RunDir
+from vmlaunch.manager.balancer import Balancer
 from vmlaunch.policy.balloon import Guest, Host, decide
 from vmlaunch.qemu.qmp import AsyncQmp, QmpError
 from vmlaunch.resources.manager import INTERVAL, ManagedVm, ManagerConfig, read_config
-from vmlaunch.runtime.balancer import Balancer
-from vmlaunch.runtime.events import Writer
-from vmlaunch.runtime.process import OUT_OF_MEMORY, console_line_since, console_size
 
-log = logging.getLogger("vmlaunch.runtime.manager")
+log = logging.getLogger("vmlaunch.manager.manager")
 
 BALLOON = "/machine/peripheral/balloon0"
 MIB = 1 << 20
@@ -150,8 +150,8 @@ class Manager:
 
     def _running(self) -> dict[str, int]:
         from vmlaunch.errors import VmlaunchError
-        from vmlaunch.runtime import process as qemu
-        from vmlaunch.runtime.journal import Journal
+        from vmlaunch.lab import process as qemu
+        from vmlaunch.lab.journal import Journal
 
         try:
             journal = Journal.load(self.run_dir)
@@ -390,9 +390,9 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m vmlaunch.runtime.manager RUN_DIR`: the manager in the foreground (`up` starts it
-    through `runtime/managerd.py`, which does not wait for these modules to load)."""
-    parser = argparse.ArgumentParser(prog="python -m vmlaunch.runtime.manager",
+    """`python -m vmlaunch.manager.manager RUN_DIR`: the manager in the foreground (`up` starts it
+    through `manager/managerd.py`, which does not wait for these modules to load)."""
+    parser = argparse.ArgumentParser(prog="python -m vmlaunch.manager.manager",
                                      description="The lab manager (started by `vmlaunch up`).")
     parser.add_argument("run_dir", type=Path)
     return run(parser.parse_args(argv).run_dir)

@@ -24,8 +24,8 @@ import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
+from vmlaunch.lab import process
 from vmlaunch.layout.rundir import VmFiles
-from vmlaunch.runtime import process
 
 PHASES = ("qemu", "wave", "firmware", "loader", "kernel", "userspace")
 CLOUD_INIT = "cloud-init"

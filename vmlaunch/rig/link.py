@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 
 from vmlaunch.errors import UsageError
+from vmlaunch.lab import wire
+from vmlaunch.lab.running import running_pid
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.qemu.qmp import QuickQmp
-from vmlaunch.runtime import wire
-from vmlaunch.runtime.running import running_pid
 from vmlaunch.spec.model import LabSpec
 
 log = logging.getLogger(__name__)

@@ -13,11 +13,11 @@ Where a cut is made depends on the network:
   (`host/nftables.py`), which `down` removes (and `down --force` after a crash);
 - socket networks, which have no host side (QEMU's multicast joins the VMs): in each guest on it, with
   the guest's own `tc` (a flower filter on the NIC's ingress, preference `GUEST_PREF`, dropping frames
-  from the other sides' MACs), through the command channel (`runtime/agent.py`); they die with the
+  from the other sides' MACs), through the command channel (`rig/agent.py`); they die with the
   guest;
 - user networks join no VMs (each VM has its own NAT): nothing to cut.
 
-The record is `partition` in wire.json (`runtime/wire.py`): the groups and, per network cut, where.
+The record is `partition` in wire.json (`lab/wire.py`): the groups and, per network cut, where.
 Intent before action: before anything changes it names every cut that may exist while the change
 runs, marked `unfinished`; it is narrowed when the change is done. A change that fails half-way is
 undone; what cannot be undone stays in the record, still `unfinished` (with why), so that a crash
@@ -38,8 +38,8 @@ from vmlaunch.core.naming import nft_table_name, tap_name
 from vmlaunch.errors import AgentError, RuntimeFailure, UsageError, VmlaunchError
 from vmlaunch.host import nftables
 from vmlaunch.host.nftables import BridgeCut
+from vmlaunch.lab import wire
 from vmlaunch.layout.rundir import RunDir
-from vmlaunch.runtime import wire
 from vmlaunch.spec.model import BridgeNetwork, LabSpec, SocketNetwork, TapNetwork, agent_on
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def current(run_dir: RunDir) -> Groups:
 
 
 def _change(run_dir: RunDir, lab: LabSpec, vms: Sequence[str], *, heal: bool) -> Groups:
-    from vmlaunch.runtime.journal import Journal, locked
+    from vmlaunch.lab.journal import Journal, locked
 
     if not run_dir.path.is_dir():
         raise RuntimeFailure(f"lab {lab.name} is not up", "`vmlaunch up` it first")
@@ -283,7 +283,7 @@ def guest_script(nics: dict[str, tuple[str, ...]]) -> str:
 
 def run_guest_script(run_dir: RunDir, vm: str, script: str) -> None:
     from vmlaunch.core.textsafe import printable
-    from vmlaunch.runtime import agent
+    from vmlaunch.rig import agent
 
     result = agent.run(run_dir, vm, script, timeout=30.0)
     if result.exit_code == 0:

@@ -26,7 +26,7 @@ from vmlaunch.host.numa import iter_vcpu_threads, read_threads, read_topology
 from vmlaunch.policy.placement import Decision, Node, VmLoad, balance, smooth
 from vmlaunch.resources.manager import ManagedVm, ManagerConfig
 
-log = logging.getLogger("vmlaunch.runtime.manager")
+log = logging.getLogger("vmlaunch.manager.manager")
 
 
 class Balancer:

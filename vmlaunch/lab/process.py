@@ -394,7 +394,7 @@ async def _stop(name: str, pid: int | None, files: VmFiles, timeout: float, step
 async def _listen_to_agents(files: VmFiles) -> list[asyncio.Task[None]]:
     """A client on each command channel socket of the VM while it powers off, reading what comes and
     dropping it. QEMU's guest agent with a reply for a client that went away (one given up, killed,
-    or of an older vmlaunch, which greeted both agents and kept the first to answer: runtime/agent.py)
+    or of an older vmlaunch, which greeted both agents and kept the first to answer: rig/agent.py)
     writes it again and again while no client is there
     (virtio-serial answers EAGAIN; qemu-ga's ga_channel_write_all retries at once), never back in its
     main loop: it cannot take the SIGTERM of the guest's shutdown, and systemd waits 90 s for it

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from vmlaunch.core.fsutil import Unfit, check_new_target, fsync_dir
 from vmlaunch.errors import OutputRefused, RuntimeFailure, UsageError
+from vmlaunch.lab.running import running_pid
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.qemu.qmp import QmpError, QuickQmp
-from vmlaunch.runtime.running import running_pid
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 QMP_TIMEOUT = 10.0
