@@ -150,6 +150,10 @@ HOSTILE: dict[str, list[tuple[tarfile.TarInfo, bytes]]] = {
         entry("x/f", tarfile.SYMTYPE, link="../canary")],
     "a link inside, then a file through it replacing a folder": [
         entry("x", tarfile.DIRTYPE), entry("x/d", tarfile.DIRTYPE), entry("x/d", tarfile.SYMTYPE, link="..")],
+    # x/missing/../m/.. is x/m/.., above x, once something makes x/missing (a merge, the user)
+    "a link out through a name that does not exist yet": [
+        entry("x", tarfile.DIRTYPE), entry("x/m", tarfile.SYMTYPE, link="."),
+        entry("x/l", tarfile.SYMTYPE, link="missing/../m/..")],
     "a link that loops": [entry("x", tarfile.DIRTYPE), entry("x/a", tarfile.SYMTYPE, link="b"),
                           entry("x/b", tarfile.SYMTYPE, link="a")],
     "a name longer than a file name": [entry("x", tarfile.DIRTYPE), entry("x/" + "n" * 300, data=b"a")],

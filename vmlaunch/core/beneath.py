@@ -226,7 +226,7 @@ def _check_link(root: int, parts: list[str], top: str) -> None:
     if pending[0] == "":
         raise Refused(f"{name}: a link to an absolute path, outside the copy")
     hops = 0
-    known = True  # while the path resolved so far exists, links in it are followed
+    real = len(where)  # how much of `where` is a folder that exists (beyond it, names are only names)
     while pending:
         part = pending.pop(0)
         if part in ("", "."):
@@ -235,24 +235,24 @@ def _check_link(root: int, parts: list[str], top: str) -> None:
             if len(where) <= 1:
                 raise Refused(f"{name}: a link leading outside the copy")
             where = where[:-1]
+            real = min(real, len(where))
             continue
         if not where:
             raise Refused(f"{name}: a link leading outside the copy")
-        st = None
-        if known:
+        if real == len(where):  # a folder that exists: what stands in it decides, links followed
             with opened_dir(root, where) as fd:
                 st = _lstat(part, fd)
                 target = os.readlink(part, dir_fd=fd) if st is not None and stat.S_ISLNK(st.st_mode) else None
-            if st is None:
-                known = False
-            elif target is not None:
+            if target is not None:
                 hops += 1
                 if hops > LINK_HOPS or target.startswith("/"):
                     raise Refused(f"{name}: a link leading outside the copy (or in a loop)")
                 pending = target.split("/") + pending
                 continue
-            elif not stat.S_ISDIR(st.st_mode) and pending and any(p not in ("", ".") for p in pending):
-                known = False
+            if st is not None and stat.S_ISDIR(st.st_mode):
+                real += 1
+        # a name that does not exist (yet): taken as a name, and a `..` after it comes back to a folder
+        # that exists, whose links are followed again (what a later file of that name would make of it)
         where = [*where, part]
 
 
