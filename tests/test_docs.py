@@ -118,7 +118,6 @@ def test_every_relative_link_of_the_manual_leads_to_a_file() -> None:
                 assert anchor in anchors(file.read_text()), f"{where}: no such heading"
 
 
-@pytest.mark.skipif(not HAVE_MKDOCS, reason="MkDocs and its Material theme (the docs extra): make docs")
 def test_the_manual_names_its_sources_not_the_projects_seed_files() -> None:
     """"seed 001" or "seeds/003" means nothing to a reader: the manual names the document (its title)."""
     pages = [*DOCS.rglob("*.md"), ROOT / "README.md", *(ROOT / "examples").glob("*.toml")]
@@ -154,6 +153,7 @@ def test_every_python_example_of_the_manual_is_python() -> None:
             pytest.fail(f"{page.relative_to(ROOT)}: a python example does not parse: {error}\n{block}")
 
 
+@pytest.mark.skipif(not HAVE_MKDOCS, reason="MkDocs and its Material theme (the docs extra): make docs")
 def test_mkdocs_builds_the_manual_strictly(tmp_path: Path) -> None:
     """What `make docs` runs, into a temporary folder (about a second)."""
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
