@@ -230,7 +230,8 @@ def hostile_agent(vm: Any, on: bool) -> None:
     time.sleep(2)  # the old agent killed, init's loop starts the new one within a second
     probe = "echo 'tar -c -f -' | grep -q . && echo plain"  # the hostile agent answers HOSTILE
     want = "HOSTILE" if on else "plain\n"
-    for _ in range(60):
+    deadline = time.monotonic() + 90  # each try may wait up to the channel's own wait for a greeting
+    while time.monotonic() < deadline:
         try:
             if vm.run(["sh", "-c", probe], timeout=10).stdout.decode() == want:
                 return

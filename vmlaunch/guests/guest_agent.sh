@@ -51,14 +51,16 @@ run_exec() {  # run_exec ID CMDLEN INLEN TIMEOUT LIMIT
         return 1
     fi
     mkfifo "$W/o" "$W/e" || { printf 'VLA1 %s error cannot make fifos in %s\n' "$id" "$W" >&3; return 1; }
-    bounded "$5" "$W/out" <"$W/o" &
+    bounded "$5" "$W/out" <"$W/o" 3>&- &
     reader_out=$!
-    bounded "$5" "$W/err" <"$W/e" &
+    bounded "$5" "$W/err" <"$W/e" 3>&- &
     reader_err=$!
+    # the command never holds the port (3>&-): what it leaves running in the background (a server it
+    # started) would keep the port busy, and an agent started anew could not open it
     if [ "$2" -le 100000 ]; then  # as `sh -c` (a command line's arguments hold 128 KiB at most)
-        (cd / && umask 022 && exec setsid sh -c "$(cat "$W/cmd")" sh <"$W/in" >"$W/o" 2>"$W/e") &
+        (cd / && umask 022 && exec setsid sh -c "$(cat "$W/cmd")" sh <"$W/in" >"$W/o" 2>"$W/e" 3>&-) &
     else
-        (cd / && umask 022 && exec setsid sh "$W/cmd" <"$W/in" >"$W/o" 2>"$W/e") &
+        (cd / && umask 022 && exec setsid sh "$W/cmd" <"$W/in" >"$W/o" 2>"$W/e" 3>&-) &
     fi
     pid=$!
     # the host gone (its command interrupted): a read of the port ends; then the command is killed
@@ -67,7 +69,7 @@ run_exec() {  # run_exec ID CMDLEN INLEN TIMEOUT LIMIT
     hangup=$!
     watchdog=''
     if [ "$4" -gt 0 ]; then
-        (exec setsid sh -c 'sleep "$1"; : >"$3"; kill -KILL -"$2"' watchdog "$4" "$pid" "$W/timedout") &
+        (exec setsid sh -c 'sleep "$1"; : >"$3"; kill -KILL -"$2"' watchdog "$4" "$pid" "$W/timedout" 3>&-) &
         watchdog=$!
     fi
     wait "$pid"
