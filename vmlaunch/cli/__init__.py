@@ -2,7 +2,7 @@
 
 One module per command group, each with `register(commands, root)` adding its commands the one way
 (`common.command`): `init` (a starter lab.toml), `lab` (validate, cmdline, up, down, pause, resume,
-reset), `vms` (ls, status, logs, console, ssh, balloon, qmp, numa), `rig` (exec, cp), `wire` (link,
+reset), `run` (run, template: throwaway VMs), `vms` (ls, status, logs, console, ssh, balloon, qmp, numa), `rig` (exec, cp), `wire` (link,
 partition), `netem`, `fault` (faults on the disks), `screen` (screenshot, send-keys, evidence),
 `image`, `snapshot`, `export`, `graph`, `doctor`, `help` (help, completion). This module builds the
 parser from them and owns what every command shares: the exit codes, the log lines on standard error,
@@ -31,6 +31,7 @@ from vmlaunch.cli import (
     lab,
     netem,
     rig,
+    run,
     screen,
     snapshot,
     vms,
@@ -49,7 +50,7 @@ from vmlaunch.errors import (
 log = logging.getLogger("vmlaunch")
 
 # The command groups, in the order `vmlaunch --help` lists their commands.
-GROUPS = (init, lab, fork, vms, rig, wire, netem, fault, screen, image, snapshot, export, graph, doctor, help)
+GROUPS = (init, lab, run, fork, vms, rig, wire, netem, fault, screen, image, snapshot, export, graph, doctor, help)
 
 
 def build_parser() -> argparse.ArgumentParser:

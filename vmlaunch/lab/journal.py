@@ -233,6 +233,8 @@ class Journal:
         run dir is that file's lab, whose VMs are not `spec`'s even where their names are."""
         if self.spec is None or self.empty or os.path.realpath(self.spec) == os.path.realpath(spec):
             return None
+        if str(spec) == self.run_dir.lab and not os.path.lexists(spec):  # a kept throwaway VM, by name
+            return None
         return self.spec
 
     @property

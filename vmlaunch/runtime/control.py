@@ -540,6 +540,11 @@ def balloon(run_dir: RunDir, name: str, size: int | None = None, timeout: float 
     the balloon was, so it is never left squeezed towards a size that would kill it; the
     RuntimeFailure says how far it got and that the target is back.
     """
+    from vmlaunch.spec.throwaway import is_throwaway
+
+    if size is not None and is_throwaway(run_dir.lab):
+        raise UsageError(f"{name} is a throwaway VM: its RAM may map its template's file, which a balloon "
+                         "would punch holes in", "give a VM of a lab its balloon (`vmlaunch up`)")
     if size is not None:
         size -= size % PAGE  # the balloon moves whole pages
         if size <= 0 or (memory is not None and size > memory):

@@ -619,16 +619,17 @@ def _bring_all(run_dir: RunDir, lab: LabSpec, lab_dir: LabDir, source: VmSpec, p
     return {name: given for name, given in outcomes.items() if not isinstance(given, str)}
 
 
-def _load(run_dir: RunDir, plan: VmPlan, pid: int, *, run: bool = True, ignore_shared: bool = False
-          ) -> str | None:
-    """Load the saved state into the clone's QEMU and let it run (unless not `run`); why not, or None.
-    `ignore_shared`: its RAM maps the template's file, the state has its devices alone."""
+def _load(run_dir: RunDir, plan: VmPlan, pid: int, *, run: bool = True, ignore_shared: bool = False,
+          state: Path | None = None) -> str | None:
+    """Load the saved state (the fork's, or `state`) into the clone's QEMU and let it run (unless not
+    `run`); why not, or None. `ignore_shared`: its RAM maps the template's file, the state has its
+    devices alone."""
     try:
         with QuickQmp(plan.files.qmp, 10.0) as qmp:
             if ignore_shared:
                 qmp.cmd("migrate-set-capabilities",
                         capabilities=[{"capability": "x-ignore-shared", "state": True}])
-            fd = os.open(run_dir.fork_state, os.O_RDONLY | NOFOLLOW)
+            fd = os.open(state or run_dir.fork_state, os.O_RDONLY | NOFOLLOW)
             try:
                 qmp.cmd_with_fds("getfd", [fd], fdname=FD_NAME)
             finally:

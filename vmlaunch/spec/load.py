@@ -184,7 +184,18 @@ def load_lab(path: str | Path, *, files: FileChecks | None = None) -> LabSpec:
     """Parse, check and build the lab of the spec at `path`. With `files`, also what those checks
     find (`compile.preflight.load_checked` passes them), reported with every other problem at once."""
     file = Path(path)
+    if _kept_run(path):
+        from vmlaunch.spec import throwaway
+
+        return throwaway.kept_lab(str(path), load_lab)
     return parse_lab(read_spec(file), file, files=files)
+
+
+def _kept_run(path: str | Path) -> bool:
+    """A throwaway VM's name given for SPEC (`vmlaunch exec run-1a2b3c4d VM`) where no such file is."""
+    from vmlaunch.spec.throwaway import is_throwaway
+
+    return isinstance(path, str) and is_throwaway(path) and not os.path.lexists(path)
 
 
 def read_spec(file: Path) -> bytes:
@@ -225,6 +236,8 @@ def parse_lab(data: bytes, file: Path, *, files: FileChecks | None = None) -> La
 def lab_name(path: str | Path) -> str:
     """The lab's name, for `down`: from the checked spec, or, when the spec no longer validates
     (edited since `up`), from its `[lab] name` alone, so a broken spec never strands a running lab."""
+    if _kept_run(path):
+        return str(path)
     file = Path(path)
     data = read_spec(file)
     try:
@@ -1071,7 +1084,7 @@ class _Builder:
         guest = self.guest(path, raw)
         if not self.is_valid(path) or queries or memory is None or not sata_ok:
             return None  # the schema or a check above said why
-        keys = ("cpus", "cpu_model", "machine", "append", "fast_boot", "numa_node", "agent", "host")
+        keys = ("cpus", "cpu_model", "machine", "append", "fast_boot", "numa_node", "agent", "host", "template")
         given: dict[str, Any] = {key: raw[key] for key in keys if key in raw}
         if "cpu_pinning" in raw:
             given["cpu_pinning"] = tuple(raw["cpu_pinning"])

@@ -410,6 +410,7 @@ class VmSpec:
     # NixOS-test VM has one. Left out, on a machine or QEMU without VGA, the VM has none (compiler).
     video: Video = Video.STD
     host: str | None = None  # the [host.NAME] it runs on (a multi-host lab); None: placement's
+    template: bool = False  # `vmlaunch run` starts it from a warm template, made on first use
 
 
 def agent_on(vm: VmSpec) -> bool:
