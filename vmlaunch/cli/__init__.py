@@ -50,7 +50,8 @@ from vmlaunch.errors import (
 log = logging.getLogger("vmlaunch")
 
 # The command groups, in the order `vmlaunch --help` lists their commands.
-GROUPS = (init, lab, run, fork, vms, rig, wire, netem, fault, screen, image, snapshot, export, graph, doctor, help)
+GROUPS = (init, lab, run, fork, vms, rig, wire, netem, fault, screen, image, snapshot, export, graph, doctor,
+          help)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1084,7 +1084,8 @@ class _Builder:
         guest = self.guest(path, raw)
         if not self.is_valid(path) or queries or memory is None or not sata_ok:
             return None  # the schema or a check above said why
-        keys = ("cpus", "cpu_model", "machine", "append", "fast_boot", "numa_node", "agent", "host", "template")
+        keys = ("cpus", "cpu_model", "machine", "append", "fast_boot", "numa_node", "agent", "host",
+                "template")
         given: dict[str, Any] = {key: raw[key] for key in keys if key in raw}
         if "cpu_pinning" in raw:
             given["cpu_pinning"] = tuple(raw["cpu_pinning"])
