@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
-    from vmlaunch.api import Lab, Vm
+    from vmlaunch.api import Lab, Vm, run
     from vmlaunch.errors import (
         AgentError,
         CommandTimedOut,
@@ -48,12 +48,14 @@ __all__ = [
     "VmStatus",
     "VmlaunchError",
     "__version__",
+    "run",
 ]
 
 # public name -> the module that defines it
 _LAZY = {
     "Lab": "vmlaunch.api",
     "Vm": "vmlaunch.api",
+    "run": "vmlaunch.api",
     "VmStatus": "vmlaunch.runtime.control",
     "VmlaunchError": "vmlaunch.errors",
     "SpecError": "vmlaunch.errors",

@@ -10,6 +10,7 @@ script), not from the working directory, so a test finds the spec beside it wher
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -41,7 +42,30 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vmlaunch")
 
-__all__ = ["Disk", "Lab", "Vm", "VmStatus"]
+__all__ = ["Disk", "Lab", "Vm", "VmStatus", "run"]
+
+
+def run(spec: str | os.PathLike[str], vm: str, cmd: Command, *, timeout: float | None = None,
+        input: bytes | None = None, cold: bool = False, warm: bool = False, wait: float = 300.0,
+        shares: Sequence[str] = ()) -> Result:
+    """Run `cmd` in a throwaway VM made from `vm` of the spec, as `vmlaunch run SPEC VM -- CMD`, and
+    return its Result (exit status, stdout, stderr): a string is run by the guest's shell, a list
+    arrives as those words. From the VM's template when it has one (made now with `warm`, or where the
+    VM says `template = true`), else cold (always with `cold`). `shares`: `DIR[:TARGET][:ro]` folders.
+    Nothing is left afterwards. CommandTimedOut past `timeout`; RuntimeFailure (exit 6 in the CLI)
+    when the guest panics; SpecError, UsageError as `Lab`. A relative `spec` is taken from the
+    directory of the calling file."""
+    from vmlaunch.runtime import throwaway
+    from vmlaunch.spec.throwaway import parse_share
+
+    base, base_is = _caller_base()
+    path = _locate_spec(spec, base, base_is)
+    model = load_checked(path, vms=[vm])
+    model.select([vm])
+    options = throwaway.Options(timeout=timeout, input=input, cold=cold, warm=warm, wait=wait,
+                                shares=tuple(parse_share(text, Path.cwd()) for text in shares))
+    return throwaway.run(model, vm, cmd, options, detect_host(), spec=str(path),
+                         wants_template=model.vm(vm).template).result
 
 
 class Lab:
@@ -170,6 +194,38 @@ class Lab:
         """Resume every VM of this Lab, as `vmlaunch resume`: VM -> "resumed" or "already running".
         RuntimeFailure, and nothing resumed, when an interrupted snapshot restore holds one."""
         return control.resume(self.run_dir, self.vms, timeout)
+
+    @contextlib.contextmanager
+    def fresh(self, vm: str, *, cold: bool = False, warm: bool = True, wait: float = 300.0) -> Iterator[Vm]:
+        """A throwaway VM made from `vm`'s definition, as `vmlaunch run` makes one (never the lab's
+        running VM, which is left alone): woken from its warm template (made on first use) unless
+        `cold` (or `warm` False: from a template only where one is, or the VM's `template = true`).
+        As a context manager: the running VM (`run`, `succeed`, `copy_to`, `console_output`...), then
+        gone with everything it made when the block ends.
+
+            with lab.fresh("alpha") as vm:
+                vm.succeed("uname -r")
+        """
+        from vmlaunch.runtime import throwaway
+
+        self.model.select([vm])
+        options = throwaway.Options(cold=cold, warm=warm, wait=wait)
+        started = throwaway.start(self.spec_model, vm, options, self.host, spec=str(self.spec),
+                                  wants_template=self.spec_model.vm(vm).template)
+        try:
+            if started.warm:
+                throwaway.set_clock(started)
+            yield Vm(Lab._throwaway(started.lab, started.plan, self.host), vm)
+        finally:
+            throwaway.finish(started)
+
+    @classmethod
+    def _throwaway(cls, model: LabSpec, plan: Plan, host: Any) -> Lab:
+        """The Lab of a throwaway VM that runs (`fresh`): its own lab, named run-..."""
+        lab = cls.__new__(cls)
+        lab.spec, lab.spec_model, lab.host, lab.plan = model.file, model, host, plan
+        lab.only, lab.wait_for, lab.timeout, lab.wait_ssh = (), None, None, False
+        return lab
 
     def vm(self, name: str) -> Vm:
         """The VM called `name`; UsageError when the spec has none, or this Lab was made for other

@@ -1,8 +1,13 @@
-"""pytest plugin (registered through the `pytest11` entry point): the `vmlaunch_lab` fixture.
+"""pytest plugin (registered through the `pytest11` entry point): the `vmlaunch_lab` and
+`vmlaunch_fresh` fixtures.
 
     def test_ping(vmlaunch_lab):
         lab = vmlaunch_lab("lab.toml", wait_for="login:")
         lab.vm("alpha").qmp("query-status")
+
+    def test_uname(vmlaunch_fresh):
+        vm = vmlaunch_fresh("lab.toml", "alpha")  # a throwaway VM for this test alone (`Lab.fresh`)
+        assert vm.succeed("uname -s") == "Linux\n"
 
 A relative spec path is taken from the directory of the test file, wherever pytest runs. Every lab
 the fixture brought up is brought down when the test ends, pass or fail.
@@ -28,9 +33,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from vmlaunch.api import Lab
+    from vmlaunch.api import Lab, Vm
 
 LabFactory = Callable[..., "Lab"]
+FreshFactory = Callable[..., "Vm"]
 EVIDENCE = "vmlaunch evidence"  # the name of the report section and of the user property
 KEEP = "--vmlaunch-keep"
 _REPORTS = pytest.StashKey[dict[str, pytest.TestReport]]()
@@ -124,6 +130,33 @@ def vmlaunch_lab(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Lab
             errors.append(f"{lab.spec}: {exc}")
     if errors:
         pytest.fail("vmlaunch_lab teardown failed:\n" + "\n".join(errors), pytrace=False)
+
+
+@pytest.fixture
+def vmlaunch_fresh(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FreshFactory]:
+    """`vmlaunch_fresh(spec, vm, *, cold=False)`: a throwaway VM made from `vm` of the spec for this test
+    alone (`Lab.fresh`: woken from the VM's warm template, made once, unless `cold`), gone when the test
+    ends. When the test fails, its evidence is saved into `tmp_path / "vmlaunch-run-..."` first."""
+    import contextlib
+
+    from vmlaunch.api import Lab, _locate_spec
+
+    stack = contextlib.ExitStack()
+    made: list[Vm] = []
+    test_file = request.path
+
+    def fresh(spec: str | os.PathLike[str], vm: str, *, cold: bool = False) -> Vm:
+        path = _locate_spec(spec, test_file.parent, f"the directory of the test file, {test_file}")
+        one = stack.enter_context(Lab(path, [vm]).fresh(vm, cold=cold))
+        made.append(one)
+        return one
+
+    with stack:
+        yield fresh
+        reports = request.node.stash.get(_REPORTS, {})
+        failed = [report for report in reports.values() if report.failed]
+        if made and (failed or request.config.getoption(KEEP)):
+            _save_evidence(request.node, [vm.lab for vm in made], tmp_path, failed)
 
 
 def _save_evidence(item: pytest.Item, labs: Sequence[Lab], tmp_path: Path,

@@ -204,9 +204,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         for line in executor.describe(plan):
             print(line)
         return 0
-    from vmlaunch.guests.shareaccess import require_xattrs
+    if any(vm.shares for vm in lab.vms):
+        from vmlaunch.guests.shareaccess import require_xattrs
 
-    require_xattrs(lab, [vm.name for vm in plan.vms])  # it writes a probe: not for --dry-run
+        require_xattrs(lab, [vm.name for vm in plan.vms])  # it writes a probe: not for --dry-run
     log_accel(plan, args.verbose)
     from vmlaunch.lab.journal import Journal
     from vmlaunch.lab.running import running_vms
@@ -301,6 +302,13 @@ def cmd_down(args: argparse.Namespace) -> int:
     run_dir = RunDir.of(run_root(), lab_name(args.spec))
     if args.vms:
         lab_vm(args.spec, *args.vms)
-    if not executor.down(run_dir, args.vms, timeout=args.timeout, force=args.force, spec=args.spec):
+    went = executor.down(run_dir, args.vms, timeout=args.timeout, force=args.force, spec=args.spec)
+    from vmlaunch.spec.throwaway import is_throwaway
+
+    if is_throwaway(run_dir.lab) and not args.vms:  # a kept throwaway VM: its home goes too
+        from vmlaunch.runtime.throwaway import forget
+
+        forget(run_dir.path.parent, run_dir.lab)
+    if not went:
         print(f"lab {run_dir.lab} is not up")
     return 0

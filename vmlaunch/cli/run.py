@@ -162,10 +162,10 @@ def _kernel_lab(args: argparse.Namespace, shares: list, cwd: object) -> tuple:  
         raise UsageError(f"--kernel {args.kernel}: no such file", "give the kernel's bzImage "
                          "(arch/x86/boot/bzImage of a build tree, or /boot/vmlinuz-VERSION)")
     try:
-        memory = int(parse_size(args.memory))
+        memory = int(parse_size(args.memory)) >> 20
     except (ValueError, TypeError):
         raise UsageError(f"--memory {args.memory!r} is not a size", "give one like 512M or 2G") from None
-    if memory < 64 or memory > 1 << 20:
+    if not 64 <= memory <= 1 << 20:
         raise UsageError(f"--memory {args.memory}: from 64M to 1T")
     if not 1 <= args.cpus <= 256:
         raise UsageError(f"--cpus {args.cpus}: from 1 to 256")

@@ -106,6 +106,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from vmlaunch.layout.dirs import run_root
     from vmlaunch.runtime.control import labs_up
 
+    from vmlaunch.spec.throwaway import homes
+
+    if homes(run_root()).exists():  # the throwaway VMs of a vmlaunch that is gone are taken down first
+        from vmlaunch.runtime.throwaway import sweep
+
+        sweep(run_root())
     labs = labs_up(run_root())
     if args.json:
         print(json.dumps({lab.name: lab.to_json() for lab in labs}, indent=2))

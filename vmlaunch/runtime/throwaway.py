@@ -250,13 +250,37 @@ def _lab_dir_from(made: templates.Template, run_lab: LabSpec, vm: VmSpec, qemu_i
 # --- the run ----------------------------------------------------------------------------------------
 
 
-def run(lab: LabSpec, vm_name: str, cmd: agent.Command, options: Options, host: Host, *,
-        stdout: IO[bytes] | None = None, stderr: IO[bytes] | None = None, spec: str | None = None,
-        kernel: Mapping[str, Any] | None = None, wants_template: bool | None = None) -> Outcome:
-    """Run `cmd` in a throwaway VM made from `vm_name` of `lab` (module docstring); the Outcome, whose
-    exit code is the command's. `stdout`/`stderr`: where its output goes as it comes back (else it is
-    kept in the Result). `kernel`: the `--kernel` options a kept run is made again from."""
-    started = time.monotonic()
+@attrs.define
+class Started:
+    """A throwaway VM that runs (`start`), until `finish`."""
+
+    name: str  # its lab's
+    vm: str
+    root: Path  # the run root
+    lab: LabSpec  # its lab
+    plan: Plan
+    warm: bool  # woken from its template
+    began: float  # time.monotonic() when `start` was called
+    timings: dict[str, float] = attrs.field(factory=dict)
+
+    @property
+    def run_dir(self) -> RunDir:
+        return self.plan.run_dir
+
+    @property
+    def home(self) -> Path:
+        return homes(self.root) / self.name
+
+    def mark(self, step: str) -> None:
+        self.timings[step] = time.monotonic() - self.began
+
+
+def start(lab: LabSpec, vm_name: str, options: Options, host: Host, *, spec: str | None = None,
+          kernel: Mapping[str, Any] | None = None, wants_template: bool | None = None) -> Started:
+    """A throwaway VM made from `vm_name` of `lab` that runs (module docstring, steps 1-3), cold or from
+    its template; `finish` takes it away. `kernel`: the `--kernel` options a kept run is made again from.
+    Nothing is left when it fails (or is interrupted)."""
+    began = time.monotonic()
     root = host.run_root
     sweep(root)
     vm = lab.vm(vm_name)
@@ -267,8 +291,7 @@ def run(lab: LabSpec, vm_name: str, cmd: agent.Command, options: Options, host: 
     os.chmod(homes(root), 0o700)
     home.mkdir(mode=0o700)
     timings: dict[str, float] = {}
-    run_dir = RunDir.of(root, name)
-    kept = False
+    done = False
     try:
         _write_owner(home)
         qemu_img = host.qemu.img or "qemu-img"
@@ -280,14 +303,14 @@ def run(lab: LabSpec, vm_name: str, cmd: agent.Command, options: Options, host: 
             wanted = False
         if wanted:
             warm = ensure_template(lab, vm, host, spec or str(lab.file))
-            timings["template"] = time.monotonic() - started
+            timings["template"] = time.monotonic() - began
         disks = template_disks(vm, warm, home, qemu_img) if warm is not None else own_disks(vm, home)
         run_lab = spec_throwaway.throwaway_lab(lab, vm_name, name, home, disks=disks, shares=options.shares)
         _write_recipe(home, spec, vm_name, disks, options, kernel)
         if warm is not None:
             _lab_dir_from(warm, run_lab, vm, qemu_img)
         plan = _compile(run_lab, host)
-        timings["compiled"] = time.monotonic() - started
+        timings["compiled"] = time.monotonic() - began
         try:
             _up(plan, spec or str(lab.file), host, warm, options)
         except RuntimeFailure as exc:
@@ -298,25 +321,57 @@ def run(lab: LabSpec, vm_name: str, cmd: agent.Command, options: Options, host: 
             log.warning("%s; removed, this run boots cold", exc.message)
             templates.remove(warm.path)
             forget(root, name)
-            return run(lab, vm_name, cmd, attrs.evolve(options, cold=True), host, stdout=stdout,
-                       stderr=stderr, spec=spec, kernel=kernel, wants_template=False)
-        timings["up"] = time.monotonic() - started
-        result = _command(run_dir, plan.vms[0], cmd, options, warm is not None, stdout, stderr)
-        timings["ran"] = time.monotonic() - started
+            done = True
+            return start(lab, vm_name, attrs.evolve(options, cold=True), host, spec=spec, kernel=kernel,
+                         wants_template=False)
+        timings["up"] = time.monotonic() - began
+        done = True
+        return Started(name, vm_name, root, run_lab, plan, warm is not None, began, timings)
+    finally:
+        if not done:
+            from vmlaunch.core import signals
+
+            with signals.held():  # a second Ctrl-C must not cut the cleanup short
+                forget(root, name)
+
+
+def finish(started: Started, *, keep: bool = False) -> None:
+    """Take the throwaway VM away (its QEMU quits, its lab is undone, its home removed), or, with `keep`,
+    leave it running for `vmlaunch exec NAME VM` (and `vmlaunch down NAME`)."""
+    from vmlaunch.core import signals
+
+    with signals.held():  # a second Ctrl-C must not cut the cleanup short
+        if keep and started.run_dir.path.exists():
+            _write_owner(started.home, kept=True)
+            return
+        forget(started.root, started.name)
+        started.mark("down")
+
+
+def set_clock(started: Started) -> None:
+    """A guest woken from its template reads the template's time: set it to the host's."""
+    agent.run(started.run_dir, started.vm, f"date -u -s @{time.time():.3f} >/dev/null 2>&1 || "
+              f"date -u -s @{int(time.time())} >/dev/null 2>&1; true", timeout=10.0, wait=10.0)
+
+
+def run(lab: LabSpec, vm_name: str, cmd: agent.Command, options: Options, host: Host, *,
+        stdout: IO[bytes] | None = None, stderr: IO[bytes] | None = None, spec: str | None = None,
+        kernel: Mapping[str, Any] | None = None, wants_template: bool | None = None) -> Outcome:
+    """Run `cmd` in a throwaway VM made from `vm_name` of `lab` (module docstring); the Outcome, whose
+    exit code is the command's. `stdout`/`stderr`: where its output goes as it comes back (else it is
+    kept in the Result)."""
+    started = start(lab, vm_name, options, host, spec=spec, kernel=kernel, wants_template=wants_template)
+    kept = False
+    try:
+        result = _command(started.run_dir, started.plan.vms[0], cmd, options, started.warm, stdout, stderr)
+        started.mark("ran")
         kept = options.keep and result.exit_code != 0
-        return Outcome(name, vm_name, result, warm is not None, kept, timings)
+        return Outcome(started.name, vm_name, result, started.warm, kept, started.timings)
     except BaseException as exc:
-        kept = options.keep and isinstance(exc, VmlaunchError) and run_dir.path.exists()
+        kept = options.keep and isinstance(exc, VmlaunchError)
         raise
     finally:
-        from vmlaunch.core import signals
-
-        with signals.held():  # a second Ctrl-C must not cut the cleanup short
-            if kept:
-                _write_owner(home, kept=True)
-            else:
-                forget(root, name)
-                timings["down"] = time.monotonic() - started
+        finish(started, keep=kept)
 
 
 def _write_recipe(home: Path, spec: str | None, vm: str, disks: Mapping[int, Disk], options: Options,

@@ -191,7 +191,7 @@ def kept_lab(name: str, load: Callable[[Path], LabSpec]) -> LabSpec:
         kernel = recipe.get("kernel")
         if kernel:
             return kernel_lab(Path(kernel["kernel"]), Path(kernel["initrd"]), kernel["append"],
-                              int(kernel["memory"]) >> 20, int(kernel["cpus"]), name, home,
+                              int(kernel["memory"]), int(kernel["cpus"]), name, home,
                               [ExtraShare(Path(s), t, bool(r)) for s, t, r in kernel["shares"]])
         source = load(Path(recipe["spec"]))
         vm = source.vm(recipe["vm"])
