@@ -75,8 +75,9 @@ template = true
     return path
 
 
-def vl(*args: str, timeout: float = 120, **kw: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*VMLAUNCH, *args], capture_output=True, text=True, timeout=timeout, **kw)  # type: ignore[call-overload]
+def vl(*args: str, timeout: float = 120, input: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*VMLAUNCH, *args], capture_output=True, text=True, timeout=timeout, input=input,
+                          check=False)
 
 
 def nothing_left(root: Path) -> None:
@@ -142,7 +143,8 @@ def test_two_runs_make_one_template(spec: Path, run_root: Path, tmp_path: Path) 
     assert [proc.returncode for proc in procs] == [0, 0], outs
     assert all(out == "done\n" for out, _ in outs)
     assert sum("making the template" in err for _, err in outs) == 1, outs
-    listed = [each for each in json.loads(vl("template", "ls", "--json").stdout) if each["spec"] == str(other)]
+    listed = [each for each in json.loads(vl("template", "ls", "--json").stdout)
+              if each["spec"] == str(other)]
     assert len(listed) == 1
     assert vl("template", "rm", listed[0]["key"]).returncode == 0
     assert vl("template", "rm", "nope").returncode == EXIT_USAGE

@@ -2,8 +2,8 @@
 
 One module per command group, each with `register(commands, root)` adding its commands the one way
 (`common.command`): `init` (a starter lab.toml), `lab` (validate, cmdline, up, down, pause, resume,
-reset), `run` (run, template: throwaway VMs), `vms` (ls, status, logs, console, ssh, balloon, qmp, numa), `rig` (exec, cp), `wire` (link,
-partition), `netem`, `fault` (faults on the disks), `screen` (screenshot, send-keys, evidence),
+reset), `run` (run, template: throwaway VMs), `vms` (ls, status, logs, console, ssh, balloon, qmp,
+numa), `rig` (exec, cp), `wire` (link, partition), `netem`, `fault` (faults on the disks), `screen` (screenshot, send-keys, evidence),
 `image`, `snapshot`, `export`, `graph`, `doctor`, `help` (help, completion). This module builds the
 parser from them and owns what every command shares: the exit codes, the log lines on standard error,
 signals and a closed pipe.
@@ -103,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = _main(argv)
         sys.stdout.flush()  # here, not at exit, so that a closed pipe is seen below
         sys.stderr.flush()
+        if argv is None:  # the process is the command, and ends now
+            _spare_the_last_collection()
         return code
     except BrokenPipeError:
         # `vmlaunch cmdline lab.toml | head -1`: the reader has all it wanted. Exit as a process
@@ -113,6 +115,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _spare_the_last_collection() -> None:
+    """Python's exit walks every object left for a last garbage collection (~50 ms after an `up`, a
+    quarter of it): frozen, they are skipped. The exit itself (atexit, flushing, closing) is as
+    ever. Only for the command's own process: in a caller that goes on, frozen objects would
+    never be collected."""
+    import gc
+
+    gc.freeze()
 
 
 def _reader_gone() -> bool:

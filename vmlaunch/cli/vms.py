@@ -105,7 +105,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     from vmlaunch.layout.dirs import run_root
     from vmlaunch.runtime.control import labs_up
-
     from vmlaunch.spec.throwaway import homes
 
     if homes(run_root()).exists():  # the throwaway VMs of a vmlaunch that is gone are taken down first
