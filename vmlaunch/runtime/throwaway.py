@@ -151,9 +151,30 @@ def forget(root: Path, name: str, timeout: float = 10.0) -> None:
 
     run_dir = RunDir.of(root, name)
     if run_dir.path.exists():
+        _kill(run_dir)
         with _quiet():  # its QEMU quits, as asked: no guest of it is worth a clean power-off
             executor.down(run_dir, timeout=0, force=True)
     templates.remove(homes(root) / name)
+
+
+def _kill(run_dir: RunDir) -> None:
+    """SIGKILL the throwaway lab's QEMUs (nothing of a throwaway guest is kept: no power-off, no quit),
+    and wait until they are gone; `down` then undoes the rest."""
+    import signal
+
+    from vmlaunch.core.wait import TimedOut, wait_until
+    from vmlaunch.lab import process
+
+    pids = []
+    for entry in sorted(os.listdir(run_dir.path)):
+        if entry.endswith(".pid"):
+            pid = process.find_pid(run_dir.vm(entry[:-4]))
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                pids.append(pid)
+    with contextlib.suppress(TimedOut):
+        wait_until(lambda: not any(process.alive(pid) for pid in pids), 5.0, interval=0.005)
 
 
 @contextlib.contextmanager
