@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
     from vmlaunch.errors import (
         AgentError,
         CommandTimedOut,
+        GuestPanicked,
         GuestPaused,
         HostError,
         RuntimeFailure,
@@ -36,6 +37,7 @@ __all__ = [
     "AgentError",
     "CommandFailed",
     "CommandTimedOut",
+    "GuestPanicked",
     "GuestPaused",
     "HostError",
     "Lab",
@@ -64,6 +66,7 @@ _LAZY = {
     "UsageError": "vmlaunch.errors",
     "AgentError": "vmlaunch.errors",
     "CommandTimedOut": "vmlaunch.errors",
+    "GuestPanicked": "vmlaunch.errors",
     "GuestPaused": "vmlaunch.errors",
     "CommandFailed": "vmlaunch.rig.guest",
     "QmpError": "vmlaunch.qemu.qmp",

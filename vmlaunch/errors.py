@@ -6,6 +6,8 @@ Exit codes (the manual's Errors page, docs/reference/errors.md):
   3   the host cannot do what the spec asks (no QEMU, KVM unusable, a missing QEMU feature), or
       the engine a lab is exported to has no equivalent for a setting (`export --strict`)
   4   a run-time failure (QEMU refused to start, a host resource is busy)
+  5   the command channel failed (no agent answers, it closed, it hangs)
+  6   a throwaway VM's guest panicked (`vmlaunch run`)
   64  the command line itself is wrong (usage)
   73  a file the user named for vmlaunch to write cannot be made: a FIFO, device, folder or symlink
       stands at its name, or nothing could be saved in the folder named (as sysexits' EX_CANTCREAT)
@@ -27,6 +29,7 @@ EXIT_SPEC = 2
 EXIT_HOST = 3
 EXIT_RUNTIME = 4
 EXIT_AGENT = 5  # the guest's command channel: no agent answers, it closed, it hangs
+EXIT_GUEST_PANIC = 6  # the guest of a throwaway VM (`vmlaunch run`) panicked
 EXIT_TIMED_OUT = 124  # a command run in a guest did not end in time (as timeout(1))
 EXIT_USAGE = 64
 EXIT_CANT_CREATE = 73  # sysexits' EX_CANTCREAT: a file the user named cannot be made
@@ -131,6 +134,12 @@ class SpecUnfit(RuntimeFailure):
     with a PCI device): a problem of the spec, so exit 2 as every other; nothing was changed."""
 
     exit_code = EXIT_SPEC
+
+
+class GuestPanicked(RuntimeFailure):
+    """The guest of a throwaway VM (`vmlaunch run`) panicked while it booted or ran the command."""
+
+    exit_code = EXIT_GUEST_PANIC
 
 
 class AgentError(RuntimeFailure):

@@ -12,8 +12,6 @@ from vmlaunch.errors import UsageError
 
 log = logging.getLogger("vmlaunch")
 
-EXIT_PANIC = 6  # runtime/throwaway.GuestPanicked: the guest panicked
-
 
 def register(commands: Commands, root: argparse.ArgumentParser) -> None:
     run = command(

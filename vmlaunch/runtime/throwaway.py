@@ -40,7 +40,7 @@ from typing import IO, Any
 import attrs
 
 from vmlaunch.compile.plan import Plan, VmPlan
-from vmlaunch.errors import AgentError, RuntimeFailure, UsageError, VmlaunchError
+from vmlaunch.errors import AgentError, GuestPanicked, RuntimeFailure, UsageError, VmlaunchError
 from vmlaunch.host.facts import Host
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.rig import agent
@@ -54,12 +54,6 @@ OWNER = "owner.json"
 RECIPE = spec_throwaway.RECIPE
 DEFAULT_WAIT = 300.0  # seconds a cold guest gets to answer on its command channel
 TEMPLATE_WAIT = 600.0  # seconds another vmlaunch may take to make a template this one waits for
-
-
-class GuestPanicked(RuntimeFailure):
-    """The guest of a throwaway VM panicked while it booted or ran the command."""
-
-    exit_code = 6
 
 
 @attrs.frozen
