@@ -234,3 +234,28 @@ def test_bad_input(spec: Path, run_root: Path) -> None:
         assert done.returncode != 0 and (code is None or done.returncode == code), (args, done.stderr)
         assert said in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
     nothing_left(run_root)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="becomes another user: needs root")
+def test_run_as_a_user_without_root(test_guest: Path) -> None:
+    """A spec without bridges runs as any user, as `up` does; the template too."""
+    import shutil
+
+    folder = Path(tempfile.mkdtemp(prefix="vl-user-"))
+    try:
+        os.chmod(folder, 0o755)
+        spec = folder / "lab.toml"
+        spec.write_text(f'[lab]\nname = "ru"\n[vm.w]\nmemory = "128M"\naccel = "tcg"\ntemplate = true\n'
+                        f'kernel = "{test_guest}/vmlinuz"\ninitrd = "{test_guest}/initrd.gz"\n')
+        shutil.chown(folder, "nobody")
+        env = {"PATH": os.environ["PATH"], "HOME": str(folder), "VMLAUNCH_RUN_DIR": str(folder / "run"),
+               "VMLAUNCH_CACHE_DIR": str(folder / "cache")}
+        argv = ["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups", *VMLAUNCH, "run",
+                str(spec), "w", "--", "echo as-a-user"]
+        for _ in range(2):  # the template made, then used
+            done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180, check=False)
+            assert (done.returncode, done.stdout) == (0, "as-a-user\n"), done.stderr
+        nothing_left(folder / "run")
+    finally:
+        subprocess.run(["pkill", "-9", "-f", str(folder)], check=False)
+        shutil.rmtree(folder, ignore_errors=True)

@@ -517,6 +517,11 @@ def ensure_template(lab: LabSpec, vm: VmSpec, host: Host, spec: str) -> template
     """The template of `vm`, made now when there is none (said in one line); None when it cannot be
     made (said why: the run then boots cold)."""
     key = template_key(lab, vm, host)
+    try:
+        templates.store()
+    except VmlaunchError as exc:
+        log.warning("%s: this run boots cold", exc.message)
+        return None
     found = templates.find(key)
     if found is not None:
         found.used()
