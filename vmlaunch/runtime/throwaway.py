@@ -409,6 +409,9 @@ def _compile(run_lab: LabSpec, host: Host) -> Plan:
         raise UsageError(f"--share: {message}", hint)
     kernels = prepare(run_lab, host, [vm.name for vm in run_lab.vms], build=True)
     plan = compile_lab(run_lab, host, kernels=kernels)
+    # no lab manager: a throwaway VM has no balloon policy, KSM or placement to manage, and lives for a
+    # command (its QEMU's log and console are the evidence kept of it)
+    plan = attrs.evolve(plan, resources=tuple(r for r in plan.resources if r.kind != "manager"))
     if any(vm.shares for vm in run_lab.vms):
         from vmlaunch.guests.shareaccess import require_xattrs
 
