@@ -3,15 +3,19 @@
 
 The guest is the current Debian kernel (``linux-image-amd64`` resolved to the concrete
 ``linux-image-6.1.0-N-amd64`` package) plus an initramfs holding ``busybox-static``, the
-virtio (and ACPI power-button) kernel modules and ``tools/guest/init``. The init script
-configures the guest from the kernel command line (``vl.ip=``, ``vl.mark=``, ``vl.run=``),
+virtio, 9p (and ACPI power-button) kernel modules and ``tools/guest/init``. The init script
+configures the guest from the kernel command line (``vl.ip=``, ``vl.mark=``, ``vl.run=``, ``vl.share=``),
 reports on the serial console and prints ``VMLAUNCH-GUEST-READY`` once it is up, so tests
 can check networking, disks, the balloon and ACPI shutdown of a real QEMU.
 
 Usage: ``python3 tools/build_guest.py [--out DIR] [--force]`` writes ``DIR/vmlinuz`` and
-``DIR/initrd.gz`` (default DIR: ``examples/guest`` in the repository). Downloaded ``.deb``
+``DIR/initrd.gz`` (default DIR: ``examples/guest`` in the repository), and the kernel's modules
+the guest uses (with what they depend on) in ``DIR/modules/RELEASE``, laid out as
+``/lib/modules/RELEASE`` is (modules.builtin, modules.order, modules.dep, ``kernel/...``): what
+``vmlaunch run --kernel DIR/vmlinuz --modules DIR/modules/RELEASE`` reads. Downloaded ``.deb``
 files are kept in ``${XDG_CACHE_HOME:-~/.cache}/vmlaunch/guest-debs``. ``DIR/.stamp`` records
-the package versions and the hashes of the init script and of this builder; when it matches,
+the package versions and the hashes of the init script, of this builder and of the vmlaunch files it
+uses (the agent, ``vmlaunch/guests/kmod.py`` and ``cpio.py``, loaded by their paths); when it matches,
 nothing is downloaded or rebuilt (``--force`` rebuilds). Exit status: 0 success, 3 failure.
 Python 3.9+ standard library only.
 """
@@ -23,18 +27,18 @@ import contextlib
 import fcntl
 import gzip
 import hashlib
-import importlib
+import importlib.util
 import io
-import lzma
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import types
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILDER = Path(__file__).resolve()
@@ -42,28 +46,27 @@ INIT_SCRIPT = BUILDER.parent / "guest" / "init"
 # vmlaunch's agent for the command channel (the sh one: the guest has no python3), /bin/vmlaunch-agent
 AGENT_SCRIPT = REPO_ROOT / "vmlaunch" / "guests" / "guest_agent.sh"
 DEFAULT_OUT = REPO_ROOT / "examples" / "guest"
+# vmlaunch's own code this builder shares, standard library only: loaded by path (see `shared`)
+SHARED = {name: REPO_ROOT / "vmlaunch" / "guests" / f"{name}.py" for name in ("kmod", "cpio")}
 
 KERNEL_META = "linux-image-amd64"
 BUSYBOX_PKG = "busybox-static"
 KERNEL_PKG_RE = re.compile(r"^linux-image-\d[^ ]*-amd64$")
 
-# insmod order inside the guest: each module after the modules it depends on.
+# The guest's modules; what they depend on comes with them, loaded before them (their depends=).
 REQUIRED_MODULES = (
-    "virtio_ring",
-    "virtio",
-    "virtio_pci_modern_dev",
-    "virtio_pci_legacy_dev",
     "virtio_pci",
-    "failover",
-    "net_failover",
     "virtio_net",
     "virtio_blk",
     "virtio_balloon",
     "virtio_console",
+    "9pnet_virtio",  # shares (vl.share=), as vmlaunch's own initramfs mounts them
+    "9p",
 )
 # ACPI power button (QMP system_powerdown) and evdev, through which busybox acpid sees it.
 OPTIONAL_MODULES = ("button", "evdev")
-MODULE_SUFFIXES = (".ko", ".ko.xz", ".ko.zst", ".ko.gz")
+# the files of the package's modules folder kept beside the kernel, with the modules the guest uses
+MODULE_INDEXES = ("modules.builtin", "modules.builtin.modinfo")
 
 GUEST_DIRS = (
     "bin",
@@ -99,9 +102,22 @@ class Package(NamedTuple):
     version: str
 
 
-class Module(NamedTuple):
-    name: str
-    data: bytes
+def shared(name: str) -> types.ModuleType:
+    """vmlaunch/guests/NAME.py, loaded by its path: this builder runs without vmlaunch installed."""
+    spec = importlib.util.spec_from_file_location(f"_vmlaunch_{name}", SHARED[name])
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {SHARED[name]}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+if TYPE_CHECKING:
+    from vmlaunch.guests import cpio as cpio_format
+    from vmlaunch.guests import kmod
+else:
+    kmod, cpio_format = shared("kmod"), shared("cpio")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -168,8 +184,10 @@ def locked(directory: Path) -> Iterator[None]:
 
 
 def input_hashes() -> dict[str, str]:
-    return {"init-sha256": sha256_file(INIT_SCRIPT), "agent-sha256": sha256_file(AGENT_SCRIPT),
-            "builder-sha256": sha256_file(BUILDER)}
+    hashes = {"init-sha256": sha256_file(INIT_SCRIPT), "agent-sha256": sha256_file(AGENT_SCRIPT),
+              "builder-sha256": sha256_file(BUILDER)}
+    hashes.update({f"{name}-sha256": sha256_file(path) for name, path in SHARED.items()})
+    return hashes
 
 
 def read_stamp(out: Path) -> dict[str, str]:
@@ -203,7 +221,7 @@ def is_up_to_date(out: Path) -> bool:
             return False
         if stamp.get(f"size:{name}") != str(size):
             return False
-    return True
+    return (out / "modules" / stamp.get("kernel", "-") / "modules.dep").is_file()
 
 
 # --------------------------------------------------------------------------- apt
@@ -340,150 +358,65 @@ def kernel_version(root: Path) -> str:
     return versions[0]
 
 
-def module_name(filename: str) -> str:
-    for suffix in MODULE_SUFFIXES:
-        if filename.endswith(suffix):
-            return filename[: -len(suffix)].replace("-", "_")
-    return ""
-
-
-def index_modules(moddir: Path) -> dict[str, Path]:
-    """Module name -> file under lib/modules/VERSION/kernel."""
-    index: dict[str, Path] = {}
-    for dirpath, _dirs, files in os.walk(moddir / "kernel"):
-        for filename in files:
-            name = module_name(filename)
-            if name:
-                index.setdefault(name, Path(dirpath) / filename)
-    return index
-
-
-def builtin_modules(moddir: Path) -> set[str]:
-    try:
-        lines = (moddir / "modules.builtin").read_text().split()
-    except OSError:
-        return set()
-    return {module_name(Path(line).name) for line in lines}
-
-
-def decompress_module(path: Path) -> bytes:
-    data = path.read_bytes()
-    if path.name.endswith(".ko.xz"):
-        return lzma.decompress(data)
-    if path.name.endswith(".ko.gz"):
-        return gzip.decompress(data)
-    if path.name.endswith(".ko.zst"):
-        return zstd_decompress(path, data)
-    return data
-
-
-def zstd_decompress(path: Path, data: bytes) -> bytes:
-    """zstd in the standard library (Python 3.14+), else the zstd command."""
-    try:
-        zstd = importlib.import_module("compression.zstd")
-    except ImportError:
-        pass
-    else:
-        return bytes(zstd.decompress(data))
-    if shutil.which("zstd") is None:
-        raise BuildError(f"{path.name} is zstd-compressed: install zstd")
-    result = subprocess.run(["zstd", "-dc", str(path)], capture_output=True, check=False)
-    if result.returncode != 0:
-        raise BuildError(f"zstd -dc {path} failed: {result.stderr.decode().strip()}")
-    return result.stdout
-
-
-def module_depends(data: bytes) -> list[str]:
-    match = re.search(rb"(?:^|\x00)depends=([^\x00]*)\x00", data)
-    if match is None:
-        return []
-    return [dep.decode().replace("-", "_") for dep in match.group(1).split(b",") if dep]
-
-
-def collect_modules(root: Path, kernel: str) -> list[Module]:
-    """The guest's modules in insmod order; built-in ones skipped, missing required fail."""
+def collect_modules(root: Path, kernel: str) -> list[kmod.Module]:
+    """The guest's modules in insmod order, what they depend on first; built-in ones skipped, a missing
+    required one fails."""
     moddir = root / "lib" / "modules" / kernel
-    index, builtin = index_modules(moddir), builtin_modules(moddir)
-    modules: list[Module] = []
-    for name in REQUIRED_MODULES + OPTIONAL_MODULES:
-        if name in index:
-            modules.append(Module(name, decompress_module(index[name])))
-        elif name not in builtin and name in REQUIRED_MODULES:
-            raise BuildError(f"kernel {kernel} has no module {name}, neither file nor built-in")
-    check_module_order(modules, builtin)
+    index, builtin = kmod.index_modules(moddir), kmod.builtin_modules(moddir)
+    roots = list(REQUIRED_MODULES) + [name for name in OPTIONAL_MODULES if name in index]
+    try:
+        modules, missing = kmod.gather(roots, index, builtin)
+    except kmod.ModuleError as exc:
+        raise BuildError(str(exc)) from None
+    if missing:
+        names = ", ".join(sorted(missing))
+        raise BuildError(f"kernel {kernel} has no module {names}, neither file nor built-in")
     return modules
 
 
-def check_module_order(modules: list[Module], builtin: set[str]) -> None:
-    loaded = set(builtin)
-    for module in modules:
-        missing = [dep for dep in module_depends(module.data) if dep not in loaded]
-        if missing:
-            raise BuildError(f"module {module.name} needs {', '.join(missing)} loaded before it")
-        loaded.add(module.name)
+def keep_modules(root: Path, kernel: str, modules: list[kmod.Module], out: Path) -> None:
+    """Keep the guest's modules beside the kernel, as /lib/modules/KERNEL holds them: OUT/modules/KERNEL
+    with the package's modules.builtin, a modules.order and modules.dep of the modules kept, and their
+    files under kernel/. Other kernels' folders there are removed."""
+    moddir = root / "lib" / "modules" / kernel
+    folder = out / "modules"
+    folder.mkdir(exist_ok=True)
+    made = Path(tempfile.mkdtemp(prefix=f".{kernel}.", dir=folder))
+    try:
+        for name in MODULE_INDEXES:
+            if (moddir / name).is_file():
+                shutil.copyfile(moddir / name, made / name)
+        names = {module.name: module.path.relative_to(moddir).as_posix() for module in modules
+                 if module.path is not None}
+        for relative in names.values():
+            (made / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(moddir / relative, made / relative)
+        dep_lines = []
+        closure: dict[str, set[str]] = {}  # each module's dependencies, theirs too (as depmod lists them)
+        for module in modules:
+            direct = [dep for dep in kmod.depends(module.data) if dep in names]
+            closure[module.name] = set(direct).union(*(closure[dep] for dep in direct))
+            # depmod's order: what is loaded last first
+            deps = [names[m.name] for m in reversed(modules) if m.name in closure[module.name]]
+            dep_lines.append(f"{names[module.name]}: {' '.join(deps)}".rstrip() + "\n")
+        (made / "modules.order").write_text("".join(f"{names[m.name]}\n" for m in modules))
+        (made / "modules.dep").write_text("".join(dep_lines))
+        os.chmod(made, 0o755)
+        for old in folder.iterdir():
+            if not old.name.startswith("."):
+                shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+        os.rename(made, folder / kernel)
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- initramfs
 
 
-class CpioWriter:
-    """Minimal writer of the cpio "newc" (070701) format the kernel unpacks as initramfs."""
-
-    def __init__(self, stream: BinaryIO, mtime: int = 0) -> None:
-        self.stream = stream
-        self.mtime = mtime
-        self.ino = 0
-
-    def _entry(
-        self,
-        name: str,
-        mode: int,
-        data: bytes = b"",
-        rdev: tuple[int, int] = (0, 0),
-        nlink: int = 1,
-    ) -> None:
-        self.ino += 1
-        encoded = name.encode() + b"\x00"
-        fields = (
-            self.ino,
-            mode,
-            0,
-            0,
-            nlink,
-            self.mtime,
-            len(data),
-            0,
-            0,
-            rdev[0],
-            rdev[1],
-            len(encoded),
-            0,
-        )
-        header = b"070701" + b"".join(b"%08X" % field for field in fields)
-        self.stream.write(header + encoded + self._pad(len(header) + len(encoded)))
-        self.stream.write(data + self._pad(len(data)))
-
-    @staticmethod
-    def _pad(length: int) -> bytes:
-        return b"\x00" * (-length % 4)
-
-    def directory(self, name: str, perm: int = 0o755) -> None:
-        self._entry(name, 0o040000 | perm, nlink=2)
-
-    def file(self, name: str, data: bytes, perm: int = 0o644) -> None:
-        self._entry(name, 0o100000 | perm, data)
-
-    def chardev(self, name: str, major: int, minor: int, perm: int = 0o600) -> None:
-        self._entry(name, 0o020000 | perm, rdev=(major, minor))
-
-    def finish(self) -> None:
-        self._entry("TRAILER!!!", 0, nlink=1)
-
-
-def build_initramfs(busybox: bytes, init: bytes, modules: list[Module], agent: bytes = b"") -> bytes:
+def build_initramfs(busybox: bytes, init: bytes, modules: list[kmod.Module], agent: bytes = b"") -> bytes:
     """gzip-compressed newc cpio archive (reproducible: fixed mtimes)."""
     raw = io.BytesIO()
-    cpio = CpioWriter(raw)
+    cpio = cpio_format.CpioWriter(raw)
     for directory in GUEST_DIRS:
         cpio.directory(directory, 0o1777 if directory == "tmp" else 0o755)
     cpio.chardev("dev/console", 5, 1)
@@ -524,6 +457,7 @@ def build(out: Path) -> None:
         vmlinuz = read_bytes(root / "boot" / f"vmlinuz-{kernel}", "kernel image")
         busybox = read_bytes(root / "bin" / "busybox", "busybox")
         modules = collect_modules(root, kernel)
+        keep_modules(root, kernel, modules, out)
     initrd = build_initramfs(busybox, init, modules, agent)
     with contextlib.suppress(FileNotFoundError):
         (out / ".stamp").unlink()

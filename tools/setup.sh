@@ -40,11 +40,12 @@ DEMO_PACKAGES=(qemu-system-x86 qemu-utils iproute2 util-linux)
 # libvirt's Python binding (libvirt-python, the `hosts` extra) against them, for labs on libvirt hosts;
 # openssh-server: `sshd`, which each host of the tests' rig of libvirt hosts runs in its namespace
 # (tools/libvirt_hosts.py; installing it starts no daemon where policy-rc.d forbids it, and the rig
-# never uses the host's own).
+# never uses the host's own). busybox-static: the static /bin/busybox that vmlaunch's own initramfs
+# (`vmlaunch run --kernel` without --initrd, guests/initramfs.py) is made of.
 TEST_PACKAGES=("${DEMO_PACKAGES[@]}" ovmf openssh-client zsh ethtool fdisk e2fsprogs
                libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients libxml2-utils iptables zstd lz4
                nftables gpgv gpg gpg-agent debian-keyring graphviz libvirt-dev pkg-config gcc python3-dev
-               openssh-server)
+               openssh-server busybox-static)
 # the package's extras: the demo needs none; the tests need test (pytest, ...) and hosts (libvirt's
 # Python binding, built with gcc and libvirt-dev)
 DEMO_EXTRAS=
