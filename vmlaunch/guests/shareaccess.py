@@ -460,7 +460,8 @@ def grant(folder: Path, uid: int, gid: int, *, readonly: bool) -> Grant:
     a file the owner saves meanwhile is readable for the guest), and when writable a default entry
     `u:OWNER:rwx` (OWNER: the folder's owner, unless root): the files a guest creates stay readable,
     editable and removable by the folder's owner while the lab runs. Every regular file with one
-    link gets `u:UID:rw-` (`r--`). Symlinks, devices, FIFOs and sockets get nothing;
+    link gets `u:UID:rw-` (`r--`, and nothing for a file anyone may read already). Symlinks,
+    devices, FIFOs and sockets get nothing;
     files with other hard links and other mounts are left as they are (said in `notes`, as is a
     file that could not be changed).
 
@@ -480,6 +481,8 @@ def grant(folder: Path, uid: int, gid: int, *, readonly: bool) -> Grant:
         def visit(node: _Node) -> Inherited:
             if not node.is_dir and not stat.S_ISREG(node.info.st_mode):
                 return NOTHING  # symlinks, devices, FIFOs, sockets: nothing to give
+            if readonly and not node.is_dir and node.info.st_mode & stat.S_IROTH:
+                return NOTHING  # anyone may read it: so may the VM's uid, as it is (a source tree's files)
             if not node.is_dir and node.info.st_nlink != 1:
                 walk.left.append(f"{node.path}: {node.info.st_nlink} hard links: left as it is (the "
                                  "guest cannot use it)")
