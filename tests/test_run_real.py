@@ -259,3 +259,42 @@ def test_run_as_a_user_without_root(test_guest: Path) -> None:
     finally:
         subprocess.run(["pkill", "-9", "-f", str(folder)], check=False)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_kernel_alone_with_its_modules_or_its_initrd(test_guest: Path, run_root: Path, tmp_path: Path) -> None:
+    """The issue's Done-when: `run --kernel` with the modules kept beside the test guest's kernel, and
+    with its initrd; the current folder is shared at its own path, read-only unless --rw."""
+    modules = next((test_guest / "modules").iterdir())
+    (tmp_path / "here.txt").write_text("in the current folder\n")
+    for extra in (["--modules", str(modules)], ["--initrd", str(test_guest / "initrd.gz")]):
+        done = subprocess.run([*VMLAUNCH, "run", "--kernel", str(test_guest / "vmlinuz"), *extra, "--",
+                               "sh", "-c", "uname -r; pwd; cat here.txt; touch new 2>/dev/null || echo ro"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=180, check=False)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == f"{modules.name}\n{tmp_path}\nin the current folder\nro\n", done.stdout
+    done = subprocess.run([*VMLAUNCH, "run", "--kernel", str(test_guest / "vmlinuz"), "--initrd",
+                           str(test_guest / "initrd.gz"), "--rw", "--", "touch written"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0 and (tmp_path / "written").exists(), done.stderr
+    nothing_left(run_root)
+
+
+def test_a_kernel_without_what_the_boot_needs_is_refused(test_guest: Path, run_root: Path,
+                                                         tmp_path: Path) -> None:
+    import shutil
+
+    modules = next((test_guest / "modules").iterdir())
+    lacking = tmp_path / modules.name
+    shutil.copytree(modules, lacking)
+    for found in lacking.rglob("9p.ko*"):
+        found.unlink()
+    (tmp_path / "notakernel").write_text("hello\n")
+    for argv, code, said in (
+            (["--kernel", str(test_guest / "vmlinuz"), "--modules", str(lacking)], 2, "9p"),
+            (["--kernel", str(tmp_path / "notakernel")], EXIT_USAGE, "no Linux kernel"),
+            (["--kernel", str(tmp_path / "missing")], EXIT_USAGE, "no such file")):
+        done = subprocess.run([*VMLAUNCH, "run", *argv, "--", "true"], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60, check=False)
+        assert done.returncode == code and said in done.stderr and "Traceback" not in done.stderr, \
+            (argv, done.returncode, done.stderr)
+    nothing_left(run_root)
