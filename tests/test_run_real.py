@@ -261,7 +261,8 @@ def test_run_as_a_user_without_root(test_guest: Path) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def test_a_kernel_alone_with_its_modules_or_its_initrd(test_guest: Path, run_root: Path, tmp_path: Path) -> None:
+def test_a_kernel_alone_with_its_modules_or_its_initrd(test_guest: Path, run_root: Path,
+                                                       tmp_path: Path) -> None:
     """The issue's Done-when: `run --kernel` with the modules kept beside the test guest's kernel, and
     with its initrd; the current folder is shared at its own path, read-only unless --rw."""
     modules = next((test_guest / "modules").iterdir())
