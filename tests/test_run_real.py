@@ -299,3 +299,21 @@ def test_a_kernel_without_what_the_boot_needs_is_refused(test_guest: Path, run_r
         assert done.returncode == code and said in done.stderr and "Traceback" not in done.stderr, \
             (argv, done.returncode, done.stderr)
     nothing_left(run_root)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs: needs root")
+def test_no_room_for_a_template_boots_cold_and_leaves_no_half_one(spec: Path, run_root: Path) -> None:
+    cache = Path(tempfile.mkdtemp(prefix="vl-full-"))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96M,mode=0700", "tmpfs", str(cache)], check=True)
+    try:
+        env = {**os.environ, "VMLAUNCH_CACHE_DIR": str(cache)}
+        done = subprocess.run([*VMLAUNCH, "run", "--warm", str(spec), "w", "--", "echo cold"], env=env,
+                              capture_output=True, text=True, timeout=180, check=False)
+        assert (done.returncode, done.stdout) == (0, "cold\n"), done.stderr
+        assert "could not be made" in done.stderr and "boots cold" in done.stderr
+        templates = cache / "templates"
+        assert not [entry for entry in os.listdir(templates) if not entry.endswith(".lock")]
+        nothing_left(run_root)
+    finally:
+        subprocess.run(["umount", "-l", str(cache)], check=False)
+        os.rmdir(cache)

@@ -33,7 +33,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -427,6 +427,44 @@ def _up(plan: Plan, spec: str, host: Host, warm: templates.Template | None, opti
                 from_snapshot=start)  # type: ignore[arg-type]
 
 
+def watched(vm: VmPlan, call: Callable[[], agent.Result]) -> agent.Result:
+    """`call` (a command in the guest, on a thread of its own) while the VM's console and QEMU are
+    watched: a panic, or a QEMU that exits, ends the wait at once."""
+    from vmlaunch.lab import process
+
+    outcome: dict[str, Any] = {}
+
+    def go() -> None:
+        try:
+            outcome["result"] = call()
+        except BaseException as exc:  # handed to the caller's thread
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=go, name=f"run-{vm.name}", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.1)
+        if not worker.is_alive():
+            break
+        panic = process.console_panic(vm.files)
+        if panic is not None:
+            raise GuestPanicked(f"{vm.name}: the guest panicked: {panic}",
+                                "its console (kept with --keep) has the whole trace")
+        pid = process.read_pid(vm.files)
+        if pid is not None and not process.alive(pid):
+            said = process.messages(vm.files).strip()[-300:]
+            raise RuntimeFailure(f"{vm.name}: its QEMU exited: {said or 'no message'}")
+    if "error" in outcome:
+        error = outcome["error"]
+        if isinstance(error, AgentError):
+            panic = process.console_panic(vm.files)
+            if panic is not None:
+                raise GuestPanicked(f"{vm.name}: the guest panicked: {panic}") from None
+        raise error
+    result: agent.Result = outcome["result"]
+    return result
+
+
 def _command(run_dir: RunDir, vm: VmPlan, cmd: agent.Command, options: Options, warm: bool,
              stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> agent.Result:
     """Run the command in the guest while its console and QEMU are watched: a panic, or a QEMU that
@@ -440,40 +478,9 @@ def _command(run_dir: RunDir, vm: VmPlan, cmd: agent.Command, options: Options, 
                  f">/dev/null 2>&1; ".encode() + prefix
     if prefix:
         text = prefix + text
-    outcome: dict[str, Any] = {}
-
-    def go() -> None:
-        try:
-            outcome["result"] = agent.run(run_dir, vm.name, text, timeout=options.timeout,
-                                          input=options.input, wait=options.wait, limit=options.limit,
-                                          stdout=stdout)
-        except BaseException as exc:  # handed to the caller's thread
-            outcome["error"] = exc
-
-    worker = threading.Thread(target=go, name=f"run-{vm.name}", daemon=True)
-    worker.start()
-    from vmlaunch.lab import process
-
-    while worker.is_alive():
-        worker.join(0.1)
-        if not worker.is_alive():
-            break
-        panic = process.console_panic(vm.files)
-        if panic is not None:
-            raise GuestPanicked(f"{vm.name}: the guest panicked: {panic}",
-                                "its console (kept with --keep) has the whole trace")
-        pid = process.read_pid(vm.files)
-        if pid is not None and not process.alive(pid):
-            raise RuntimeFailure(f"{vm.name}: its QEMU exited while the command ran: "
-                                 f"{process.messages(vm.files).strip()[-300:] or 'no message'}")
-    if "error" in outcome:
-        error = outcome["error"]
-        if isinstance(error, AgentError):
-            panic = process.console_panic(vm.files)
-            if panic is not None:
-                raise GuestPanicked(f"{vm.name}: the guest panicked: {panic}") from None
-        raise error
-    result: agent.Result = outcome["result"]
+    result = watched(vm, lambda: agent.run(run_dir, vm.name, text, timeout=options.timeout,
+                                           input=options.input, wait=options.wait, limit=options.limit,
+                                           stdout=stdout))
     if stderr is not None and result.stderr:
         stderr.write(result.stderr)
         stderr.flush()
@@ -562,6 +569,13 @@ def make_template(lab: LabSpec, vm: VmSpec, host: Host, key: str, spec: str) -> 
     if vm.hugepages is not None:
         raise RuntimeFailure(f"{vm.name}'s memory is hugepages, and a template's RAM is a file")
     folder = templates.temporary(key)
+    need = (vm.memory_mib << 20) + sum(os.stat(d.file).st_blocks * 512 for d in vm.disks
+                                       if not d.readonly and os.path.exists(d.file))
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        templates.remove(folder)
+        raise RuntimeFailure(f"the cache has {free >> 20} MiB free, and a template of {vm.name} takes up to "
+                             f"{need >> 20} MiB (its RAM and disks)")
     name = spec_throwaway.new_name(spec_throwaway.TEMPLATE_PREFIX)
     run_dir = RunDir.of(host.run_root, name)
     try:
@@ -575,7 +589,7 @@ def make_template(lab: LabSpec, vm: VmSpec, host: Host, key: str, spec: str) -> 
         executor.up(plan, spec=spec, qemu_img=host.qemu.img, timeout=60.0)
         began = time.monotonic()
         try:
-            agent.run(run_dir, vm.name, "true", timeout=30.0, wait=DEFAULT_WAIT)
+            watched(plan.vms[0], lambda: agent.run(run_dir, vm.name, "true", timeout=30.0, wait=DEFAULT_WAIT))
             ready = time.monotonic() - began
             _save_devices(plan.vms[0], folder / templates.STATE)
         finally:
