@@ -50,11 +50,11 @@ def timed(argv: list[str], env: dict[str, str]) -> float:
     return elapsed
 
 
-def raw_boot(kernel: Path, initrd: Path, memory: int) -> float:
+def raw_boot(kernel: Path, initrd: Path, memory: int, console: Path) -> float:
     """A raw QEMU booting straight to `true`, then powering off: from start to its exit."""
     # the kernel arguments the VM boots with (the spec's default, console=ttyS0), its console a file
     argv = ["qemu-system-x86_64", "-machine", "q35", "-accel", "tcg", "-m", str(memory), "-nodefaults",
-            "-display", "none", "-no-reboot", "-serial", f"file:{kernel.parent / 'raw-console.log'}",
+            "-display", "none", "-no-reboot", "-serial", f"file:{console}",
             "-kernel", str(kernel), "-initrd", str(initrd), "-append",
             'console=ttyS0 rdinit=/bin/busybox -- sh -c "true; /bin/busybox poweroff -f"']
     start = time.perf_counter()
@@ -116,7 +116,7 @@ def main() -> int:
         elf = boot_of(GUEST / "vmlinuz", build=True).elf or GUEST / "vmlinuz"
         print(f"the template is made; the raw QEMU boots {elf}")
         for _ in range(args.rounds):
-            sample("raw QEMU to true", raw_boot(elf, GUEST / "initrd.gz", 128))
+            sample("raw QEMU to true", raw_boot(elf, GUEST / "initrd.gz", 128, work / "raw-console.log"))
             sample("run --cold", timed([*tool, "run", "--cold", str(spec), "w", "--", "true"], env))
             sample("run (template)", timed([*tool, "run", str(spec), "w", "--", "true"], env))
         median = {name: statistics.median(values) for name, values in samples.items()}
