@@ -10,7 +10,7 @@ import pytest
 
 from vmlaunch.errors import RuntimeFailure
 from vmlaunch.policy.admission import MIN_SHARE, Admission, Booting, admission
-from vmlaunch.runtime.waves import Waves
+from vmlaunch.runtime.waves import ALL_AT_ONCE, Waves
 
 
 def tcg(name: str, vcpus: int = 1) -> Booting:
@@ -70,8 +70,14 @@ class FakeQmp:
         self.closed = False
 
     def cmd(self, command: str, **args: Any) -> Any:
+        self.send(command, **args)
+        return self.reply(command)
+
+    def send(self, command: str, **args: Any) -> None:
         if command == "cont":
             self.log.append(self.name)
+
+    def reply(self, command: str) -> Any:
         return {"status": self.state}
 
     def close(self) -> None:
@@ -214,10 +220,10 @@ def test_with_nothing_to_wait_for_the_rest_go_at_the_deadline() -> None:
 
 def test_a_qemu_that_died_while_it_waited_is_named() -> None:
     class Dead(FakeQmp):
-        def cmd(self, command: str, **args: Any) -> Any:
+        def send(self, command: str, **args: Any) -> None:
             if command == "cont" and self.name == "v1":
                 raise BrokenPipeError(32, "Broken pipe")
-            return super().cmd(command, **args)
+            super().send(command, **args)
 
     order: list[str] = []
     vms = [tcg("v0"), tcg("v1")]
@@ -225,3 +231,30 @@ def test_a_qemu_that_died_while_it_waited_is_named() -> None:
     waves = Waves.open(vms, dead, Admission(1, "", asked=True), 100.0, Clock())
     with pytest.raises(RuntimeFailure, match="v1: its QEMU did not take `cont` when its turn to boot came"):
         waves.ready("v0")
+
+
+def test_a_wave_is_resumed_with_one_round_trip() -> None:
+    """Every VM of a wave is sent `cont` (and `query-status`) before any answer is read: ten paused
+    VMs resume together, not each a QMP round trip after the one before (whose guest already boots)."""
+    events: list[str] = []
+
+    class Traced(FakeQmp):
+        def send(self, command: str, **args: Any) -> None:
+            events.append(f"send {command} {self.name}")
+            super().send(command, **args)
+
+        def reply(self, command: str) -> Any:
+            events.append(f"read {command} {self.name}")
+            return super().reply(command)
+
+    vms = [tcg(f"v{i}") for i in range(3)]
+    made: dict[str, Traced] = {}
+
+    def connect(name: str) -> Any:
+        made[name] = Traced(name, [])
+        return made[name]
+
+    waves = Waves.open(vms, connect, ALL_AT_ONCE, 100.0, Clock())
+    sends = [event for event in events if event.startswith("send")]
+    assert events[:len(sends)] == sends and len(sends) == 6  # all sent, then the answers read
+    assert waves.all_continued and all(fake.closed for fake in made.values())

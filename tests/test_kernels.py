@@ -18,6 +18,7 @@ import struct
 import subprocess
 import threading
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -110,7 +111,9 @@ def test_each_compression_is_decompressed_once_and_boots_through_pvh(
         boot.elf.name, boot.elf.with_suffix(".json").name]
 
 
-def test_cmdline_writes_nothing_and_says_what_up_will_do(tmp_path: Path, cache: Path) -> None:
+def test_cmdline_writes_nothing_and_says_what_up_will_do(tmp_path: Path, cache: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "SETTLED", 0.0)  # a digest that could stand is not kept either
     kernel = kernel_file(tmp_path, bzimage(compressed(elf(), "xz")))
     boot = boot_of(kernel, build=False)
     assert boot.elf is None
@@ -161,6 +164,64 @@ def test_a_damaged_cache_file_is_made_again_never_booted(
     assert again.elf == made and made.read_bytes() == image
     assert decompressions(caplog) == before + 1
 
+
+
+def _clock_ticked_past(path: Path, scratch: Path) -> None:
+    """Wait until a change made now gets a later ctime than `path` has (the file system's clock moves
+    in ticks of a few ms): a test that changes a file right after it was recorded changes it so."""
+    since = path.stat().st_ctime_ns
+    while True:
+        scratch.write_bytes(b"tick")
+        if scratch.stat().st_ctime_ns > since:
+            return
+
+
+def test_a_file_is_hashed_once_while_unchanged_and_again_when_changed(
+        tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The ELF and the kernel are hashed until they have settled, once then; after that their identity
+    stands for their digest (no 65 MB hash at every up), and any change is seen: a changed byte of the
+    ELF is made again, a kernel rewritten in place boots what it now holds."""
+    caplog.set_level(logging.INFO)
+    hashed: list[int] = []  # the inodes of the files hashed
+    real = kernels._sha256
+
+    def counted(file: IO[bytes]) -> str:
+        hashed.append(os.fstat(file.fileno()).st_ino)
+        return real(file)
+
+    monkeypatch.setattr(kernels, "_sha256", counted)
+    image = elf()
+    kernel = kernel_file(tmp_path, bzimage(compressed(image, "gzip")))
+    made = boot_of(kernel, build=True).elf
+    assert made is not None
+    assert boot_of(kernel, build=True).elf == made
+    assert len(hashed) == 3  # fresh files: nothing stands for their digest yet (the kernel twice, the ELF)
+    monkeypatch.setattr(kernels, "SETTLED", 0.0)  # as if minutes had passed
+    hashed.clear()
+    assert boot_of(kernel, build=True).elf == made  # hashed once more, and their identities recorded
+    assert sorted(hashed) == sorted([kernel.stat().st_ino, made.stat().st_ino])
+    assert (cache / kernels.DIGESTS).exists() and "identity" in made.with_suffix(".json").read_text()
+    hashed.clear()
+    assert boot_of(kernel, build=True).elf == made == boot_of(kernel, build=False).elf
+    assert hashed == []  # neither file hashed again
+
+    _clock_ticked_past(made, tmp_path / "tick")
+    made.chmod(0o644)  # a byte of the ELF changed in place, its size kept
+    data = bytearray(made.read_bytes())
+    data[-1000] ^= 0xFF
+    made.write_bytes(bytes(data))
+    assert boot_of(kernel, build=False).elf is None  # never the changed file
+    assert boot_of(kernel, build=True).elf == made and made.read_bytes() == image  # made again
+    assert decompressions(caplog) == 2
+
+    _clock_ticked_past(kernel, tmp_path / "tick")
+    other = elf(filler=200_002)
+    with open(kernel, "r+b") as file:  # the kernel rewritten in place: same file, new bytes
+        file.write(bzimage(compressed(other, "gzip")))
+        file.truncate()
+    rebuilt = boot_of(kernel, build=True).elf
+    assert rebuilt is not None and rebuilt != made and rebuilt.read_bytes() == other
 
 @pytest.mark.parametrize(("data", "said"), [
     (b"MZ" + bytes(4000), "is neither a bzImage nor an ELF: booted as given"),

@@ -286,3 +286,26 @@ def test_a_manager_of_a_lab_without_vms_stops_after_the_grace_period(tmp_path: P
         return first, manager.stopping.is_set()
 
     assert asyncio.run(rounds()) == (False, True)
+
+
+def test_a_manager_started_by_up_waits_for_it_to_finish_at_most_its_head_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`up` starts the manager detached and goes on; the manager loads its modules once the `up` lets
+    the lab's lock go (not on a CPU the QEMUs starting need), or after UP_HEAD_START at the latest."""
+    import fcntl
+    import time
+
+    from vmlaunch.manager import managerd
+
+    run_dir = RunDir(tmp_path / "lab")
+    run_dir.lock.write_text("")
+    monkeypatch.setattr(managerd, "UP_HEAD_START", 0.3)
+    start = time.monotonic()
+    managerd._after_up(run_dir.path)  # nobody holds the lock: at once
+    assert time.monotonic() - start < 0.2
+    with open(run_dir.lock) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # an `up` under way
+        start = time.monotonic()
+        managerd._after_up(run_dir.path)
+        assert time.monotonic() - start >= 0.3
+    managerd._after_up(tmp_path / "gone")  # no lock file at all: at once

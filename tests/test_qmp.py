@@ -99,6 +99,20 @@ def test_quick_client_skips_events_and_passes_arguments(fake: FakeQemu) -> None:
     assert fake.commands[-1] == {"execute": "balloon", "arguments": {"value": 1 << 27}}
 
 
+
+def test_quick_client_sends_ahead_and_reads_the_answers_in_order(fake: FakeQemu) -> None:
+    """`send` writes without waiting (how `up` resumes a wave of VMs at once); `reply` reads each
+    answer in turn, skipping events, and a refused command is its error."""
+    with QuickQmp(fake.path, timeout=2) as qmp:
+        qmp.send("cont")
+        qmp.send("query-status")
+        qmp.send("frobnicate")
+        assert qmp.reply("cont") == {}
+        assert qmp.reply("query-status")["status"] == "running"  # the RESUME event before it skipped
+        with pytest.raises(QmpError, match="QMP frobnicate failed"):
+            qmp.reply("frobnicate")
+    assert [c["execute"] for c in fake.commands] == ["qmp_capabilities", "cont", "query-status", "frobnicate"]
+
 @pytest.mark.parametrize("client", [QuickQmp, Qmp])
 def test_both_clients_report_a_refused_command_alike(fake: FakeQemu, client: Any) -> None:
     with client(fake.path, timeout=2) as qmp, pytest.raises(QmpError) as info:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vmlaunch.compile.plan import AccelChoice, Plan, StartFaults, VmPlan
 from vmlaunch.core.naming import cgroup_name, management_mac, netem_ifb_name, process_name, tap_name
@@ -22,21 +23,11 @@ from vmlaunch.host.numa import Topology, format_cpulist
 from vmlaunch.layout.labdir import LabDir
 from vmlaunch.layout.rundir import RunDir, VmFiles
 from vmlaunch.policy.admission import Booting, admission
-from vmlaunch.policy.placement import Binding, Demand, Node, Placed, place
 from vmlaunch.qemu.opts import json_arg, opts
 from vmlaunch.resources.base import Resource
-from vmlaunch.resources.bridge import Bridge
 from vmlaunch.resources.guest import LabDirResource, Nvram, Overlay, Seed
-from vmlaunch.resources.hugepages import Hugepages
 from vmlaunch.resources.image import Image
-from vmlaunch.resources.ksm import Ksm, default_settings, explicit_settings
 from vmlaunch.resources.manager import LabManager, ManagedVm, ManagerConfig
-from vmlaunch.resources.netem import TapNetem
-from vmlaunch.resources.pci import PciBind
-from vmlaunch.resources.placement import VmPlacement
-from vmlaunch.resources.script import ScriptEnv, TapScript
-from vmlaunch.resources.tap import Tap
-from vmlaunch.resources.vmuser import VmUser
 from vmlaunch.spec.model import (
     BUDGET_SHARE,
     DEFAULT_CLOUD_USER,
@@ -63,6 +54,9 @@ from vmlaunch.spec.model import (
     balloon_min_mib,
     needs_lab_dir,
 )
+
+if TYPE_CHECKING:
+    from vmlaunch.policy.placement import Placed
 
 # The CPU under TCG when the spec names none: QEMU's default model (qemu64) plus what x86-64-v2 adds
 # to it (SSSE3, SSE4.1, SSE4.2, POPCNT), the level RHEL 9 and its rebuilds are built for. Measured by
@@ -154,6 +148,10 @@ def placements_of(lab: LabSpec, host: Host,
         return {}
     auto = placing(lab, host)
     wanted = [vm for vm in lab.vms if auto or vm.numa_node is not None or vm.cpu_pinning]
+    if not wanted:
+        return {}
+    from vmlaunch.policy.placement import Binding, Demand, Node, Placed, place
+
     for vm in wanted:
         check_placement(lab, vm, topology)
     running = {vm.name: on for vm in wanted if not vm.cpu_pinning
@@ -246,6 +244,8 @@ def placement_resources(lab: LabSpec, vms: Sequence[VmSpec], host: Host, run_dir
     for vm in vms:
         placed = placements.get(vm.name)
         if placed is not None:
+            from vmlaunch.resources.placement import VmPlacement
+
             yield VmPlacement(lab=lab.name, placed=placed, cpusets=host.cpusets, qmp=run_dir.vm(vm.name).qmp,
                               host_nodes=tuple(node.id for node in host.numa.nodes) if host.numa else (0,))
 
@@ -288,6 +288,8 @@ def ksm_resources(lab: LabSpec, host: Host) -> Iterator[Resource]:
         return
     if not mergeable or (memory.ksm is None and len(mergeable) < 2):
         return
+    from vmlaunch.resources.ksm import Ksm, default_settings, explicit_settings
+
     if memory.ksm_pages_to_scan is not None or memory.ksm_sleep_ms is not None:
         yield Ksm(settings=explicit_settings(host.ksm.advisor, memory.ksm_pages_to_scan, memory.ksm_sleep_ms),
                   explicit=True)
@@ -427,6 +429,8 @@ def confined_as_root(host: Host) -> bool:
 def user_resources(vms: Sequence[VmSpec], host: Host) -> Iterator[Resource]:
     """Last, right before the QEMUs start: each VM's own uid (host/confine.py)."""
     if confined_as_root(host):
+        from vmlaunch.resources.vmuser import VmUser
+
         for vm in vms:
             yield VmUser(vm=vm.name, run_root=host.run_root,
                          shares=tuple((share.source, share.readonly) for share in vm.shares))
@@ -460,6 +464,8 @@ def netem_resources(lab: LabSpec, vms: Sequence[VmSpec], host: Host) -> Iterator
     for vm in vms:
         for index, _ in enumerate(vm.nics):
             if netem_side(lab, vm, index, host) is NetemWhere.HOST:
+                from vmlaunch.resources.netem import TapNetem
+
                 tap = tap_name(lab.name, vm.name, index)
                 netem = vm.nics[index].netem
                 assert netem is not None
@@ -470,6 +476,8 @@ def host_resources(lab: LabSpec, vms: Sequence[VmSpec], host: Host | None = None
     """In the order `up` applies them: PCI first (checked before anything else changes)."""
     for vm in vms:
         for index, dev in enumerate(vm.pci):
+            from vmlaunch.resources.pci import PciBind
+
             yield PciBind(address=dev.host, driver=dev.driver, vm=vm.name,
                           origin=DiskOrigin(lab.file, ("vm", vm.name, "pci", index), lab.source))
     lab_dir = LabDir.of(lab.file, lab.name)
@@ -477,6 +485,8 @@ def host_resources(lab: LabSpec, vms: Sequence[VmSpec], host: Host | None = None
         yield LabDirResource(lab_dir)
     for vm in vms:
         if vm.hugepages is not None:
+            from vmlaunch.resources.hugepages import Hugepages
+
             yield Hugepages(vm=vm.name, size_kib=vm.hugepages.kib,
                             pages=(vm.memory_mib << 10) // vm.hugepages.kib, reserve=vm.reserve_hugepages)
     for vm in vms:
@@ -499,12 +509,18 @@ def host_resources(lab: LabSpec, vms: Sequence[VmSpec], host: Host | None = None
     used = {nic.network for vm in vms for nic in vm.nics}
     for net in lab.networks:
         if isinstance(net, BridgeNetwork) and net.name in used:
+            from vmlaunch.resources.bridge import Bridge
+
             yield Bridge(name=net.bridge, network=net.name, mtu=net.mtu, uplink=net.uplink, vlan=net.vlan)
     for vm in vms:
         for index, nic in enumerate(vm.nics):
             net = lab.network(nic.network)
             if not isinstance(net, TAP_NETWORKS):
                 continue
+            # Imported here, as the other kinds a lab may not use: `up` builds no class it never uses.
+            from vmlaunch.resources.script import ScriptEnv, TapScript
+            from vmlaunch.resources.tap import Tap
+
             bridge = net.bridge if isinstance(net, BridgeNetwork) else None
             tap = tap_name(lab.name, vm.name, index)
             yield Tap(ifname=tap, bridge=bridge, vm=vm.name, mtu=net.mtu, multi_queue=nic.queues > 1)

@@ -5,15 +5,19 @@ A Plan is plain data: `cmdline` and `up --dry-run` print it, the executor carrie
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
 
 from vmlaunch.errors import Location
 from vmlaunch.layout.labdir import LabDir
 from vmlaunch.layout.rundir import RunDir, VmFiles
 from vmlaunch.policy.admission import Admission
-from vmlaunch.policy.placement import Placed
 from vmlaunch.resources.base import Resource
 from vmlaunch.spec.model import Accel, DiskBus, DiskFault, Netem
+
+if TYPE_CHECKING:  # an annotation only: a lab without placement never loads placement's classes
+    from vmlaunch.policy.placement import Placed
 
 
 @attrs.frozen

@@ -44,7 +44,6 @@ class DiskFile:
 
 
 def disk_files(lab: LabSpec) -> list[DiskFile]:
-    from vmlaunch.guests.images import image_info
     from vmlaunch.layout.labdir import LabDir
 
     files = []
@@ -55,6 +54,8 @@ def disk_files(lab: LabSpec) -> list[DiskFile]:
             size = vm.disk_size
             exists = overlay.exists()
             if exists:
+                from vmlaunch.guests.images import image_info  # only here: `up` of a lab without images
+
                 with contextlib.suppress(Exception):
                     size = image_info(overlay, DiskFormat.QCOW2).virtual_size if not vm.disk_size else size
             files.append(DiskFile(vm.name, ("vm", vm.name, "image"), overlay, DiskFormat.QCOW2,
@@ -63,6 +64,8 @@ def disk_files(lab: LabSpec) -> list[DiskFile]:
             exists = disk.file.is_file() or (disk.block_device and disk.file.is_block_device())
             size = disk.size  # (a FIFO is not opened: it would hang; validate says what it is)
             if exists and not disk.block_device:
+                from vmlaunch.guests.images import image_info
+
                 with contextlib.suppress(Exception):
                     size = image_info(disk.file, disk.format).virtual_size
             files.append(DiskFile(vm.name, ("vm", vm.name, "disk", index), disk.file, disk.format, disk.cache,

@@ -27,18 +27,32 @@ SHA-256:
   sha256-HEX.elf    the decompressed ELF, read-only; renamed into place only once complete and checked
   sha256-HEX.json   what was found: the compression, the ELF's size and SHA-256, or why it is not booted
                     (no PVH note, a payload that does not decompress: the same bytes give the same answer)
+  digests.json      kernel identity -> SHA-256 (this boot of the host; see below)
   .lock             flocked by the one process decompressing (or cleaning) at a time
 
 Every use checks the ELF against its record (size, SHA-256, ELF magic and note): a truncated or damaged
 file is removed and made again (by `up`; `cmdline` and `up --dry-run` write nothing and boot the bzImage
-meanwhile). Bounded: at most CACHE_ENTRIES kernels and CACHE_BYTES, the least recently used removed
-first, except one used in the last GRACE seconds (an `up` may be about to start QEMU on it).
+meanwhile).
+
+Hashing 65 MB of ELF and 8 MB of kernel took ~50 ms of every `up`, so a file's SHA-256 is taken once per
+boot of the host and then stands for it while the file is unchanged: while its identity (device, inode,
+size, mtime and ctime, in ns) is the one recorded with the digest in this boot of the host
+(`/proc/sys/kernel/random/boot_id`). Any write, truncation, chmod or rename sets the ctime to the time of
+day, which no call can set back (only a change of the system clock), so a file changed or swapped since
+is hashed again; a power cut that lost what was written starts a new boot. An identity is recorded only
+for a file untouched for SETTLED seconds (as git's index does with racy timestamps): a write in the same
+clock tick as the last one would leave the ctime as it was. The ELF's identity is in its record
+(`identity`); the kernels' digests are in `digests.json` (DIGESTS_KEPT at most).
+
+Bounded: at most CACHE_ENTRIES kernels and CACHE_BYTES, the least recently used (its record's mtime)
+removed first, except one used in the last GRACE seconds (an `up` may be about to start QEMU on it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import hashlib
 import json
 import logging
@@ -64,6 +78,9 @@ MAX_ELF = 512 << 20  # a decompressed kernel larger than this is not one: refuse
 CACHE_ENTRIES = 8  # kernels kept
 CACHE_BYTES = 1 << 30  # bytes of ELFs kept
 GRACE = 3600.0  # seconds: an entry used this recently is never removed to make room
+SETTLED = 2.0  # seconds a file must be untouched before its identity stands for its digest
+DIGESTS = "digests.json"  # in the kernels' cache: kernel identity -> SHA-256, for this boot
+DIGESTS_KEPT = 64
 CHUNK = 1 << 20  # bytes read, and at most produced, per step
 PROGRAM_TIMEOUT = 300.0  # seconds a zstd or lz4 program may take
 SUBDIR = "kernels"
@@ -225,9 +242,9 @@ def _boot_of(kernel: Path, build: bool) -> KernelBoot:
         if not stat.S_ISREG(st.st_mode):
             raise _Fallback("is not a regular file: booted as given")
         payload = _payload(file, st.st_size)
-        digest = _sha256(file)
         cache = _cache_dir()
-        entry = _Entry(cache, digest)
+        digest = _kernel_digest(file, st, cache, remember=build)
+        entry = _Entry(cache, digest, remember=build)
         found = entry.check(payload.compression, repair=False)
         if found is not None:
             return found.boot(kernel)
@@ -292,6 +309,54 @@ def _sha256(file: IO[bytes]) -> str:
     return hasher.hexdigest()
 
 
+def _identity(st: os.stat_result) -> list[object]:
+    """What stands for a file's content while it is unchanged, in this boot of the host (see the
+    module's doc); [] when the boot cannot be told (then nothing stands for a digest)."""
+    boot = _boot_id()
+    return [boot, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns] if boot else []
+
+
+@functools.cache
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _settled(st: os.stat_result) -> bool:
+    """The file was last changed SETTLED seconds ago or more: a change from now on gets a later ctime."""
+    return time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) >= SETTLED * 1e9
+
+
+def _hash_unchanged(file: IO[bytes], st: os.stat_result) -> tuple[str, bool]:
+    """The file's SHA-256, and whether its identity may stand for it: settled before, and the same
+    after (nothing wrote it while it was read)."""
+    digest = _sha256(file)
+    again = os.fstat(file.fileno())
+    return digest, _settled(st) and bool(_identity(st)) and _identity(again) == _identity(st)
+
+
+def _kernel_digest(file: IO[bytes], st: os.stat_result, folder: Path, *, remember: bool) -> str:
+    """The kernel's SHA-256: the one `digests.json` has for its identity, else hashed (and kept, when
+    `remember`: not by `cmdline`, which writes nothing)."""
+    identity = _identity(st)
+    saved = _read_json(folder / DIGESTS).get("kernels")
+    known = [(item[0], item[1]) for item in (saved if isinstance(saved, list) else [])
+             if isinstance(item, list) and len(item) == 2 and isinstance(item[0], list)
+             and isinstance(item[1], str)]
+    for key, digest in known:
+        if identity and key == identity:
+            return digest
+    digest, stands = _hash_unchanged(file, st)
+    if stands and remember:
+        kept = [[key, value] for key, value in known if key[:1] == identity[:1] and key != identity]
+        with contextlib.suppress(OSError):  # only a cache: hashed again next time
+            write_atomic(folder / DIGESTS, _json({"kernels": [[identity, digest], *kept][:DIGESTS_KEPT]}),
+                         durable=False)
+    return digest
+
+
 def _cache_dir() -> Path:
     from vmlaunch.layout.dirs import cache_dir, usable_cache_dir
 
@@ -322,8 +387,9 @@ class _Found:
 
 
 class _Entry:
-    def __init__(self, cache: Path, digest: str) -> None:
+    def __init__(self, cache: Path, digest: str, *, remember: bool = True) -> None:
         self.cache = cache
+        self.remember = remember  # an ELF's identity may be recorded (not by `cmdline`)
         self.elf = cache / f"sha256-{digest}.elf"
         self.meta = cache / f"sha256-{digest}.json"
 
@@ -339,7 +405,7 @@ class _Entry:
             return _Found(compression.value, None, problem)
         damage = self.damage(meta)
         if damage is None:
-            _touch(self.elf)
+            _touch(self.meta)  # not the ELF: its times are part of its identity
             return _Found(compression.value, self.elf)
         if not repair:
             return None
@@ -363,8 +429,15 @@ class _Entry:
                 return f"has {st.st_size} bytes where its record says {meta.get('size')}"
             if _pvh_entry(file) is None:
                 return "is no ELF with a PVH entry note"
-            if _sha256(file) != meta.get("sha256"):
+            identity = _identity(st)
+            if identity and meta.get("identity") == identity:
+                return None  # hashed in this boot, untouched since (see the module's doc)
+            digest, stands = _hash_unchanged(file, st)
+            if digest != meta.get("sha256"):
                 return "does not match its recorded SHA-256"
+        if stands and self.remember:
+            with contextlib.suppress(OSError):  # only a cache: hashed again next time
+                write_atomic(self.meta, _json({**meta, "identity": identity}), durable=False)
         return None
 
     def remove(self) -> None:
@@ -733,7 +806,8 @@ def _bound(cache: Path, keep: _Entry) -> None:
         total -= kernel.size
     for name in os.listdir(cache):
         parts = name[1:].split(".", 2)
-        if len(parts) == 3 and is_temp_of(name, f"{parts[0]}.{parts[1]}") and parts[0].startswith("sha256-"):
+        if len(parts) == 3 and is_temp_of(name, f"{parts[0]}.{parts[1]}") and (
+                parts[0].startswith("sha256-") or f"{parts[0]}.{parts[1]}" == DIGESTS):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(cache / name)
 

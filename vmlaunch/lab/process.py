@@ -106,14 +106,16 @@ def _initialised(files: VmFiles, proc: subprocess.Popen[bytes]) -> int | None:
         code = proc.poll()
         if code is not None:
             return code
+        if not os.path.lexists(files.qmp):  # not bound yet (`up` removed a stale one): looked at again
+            return None
         try:
             with QuickQmp(files.qmp, timeout=2.0):  # greeting, then qmp_capabilities answered
                 return True
         except (QmpError, OSError, ValueError):
             return None
 
-    try:
-        result = wait_until(ready, START_TIMEOUT, interval=0.01)
+    try:  # every millisecond: a look costs microseconds, and `up` waits for nothing else here
+        result = wait_until(ready, START_TIMEOUT, interval=0.001)
     except TimedOut:
         proc.kill()
         proc.wait()

@@ -62,12 +62,11 @@ def where_running(run_dir: RunDir, topology: Topology | None) -> dict[str, tuple
     may have moved it since `up`), else the nodes of the CPUs its QEMU may run on. For an `up` that
     starts more of a running lab's VMs: they are placed beside these as they are, not as they were.
     Empty without several nodes, or a journal that cannot be read (`up` says so itself)."""
+    if topology is None or not topology.multi_node:
+        return {}
     from vmlaunch.host import cgroups
     from vmlaunch.host.numa import allowed_cpus, nodes_of
     from vmlaunch.resources.placement import PlacementRecord
-
-    if topology is None or not topology.multi_node:
-        return {}
     try:
         journal = Journal.load(run_dir)
     except (VmlaunchError, OSError):

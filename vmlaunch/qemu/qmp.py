@@ -122,6 +122,25 @@ class QuickQmp:
                 return result(command, reply)
             # anything else is an event: not what we wait for
 
+    def send(self, command: str, **args: Any) -> None:
+        """Write a command, not waiting for its answer (`reply` reads it; QEMU answers in order): `up`
+        resumes ten paused VMs with one round trip, not ten one after another."""
+        message: dict[str, Any] = {"execute": command}
+        if args:
+            message["arguments"] = args
+        try:
+            self.stream.write(json.dumps(message).encode() + b"\n")
+            self.stream.flush()
+        except OSError as exc:
+            raise QmpError(f"QMP: {exc}") from None
+
+    def reply(self, command: str) -> Any:
+        """The answer to the oldest command `send` wrote (events before it are skipped)."""
+        while True:
+            reply = self._read()
+            if "return" in reply or "error" in reply:
+                return result(command, reply)
+
     def add_fd(self, fd: int) -> int:
         """Hand QEMU a copy of `fd` in a new fd set; returns the set's id, for `/dev/fdset/ID` as a
         file name and for `remove_fd`. QEMU opens such a name by duplicating a descriptor of the set

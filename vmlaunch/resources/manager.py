@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 # 4 MiB/s from 16 MiB free has 4 s before its OOM killer runs; the manager sees it a round later and
 # grows it one round after that. A round costs two QMP exchanges per VM.
 INTERVAL = 1.0
-READY_TIMEOUT = 15.0  # seconds a starting manager has to say it runs (Python start-up on a busy host)
+READY_TIMEOUT = 15.0  # seconds the sh that starts the manager has to say its pid (a very busy host)
 STOP_TIMEOUT = 5.0
 
 
@@ -192,20 +192,24 @@ class LabManager(LabWide):
         logfile = open_in_run_dir(self.run_dir.manager_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         ready_r, ready_w = os.pipe()
         try:
-            # The manager forks once more and its first process exits at once: the manager is nobody's
-            # child, and no caller of `up` (the API, a test) is left with a zombie.
-            # The run dir absolute: `doctor` and `down` know the manager's lab by its command line.
+            # Started in the background by sh, which says its pid and exits: the manager is nobody's
+            # child (no caller of `up`, the API or a test, is left with a zombie), and `up` goes on in
+            # a millisecond, not after a Python start-up (the manager's own start runs beside QEMU's).
+            # Its output goes to its log; the pipe is sh's alone. The argv is sh's "$@", never spliced
+            # into the script. The run dir absolute: `doctor` and `down` know the manager's lab by
+            # its command line.
             child = subprocess.Popen(
-                [sys.executable, "-m", "vmlaunch.manager.managerd", os.path.abspath(self.run_dir.path),
-                 "--ready-fd", str(ready_w)], stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile,
-                pass_fds=(ready_w,), start_new_session=True, umask=0o077)
+                ["/bin/sh", "-c", '"$@" >&2 & echo $!', "sh", sys.executable, "-m",
+                 "vmlaunch.manager.managerd", os.path.abspath(self.run_dir.path), "--detached"],
+                stdin=subprocess.DEVNULL, stdout=ready_w, stderr=logfile, start_new_session=True,
+                umask=0o077)
         finally:
             os.close(logfile)
             os.close(ready_w)
         pid = None
         try:
-            child.wait(READY_TIMEOUT)
             pid = _read_ready(ready_r, READY_TIMEOUT)
+            child.wait(READY_TIMEOUT)
         except subprocess.TimeoutExpired:
             child.kill()
             child.wait()
@@ -213,7 +217,7 @@ class LabManager(LabWide):
             if pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGTERM)
-            else:  # it may have forked already, and not said so yet: found by its command line
+            else:  # it may be started already, and not said so yet: found by its command line
                 child.kill()
                 child.wait()
                 stop_unjournaled(self.run_dir)
@@ -265,7 +269,7 @@ def release_unjournaled_manager(ctx: Context, journaled: Callable[[str, str], bo
 
 
 def _read_ready(fd: int, timeout: float) -> int | None:
-    """The pid the manager writes on the pipe once it runs; None when it exits first."""
+    """The manager's pid, as its starter writes it on the pipe; None when it exits first."""
     deadline = time.monotonic() + timeout
     data = b""
     while b"\n" not in data:

@@ -111,10 +111,10 @@ class VmUser(PerVm):
         return VmUserClaim(self)
 
     def apply(self, ctx: Context) -> VmUserRecord:
-        from vmlaunch.guests.shareaccess import grant
-
         uid = confine.claim(self.run_root, ctx.lab, self.vm, confine.uid_range())  # the claim's
         for folder, readonly in self.shares:
+            from vmlaunch.guests.shareaccess import grant  # here: a VM without shares has no use for it
+
             given = grant(folder, uid, uid, readonly=readonly)
             for note in given.notes:
                 log.info("%s: share %s: %s", self.vm, folder, note)

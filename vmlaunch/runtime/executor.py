@@ -36,7 +36,6 @@ from vmlaunch.layout.rundir import RunDir, VmFiles
 from vmlaunch.qemu.qmp import QuickQmp
 from vmlaunch.resources.base import Context, Resource, UndoneWithError, preflight
 from vmlaunch.runtime.waves import ALL_AT_ONCE, Waves
-from vmlaunch.saved import snapshot
 
 if TYPE_CHECKING:
     from vmlaunch.saved.snapshot import WarmStart
@@ -144,7 +143,10 @@ def _up(plan: Plan, spec: str, ctx: Context, wait_for: str | None, timeout: floa
     with locked(plan.run_dir, timeout):
         journal = Journal.load(plan.run_dir)  # first: a journal it cannot read leaves no mark
         journal.check_spec(spec, force=force)
-        snapshot.settle(plan.run_dir, timeout)
+        if os.path.lexists(plan.run_dir.intent):  # a snapshot operation a killed vmlaunch left
+            from vmlaunch.saved import snapshot
+
+            snapshot.settle(plan.run_dir, timeout)
         if os.path.lexists(plan.run_dir.forks):
             settle_fork(plan.run_dir, timeout)  # a fork killed half-way: its clones go, its source runs
             journal = Journal.load(plan.run_dir)
@@ -374,6 +376,8 @@ def _never_ran(journal: Journal, running: dict[str, int]) -> list[str]:
             continue  # busy or gone: left as it is
         if state in qemu.NEVER_RAN:
             stalled[name] = (pid, journal.run_dir.vm(name))
+    if not stalled:  # the usual case: no event loop (asyncio) to start for nothing
+        return []
     for name, how in qemu.stop_all(stalled, 1.0).items():
         log.warning("%s: its guest never ran (an earlier up was interrupted before it let it run): %s, "
                     "started again", name, how)
@@ -787,6 +791,8 @@ def take_down(run_dir: RunDir, only: Sequence[str] = (), *, timeout: float = 10.
     journal = Journal.load(run_dir, force=force)
     if spec is not None:
         journal.check_spec(spec, force=force)
+    from vmlaunch.saved import snapshot
+
     snapshot.settle(run_dir, timeout + 30)  # a half-saved snapshot goes while QEMU can delete it
     if settle and not journal.unreadable and os.path.lexists(run_dir.forks):
         settle_fork(run_dir, timeout)  # a fork killed half-way: its clones go, its source runs

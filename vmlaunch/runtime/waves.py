@@ -53,9 +53,11 @@ class Waves:
         try:
             for vm in vms:
                 waves.qmps[vm.name] = connect(vm.name)
-            for name in [vm.name for vm in vms if vm.name in free]:
+            freed = [vm.name for vm in vms if vm.name in free]
+            for name in freed:
                 waves.queue.remove(name)
-                waves._cont(name)
+            waves._cont(freed)
+            for name in freed:
                 waves.booting.pop(name)  # holds no place
             waves.admit()
         except BaseException:
@@ -97,34 +99,50 @@ class Waves:
 
     def admit(self) -> None:
         """Continue VMs from the queue while the admission lets them boot beside those booting."""
+        wave: list[str] = []
         while self.queue:
             name = self.queue[0]
-            booting = [self.vms[other] for other in self.booting]
+            booting = [self.vms[other] for other in [*self.booting, *wave]]
             if not self.admission.fits(booting, self.vms[name]):
-                return
-            self.queue.pop(0)
-            self._cont(name)
+                break
+            wave.append(self.queue.pop(0))
+        self._cont(wave)
 
     def finish(self) -> None:
         """Continue every VM still paused (nothing more to wait for), then let the connections go."""
-        while self.queue:
-            self._cont(self.queue.pop(0))
+        wave, self.queue = self.queue, []
+        self._cont(wave)
         self.close()
 
-    def _cont(self, name: str) -> None:
-        """QMP cont, and the VM must then run (not stay paused on an error, say); its connection then
-        goes, for `status` and the rest to use."""
-        qmp = self.qmps.pop(name)
+    def _cont(self, names: Sequence[str]) -> None:
+        """QMP cont, and each VM must then run (not stay paused on an error, say); their connections
+        then go, for `status` and the rest to use. Every command is sent before any answer is read:
+        a wave of ten resumes at once, not one round trip after another (each answer waits for a
+        QEMU whose guest now boots beside the others)."""
+        sent: list[tuple[str, QuickQmp]] = []
+        name = ""
         try:
-            with qmp:
-                qmp.cmd("cont")
-                status = qmp.cmd("query-status")
+            for name in names:
+                qmp = self.qmps.pop(name)
+                sent.append((name, qmp))
+                qmp.send("cont")
+                qmp.send("query-status")
+            for name, qmp in sent:
+                qmp.reply("cont")
+                status = qmp.reply("query-status")
+                if status.get("status") != "running":
+                    raise RuntimeFailure(f"{name}: QEMU is {status.get('status')}, not running")
+                self._continued(name)
         except (OSError, QmpError) as exc:  # its QEMU died while it waited (the OOM killer, a kill)
             raise RuntimeFailure(f"{name}: its QEMU did not take `cont` when its turn to boot came: "
                                  f"{exc}", f"`vmlaunch logs SPEC {name} --qemu` shows what QEMU said "
                                  "(kept after this failed up)") from None
-        if status.get("status") != "running":
-            raise RuntimeFailure(f"{name}: QEMU is {status.get('status')}, not running")
+        finally:
+            for _, qmp in sent:
+                with contextlib.suppress(OSError):
+                    qmp.close()
+
+    def _continued(self, name: str) -> None:
         now = self.clock()
         self.continued[name] = now
         self.booting[name] = now
