@@ -64,7 +64,7 @@ def test_every_name_in_all_resolves_to_its_definition() -> None:
     from vmlaunch.rig import guest as rig
     from vmlaunch.runtime import control
 
-    homes = {"Lab": api, "Vm": api, "VmStatus": control, "Result": agent, "CommandFailed": rig,
+    homes = {"Lab": api, "Vm": api, "run": api, "VmStatus": control, "Result": agent, "CommandFailed": rig,
              "QmpError": qmp}
     for name in vmlaunch.__all__:
         value = getattr(vmlaunch, name)
