@@ -163,8 +163,14 @@ def test_a_run_of_a_vmlaunch_that_is_gone_is_swept(tmp_path: Path) -> None:
     (gone / "owner.json").write_text(json.dumps({"pid": 2 ** 22 + 7, "ticks": "1", "kept": False}))
     throwaway._write_owner(alive)
     (kept / "owner.json").write_text(json.dumps({"pid": 2 ** 22 + 7, "ticks": "1", "kept": True}))
+    staging = homes / ".run-0000000d"  # a home being made by a vmlaunch that died before its rename
+    staging.mkdir()
+    (staging / "owner.json").write_text(json.dumps({"pid": 2 ** 22 + 7, "ticks": "1", "kept": False}))
     assert throwaway.sweep(tmp_path) == ["run-0000000a"]
-    assert not gone.exists() and alive.exists() and kept.exists()
+    assert not gone.exists() and alive.exists() and kept.exists() and not staging.exists()
+    made = throwaway._make_home(tmp_path, "run-0000000e")  # whole, with its owner, from the start
+    assert json.loads((made / "owner.json").read_text())["pid"] == os.getpid()
+    assert throwaway.sweep(tmp_path) == [] and made.exists()
 
 
 def test_a_kept_run_is_a_lab_by_name(lab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]

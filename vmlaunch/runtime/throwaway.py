@@ -117,6 +117,19 @@ def _write_owner(home: Path, *, kept: bool = False) -> None:
                                            "kept": kept}), durable=False)
 
 
+def _make_home(root: Path, name: str) -> Path:
+    """The run's home, made whole with its owner (a sweep never sees a home without one)."""
+    from vmlaunch.layout.dirs import secure_dir
+
+    secure_dir(homes(root), top=root, create=True)
+    staging = homes(root) / f".{name}"
+    staging.mkdir(mode=0o700)
+    _write_owner(staging)
+    home = homes(root) / name
+    os.rename(staging, home)
+    return home
+
+
 def sweep(root: Path, timeout: float = 10.0) -> list[str]:
     """Take down every run whose vmlaunch is gone and that was not kept; return their names."""
     folder = homes(root)
@@ -127,6 +140,9 @@ def sweep(root: Path, timeout: float = 10.0) -> list[str]:
     gone = []
     for name in sorted(names):
         home = folder / name
+        if name.startswith(".") and spec_throwaway.is_throwaway(name[1:]) and not _owner_alive(home):
+            templates.remove(home)  # a home being made by a vmlaunch that is gone
+            continue
         if not spec_throwaway.is_throwaway(name) or _owner_alive(home):
             continue
         try:
@@ -181,15 +197,6 @@ def _quiet() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
-
-
-def recipe(root: Path, name: str) -> dict[str, Any] | None:
-    """What a kept run was made of (`spec/throwaway.load_kept` makes its lab from it)."""
-    try:
-        data = json.loads((homes(root) / name / RECIPE).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 # --- disks -----------------------------------------------------------------------------------------
@@ -301,14 +308,10 @@ def start(lab: LabSpec, vm_name: str, options: Options, host: Host, *, spec: str
     vm = lab.vm(vm_name)
     spec_throwaway.refusals(lab, vm)
     name = spec_throwaway.new_name()
-    home = homes(root) / name
-    homes(root).mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(homes(root), 0o700)
-    home.mkdir(mode=0o700)
+    home = _make_home(root, name)
     timings: dict[str, float] = {}
     done = False
     try:
-        _write_owner(home)
         qemu_img = host.qemu.img or "qemu-img"
         warm = None
         wanted = (options.warm or bool(wants_template)) and not options.cold
