@@ -4,6 +4,7 @@ one-line message, not vmlaunch's internals (a failure of the real test guest, ru
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -80,3 +81,40 @@ initrd = "{test_guest}/initrd.gz"
     assert re.search(message, failure, re.M), failure
     assert "vmlaunch/" not in failure.replace("test_inner.py", ""), failure  # none of vmlaunch's frames
     assert len(failure.strip().splitlines()) <= 12, failure
+
+
+FRESH = """
+def test_a_fresh_vm_per_test(vmlaunch_fresh):
+    vm = vmlaunch_fresh("lab.toml", "solo")
+    vm.succeed("echo mine > /tmp/mark")
+    assert False, "on purpose"
+
+
+def test_the_next_one_is_fresh(vmlaunch_fresh):
+    vm = vmlaunch_fresh("lab.toml", "solo")
+    assert vm.run("test -e /tmp/mark").exit_code == 1
+"""
+
+
+@pytest.mark.qemu
+@pytest.mark.guest
+def test_vmlaunch_fresh_gives_each_test_its_own_vm_and_keeps_a_failures_evidence(
+        pytester: pytest.Pytester, run_dir: Path, test_guest: Path) -> None:
+    pytester.makefile(".toml", lab=f"""
+[lab]
+name = "fresh{uuid.uuid4().hex[:6]}"
+[vm.solo]
+memory = "128M"
+accel = "tcg"
+template = true
+kernel = "{test_guest}/vmlinuz"
+initrd = "{test_guest}/initrd.gz"
+""")
+    pytester.makepyfile(test_inner=FRESH)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    saved = re.search(r"test_a_fresh_vm_per_test: (\S+vmlaunch-run-[0-9a-f]{8})", result.stdout.str())
+    assert saved is not None, result.stdout.str()
+    assert (Path(saved.group(1)) / "solo" / "serial.log").exists()
+    assert not [entry for entry in os.listdir(run_dir) if not entry.startswith(".")]  # every run gone
+    assert not os.listdir(run_dir / ".throwaway")
