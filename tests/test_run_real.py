@@ -317,3 +317,15 @@ def test_no_room_for_a_template_boots_cold_and_leaves_no_half_one(spec: Path, ru
     finally:
         subprocess.run(["umount", "-l", str(cache)], check=False)
         os.rmdir(cache)
+
+
+def test_wait_for_is_the_ready_point_of_a_run_and_its_template(spec: Path, run_root: Path) -> None:
+    for how in ("--cold", "--warm", "--warm"):
+        done = vl("run", how, "--wait-for", "VMLAUNCH-GUEST-READY", str(spec), "w", "--", "echo up")
+        assert (done.returncode, done.stdout) == (0, "up\n"), done.stderr
+    listed = json.loads(vl("template", "ls", "--json").stdout)
+    assert [each["wait_for"] for each in listed if each["vm"] == "w"].count("VMLAUNCH-GUEST-READY") == 1
+    assert vl("template", "prune").returncode == 0  # a template of a ready text is not taken for stale
+    listed = json.loads(vl("template", "ls", "--json").stdout)
+    assert "VMLAUNCH-GUEST-READY" in [each["wait_for"] for each in listed]
+    nothing_left(run_root)

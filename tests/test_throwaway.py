@@ -54,6 +54,12 @@ kernel = "k"
 """
 
 
+@pytest.fixture(autouse=True)
+def _own_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A template store of this test's alone (the session's holds the real tests' templates)."""
+    monkeypatch.setenv("VMLAUNCH_CACHE_DIR", str(tmp_path / "cache"))
+
+
 @pytest.fixture
 def lab(tmp_path: Path):  # type: ignore[no-untyped-def]
     for name in ("k", "i"):

@@ -47,7 +47,7 @@ __all__ = ["Disk", "Lab", "Vm", "VmStatus", "run"]
 
 def run(spec: str | os.PathLike[str], vm: str, cmd: Command, *, timeout: float | None = None,
         input: bytes | None = None, cold: bool = False, warm: bool = False, wait: float = 300.0,
-        shares: Sequence[str] = ()) -> Result:
+        shares: Sequence[str] = (), wait_for: str | None = None) -> Result:
     """Run `cmd` in a throwaway VM made from `vm` of the spec, as `vmlaunch run SPEC VM -- CMD`, and
     return its Result (exit status, stdout, stderr): a string is run by the guest's shell, a list
     arrives as those words. From the VM's template when it has one (made now with `warm`, or where the
@@ -63,7 +63,8 @@ def run(spec: str | os.PathLike[str], vm: str, cmd: Command, *, timeout: float |
     model = load_checked(path, vms=[vm])
     model.select([vm])
     options = throwaway.Options(timeout=timeout, input=input, cold=cold, warm=warm, wait=wait,
-                                shares=tuple(parse_share(text, Path.cwd()) for text in shares))
+                                shares=tuple(parse_share(text, Path.cwd()) for text in shares),
+                                wait_for=wait_for)
     return throwaway.run(model, vm, cmd, options, detect_host(), spec=str(path),
                          wants_template=model.vm(vm).template).result
 
@@ -196,10 +197,12 @@ class Lab:
         return control.resume(self.run_dir, self.vms, timeout)
 
     @contextlib.contextmanager
-    def fresh(self, vm: str, *, cold: bool = False, warm: bool = True, wait: float = 300.0) -> Iterator[Vm]:
+    def fresh(self, vm: str, *, cold: bool = False, warm: bool = True, wait: float = 300.0,
+              wait_for: str | None = None) -> Iterator[Vm]:
         """A throwaway VM made from `vm`'s definition, as `vmlaunch run` makes one (never the lab's
         running VM, which is left alone): woken from its warm template (made on first use) unless
-        `cold` (or `warm` False: from a template only where one is, or the VM's `template = true`).
+        `cold` (or `warm` False: from a template only where one is, or the VM's `template = true`);
+        `wait_for`: the console text it is ready at (its template's ready point too).
         As a context manager: the running VM (`run`, `succeed`, `copy_to`, `console_output`...), then
         gone with everything it made when the block ends.
 
@@ -209,7 +212,7 @@ class Lab:
         from vmlaunch.runtime import throwaway
 
         self.model.select([vm])
-        options = throwaway.Options(cold=cold, warm=warm, wait=wait)
+        options = throwaway.Options(cold=cold, warm=warm, wait=wait, wait_for=wait_for)
         started = throwaway.start(self.spec_model, vm, options, self.host, spec=str(self.spec),
                                   wants_template=self.spec_model.vm(vm).template)
         try:

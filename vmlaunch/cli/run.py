@@ -34,6 +34,9 @@ def register(commands: Commands, root: argparse.ArgumentParser) -> None:
                      help="seconds CMD may run (exit 124 after, the VM gone); default: no limit")
     run.add_argument("--wait", metavar="S", type=seconds(False), default=300.0,
                      help="seconds the guest gets to boot and answer; default 300")
+    run.add_argument("--wait-for", metavar="TEXT",
+                     help="the guest is ready once its console shows TEXT (then its agent answers); a "
+                     "template is made at that point")
     run.add_argument("-i", "--stdin", action="store_true",
                      help="pass vmlaunch's standard input to CMD (read to its end first)")
     run.add_argument("--keep", action="store_true",
@@ -95,7 +98,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     host = detect_host()
     options = throwaway.Options(timeout=args.timeout, wait=args.wait, input=data, keep=args.keep,
-                                cold=args.cold, warm=args.warm)
+                                cold=args.cold, warm=args.warm, wait_for=args.wait_for)
     if args.kernel is not None:
         if args.spec is not None:
             raise UsageError("run: --kernel takes no SPEC or VM", "vmlaunch run --kernel PATH -- CMD")

@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 OWNER = "owner.json"
 RECIPE = spec_throwaway.RECIPE
 DEFAULT_WAIT = 300.0  # seconds a cold guest gets to answer on its command channel
+# cloud-init's modules all run (its runcmd included) before a template of a guest it sets up is saved
+CLOUD_INIT_DONE = "command -v cloud-init >/dev/null 2>&1 && cloud-init status --wait >/dev/null 2>&1; true"
 TEMPLATE_WAIT = 600.0  # seconds another vmlaunch may take to make a template this one waits for
 
 
@@ -60,6 +62,7 @@ TEMPLATE_WAIT = 600.0  # seconds another vmlaunch may take to make a template th
 class Options:
     timeout: float | None = None  # the command's, seconds; None: no limit
     wait: float = DEFAULT_WAIT  # seconds the guest gets to answer
+    wait_for: str | None = None  # console text the guest is ready at (a template's ready point too)
     input: bytes | None = None  # the command's stdin
     keep: bool = False  # on failure, the VM stays
     cold: bool = False  # never from a template
@@ -320,7 +323,7 @@ def start(lab: LabSpec, vm_name: str, options: Options, host: Host, *, spec: str
                      "one has no template", vm.name)
             wanted = False
         if wanted:
-            warm = ensure_template(lab, vm, host, spec or str(lab.file))
+            warm = ensure_template(lab, vm, host, spec or str(lab.file), options.wait_for)
             timings["template"] = time.monotonic() - began
         disks = template_disks(vm, warm, home, qemu_img) if warm is not None else own_disks(vm, home)
         run_lab = spec_throwaway.throwaway_lab(lab, vm_name, name, home, disks=disks, shares=options.shares)
@@ -381,7 +384,9 @@ def run(lab: LabSpec, vm_name: str, cmd: agent.Command, options: Options, host: 
     started = start(lab, vm_name, options, host, spec=spec, kernel=kernel, wants_template=wants_template)
     kept = False
     try:
-        result = _command(started.run_dir, started.plan.vms[0], cmd, options, started.warm, stdout, stderr)
+        first = "" if started.warm or started.lab.vm(vm_name).cloud_init is None else CLOUD_INIT_DONE
+        result = _command(started.run_dir, started.plan.vms[0], cmd, options, started.warm, stdout, stderr,
+                          first=first)
         started.mark("ran")
         kept = options.keep and result.exit_code != 0
         return Outcome(started.name, vm_name, result, started.warm, kept, started.timings)
@@ -426,7 +431,8 @@ def _up(plan: Plan, spec: str, host: Host, warm: templates.Template | None, opti
     from vmlaunch.runtime import executor
 
     start = TemplateStart(warm, plan.run_dir) if warm is not None else None
-    executor.up(plan, spec=spec, qemu_img=host.qemu.img, timeout=60.0,
+    executor.up(plan, spec=spec, qemu_img=host.qemu.img, timeout=options.wait,
+                wait_for=options.wait_for if warm is None else None,
                 from_snapshot=start)  # type: ignore[arg-type]
 
 
@@ -469,7 +475,7 @@ def watched(vm: VmPlan, call: Callable[[], agent.Result]) -> agent.Result:
 
 
 def _command(run_dir: RunDir, vm: VmPlan, cmd: agent.Command, options: Options, warm: bool,
-             stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> agent.Result:
+             stdout: IO[bytes] | None, stderr: IO[bytes] | None, *, first: str = "") -> agent.Result:
     """Run the command in the guest while its console and QEMU are watched: a panic, or a QEMU that
     exits, ends the run at once."""
     text = agent.command_line(cmd)
@@ -479,6 +485,8 @@ def _command(run_dir: RunDir, vm: VmPlan, cmd: agent.Command, options: Options, 
     if warm:  # a guest woken from its template reads the template's time: the host's, to the ms
         prefix = f"date -u -s @{time.time():.3f} >/dev/null 2>&1 || date -u -s @{int(time.time())} " \
                  f">/dev/null 2>&1; ".encode() + prefix
+    if first:  # a cold guest that cloud-init sets up: its runcmd done first, as in a template
+        prefix = f"{first}; ".encode() + prefix
     if prefix:
         text = prefix + text
     result = watched(vm, lambda: agent.run(run_dir, vm.name, text, timeout=options.timeout,
@@ -493,7 +501,7 @@ def _command(run_dir: RunDir, vm: VmPlan, cmd: agent.Command, options: Options, 
 # --- templates ---------------------------------------------------------------------------------------
 
 
-def template_inputs(lab: LabSpec, vm: VmSpec, host: Host) -> dict[str, Any]:
+def template_inputs(lab: LabSpec, vm: VmSpec, host: Host, wait_for: str | None = None) -> dict[str, Any]:
     """What decides `vm`'s state at its ready point (saved/template.py): its key is made of these."""
     from vmlaunch.core.version import __version__
 
@@ -519,17 +527,18 @@ def template_inputs(lab: LabSpec, vm: VmSpec, host: Host) -> dict[str, Any]:
     networks = {nic.network: repr(as_run.network(nic.network)) for nic in vm.nics}
     return {"vm": definition, "files": files, "networks": networks, "mac_prefix": lab.mac_prefix,
             "qemu": [host.qemu.binary, host.qemu.version_text, templates.identity(Path(host.qemu.binary))],
-            "kvm": host.kvm.usable, "vmlaunch": __version__}
+            "kvm": host.kvm.usable, "vmlaunch": __version__, "ready": wait_for}
 
 
-def template_key(lab: LabSpec, vm: VmSpec, host: Host) -> str:
-    return templates.key_of(template_inputs(lab, vm, host))
+def template_key(lab: LabSpec, vm: VmSpec, host: Host, wait_for: str | None = None) -> str:
+    return templates.key_of(template_inputs(lab, vm, host, wait_for))
 
 
-def ensure_template(lab: LabSpec, vm: VmSpec, host: Host, spec: str) -> templates.Template | None:
+def ensure_template(lab: LabSpec, vm: VmSpec, host: Host, spec: str, wait_for: str | None = None
+                    ) -> templates.Template | None:
     """The template of `vm`, made now when there is none (said in one line); None when it cannot be
     made (said why: the run then boots cold)."""
-    key = template_key(lab, vm, host)
+    key = template_key(lab, vm, host, wait_for)
     try:
         templates.store()
     except VmlaunchError as exc:
@@ -552,7 +561,7 @@ def ensure_template(lab: LabSpec, vm: VmSpec, host: Host, spec: str) -> template
         said = (f" (its inputs changed since template {', '.join(old)})" if old else "")
         log.info("making the template of %s%s: it boots once to its ready point", vm.name, said)
         try:
-            made = make_template(lab, vm, host, key, spec)
+            made = make_template(lab, vm, host, key, spec, wait_for)
         except (VmlaunchError, OSError) as exc:
             log.warning("the template of %s could not be made (%s): this run boots cold", vm.name,
                         exc.strerror if isinstance(exc, OSError) and exc.strerror else exc)
@@ -563,9 +572,12 @@ def ensure_template(lab: LabSpec, vm: VmSpec, host: Host, spec: str) -> template
         return made
 
 
-def make_template(lab: LabSpec, vm: VmSpec, host: Host, key: str, spec: str) -> templates.Template:
-    """Boot `vm` with its RAM in the template's file, wait for its agent, save its devices' state, and
-    seal the template (saved/template.py)."""
+def make_template(lab: LabSpec, vm: VmSpec, host: Host, key: str, spec: str, wait_for: str | None = None
+                  ) -> templates.Template:
+    """Boot `vm` with its RAM in the template's file to its ready point, save its devices' state, and
+    seal the template (saved/template.py). The ready point: `wait_for` on its console when given, then
+    its agent answering, then, in a guest cloud-init sets up, cloud-init done (what `up --wait ssh`
+    waits for: its runcmd ran)."""
     from vmlaunch.runtime import executor
     from vmlaunch.runtime.fork import shared
 
@@ -589,16 +601,19 @@ def make_template(lab: LabSpec, vm: VmSpec, host: Host, key: str, spec: str) -> 
         plan = _compile(tpl_lab, host)
         ram = folder / templates.RAM
         plan = attrs.evolve(plan, vms=tuple(shared(each, ram, share=True) for each in plan.vms))
-        executor.up(plan, spec=spec, qemu_img=host.qemu.img, timeout=60.0)
+        executor.up(plan, spec=spec, qemu_img=host.qemu.img, timeout=DEFAULT_WAIT, wait_for=wait_for)
         began = time.monotonic()
         try:
-            watched(plan.vms[0], lambda: agent.run(run_dir, vm.name, "true", timeout=30.0, wait=DEFAULT_WAIT))
+            ready_cmd = CLOUD_INIT_DONE if vm.cloud_init is not None else "true"
+            watched(plan.vms[0], lambda: agent.run(run_dir, vm.name, ready_cmd, timeout=DEFAULT_WAIT,
+                                                   wait=DEFAULT_WAIT))
             ready = time.monotonic() - began
             _save_devices(plan.vms[0], folder / templates.STATE)
         finally:
             with _quiet():
                 executor.down(run_dir, timeout=0, force=True)
-        return templates.seal(folder, key, {"spec": spec, "vm": vm.name, "lab": name, "ready_s": ready})
+        return templates.seal(folder, key, {"spec": spec, "vm": vm.name, "lab": name, "ready_s": ready,
+                                            "wait_for": wait_for})
     except BaseException:
         with contextlib.suppress(VmlaunchError, OSError), _quiet():
             if run_dir.path.exists():
@@ -677,7 +692,7 @@ def prune_templates(host: Host, *, every: bool = False) -> list[tuple[str, int, 
         if why is None:
             try:
                 lab = load_lab(each.spec)
-                if template_key(lab, lab.vm(each.vm), host) != each.key:
+                if template_key(lab, lab.vm(each.vm), host, each.wait_for) != each.key:
                     why = "its inputs changed"
             except (VmlaunchError, KeyError):
                 why = f"{each.spec} or its VM {each.vm} is gone or does not load"

@@ -264,6 +264,7 @@ class Listed:
     made: float
     used: float
     state: str  # "ok", or why it would be made again
+    wait_for: str | None = None  # the console text of its ready point, if any (`run --wait-for`)
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -291,7 +292,8 @@ def listing() -> list[Listed]:
         meta = template.meta if template is not None else (read_meta(path) or {})
         used = os.stat(path / META).st_mtime if (path / META).exists() else 0.0
         found.append(Listed(entry, str(meta.get("spec", "?")), str(meta.get("vm", "?")), folder_size(path),
-                            float(meta.get("made", 0.0)), used, "ok" if why is None else why))
+                            float(meta.get("made", 0.0)), used, "ok" if why is None else why,
+                            meta.get("wait_for") if isinstance(meta.get("wait_for"), str) else None))
     return sorted(found, key=lambda each: -each.used)
 
 
