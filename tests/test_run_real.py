@@ -329,3 +329,22 @@ def test_wait_for_is_the_ready_point_of_a_run_and_its_template(spec: Path, run_r
     listed = json.loads(vl("template", "ls", "--json").stdout)
     assert "VMLAUNCH-GUEST-READY" in [each["wait_for"] for each in listed]
     nothing_left(run_root)
+
+
+def test_a_run_killed_while_it_makes_the_template_leaves_nothing(spec: Path, run_root: Path,
+                                                                 tmp_path: Path) -> None:
+    other = tmp_path / "other.toml"  # a key of its own: its template is made by this run
+    other.write_text(spec.read_text().replace('memory = "128M"', 'memory = "136M"'))
+    proc = subprocess.Popen([*VMLAUNCH, "run", "--warm", str(other), "w", "--", "true"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert "run-" not in vl("ls").stdout and "tpl-" not in vl("ls").stdout
+    nothing_left(run_root)
+    qemus = subprocess.run(["pgrep", "-f", f"qemu-system.*{run_root}/tpl-"], capture_output=True, text=True)
+    assert qemus.stdout == ""
+    listed = json.loads(vl("template", "ls", "--json").stdout)  # the half-made one is gone on the way
+    assert not [each for each in listed if each["spec"] == str(other)]
+    assert not [entry for entry in os.listdir(Path(os.environ["VMLAUNCH_CACHE_DIR"]) / "templates")
+                if ".tmp-" in entry]

@@ -593,6 +593,10 @@ def make_template(lab: LabSpec, vm: VmSpec, host: Host, key: str, spec: str, wai
                              f"{need >> 20} MiB (its RAM and disks)")
     name = spec_throwaway.new_name(spec_throwaway.TEMPLATE_PREFIX)
     run_dir = RunDir.of(host.run_root, name)
+    # a home in the run root too, whose owner is this process: a vmlaunch killed while it makes the
+    # template leaves a lab the next command's sweep takes down (the half-made folder goes with
+    # `template ls`, or the next template made)
+    _make_home(host.run_root, name)
     try:
         home = folder / templates.HOME
         home.mkdir(mode=0o700)
@@ -610,14 +614,12 @@ def make_template(lab: LabSpec, vm: VmSpec, host: Host, key: str, spec: str, wai
             ready = time.monotonic() - began
             _save_devices(plan.vms[0], folder / templates.STATE)
         finally:
-            with _quiet():
-                executor.down(run_dir, timeout=0, force=True)
+            forget(host.run_root, name)
         return templates.seal(folder, key, {"spec": spec, "vm": vm.name, "lab": name, "ready_s": ready,
                                             "wait_for": wait_for})
     except BaseException:
-        with contextlib.suppress(VmlaunchError, OSError), _quiet():
-            if run_dir.path.exists():
-                executor.down(run_dir, timeout=0, force=True)
+        with contextlib.suppress(VmlaunchError, OSError):
+            forget(host.run_root, name)
         templates.remove(folder)
         raise
 
