@@ -348,3 +348,15 @@ def test_a_run_killed_while_it_makes_the_template_leaves_nothing(spec: Path, run
     assert not [each for each in listed if each["spec"] == str(other)]
     assert not [entry for entry in os.listdir(Path(os.environ["VMLAUNCH_CACHE_DIR"]) / "templates")
                 if ".tmp-" in entry]
+
+
+def test_an_output_flood_is_bounded(spec: Path, run_root: Path) -> None:
+    from vmlaunch.host.facts import detect_host
+    from vmlaunch.runtime import throwaway
+    from vmlaunch.spec.load import load_lab
+
+    outcome = throwaway.run(load_lab(spec), "w", "head -c 300000 /dev/zero; echo done >&2",
+                            throwaway.Options(limit=4096), detect_host())
+    assert outcome.result.truncated and len(outcome.result.stdout) == 4096
+    assert outcome.result.stderr == b"done\n"
+    nothing_left(run_root)
