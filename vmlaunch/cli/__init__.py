@@ -136,6 +136,8 @@ def _spare_the_last_collection() -> None:
     never be collected."""
     import gc
 
+    if "libvirt" in sys.modules:  # its connections' finalizers need the module: collected as ever
+        return
     gc.freeze()
 
 

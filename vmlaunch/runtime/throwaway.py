@@ -178,14 +178,16 @@ def _kill(run_dir: RunDir) -> None:
     from vmlaunch.core.wait import TimedOut, wait_until
     from vmlaunch.lab import process
 
+    from vmlaunch.layout.rundir import vm_of_file
+
     pids = []
-    for entry in sorted(os.listdir(run_dir.path)):
-        if entry.endswith(".pid"):
-            pid = process.find_pid(run_dir.vm(entry[:-4]))
-            if pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                pids.append(pid)
+    for name in sorted({vm_of_file(entry) for entry in os.listdir(run_dir.path)} - {None}):
+        assert name is not None
+        pid = process.find_pid(run_dir.vm(name))
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            pids.append(pid)
     with contextlib.suppress(TimedOut):
         wait_until(lambda: not any(process.alive(pid) for pid in pids), 5.0, interval=0.005)
 
