@@ -527,7 +527,8 @@ def test_every_problem_of_a_table_at_once(tmp_path: Path) -> None:
         "lab.toml:6: vm.a.memory: '1.5M' is not a whole number of MiB",
         "lab.toml:7: vm.a.colour: unknown key 'colour' (known keys: accel, agent, append, balloon, "
         "cloud_init, cpu_model, cpu_pinning, cpus, disk, disk_size, fast_boot, firmware, host, hugepages, "
-        "image, initrd, kernel, machine, memory, nic, numa_node, pci, reserve_hugepages, share, ssh, template, video)",
+        "image, initrd, kernel, machine, memory, nic, numa_node, pci, reserve_hugepages, share, ssh, "
+        "template, video)",
         f"lab.toml:8: vm.a.kernel: {tmp_path}/gone does not exist (relative paths are relative to the "
         "spec file)",
         "lab.toml:11: vm.a.nic[0].mac: '01:00:00:00:00:01' is a multicast address (the first octet must "

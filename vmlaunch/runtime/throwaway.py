@@ -177,12 +177,11 @@ def _kill(run_dir: RunDir) -> None:
 
     from vmlaunch.core.wait import TimedOut, wait_until
     from vmlaunch.lab import process
-
     from vmlaunch.layout.rundir import vm_of_file
 
     pids = []
-    for name in sorted({vm_of_file(entry) for entry in os.listdir(run_dir.path)} - {None}):
-        assert name is not None
+    names = {vm_of_file(entry) for entry in os.listdir(run_dir.path)}
+    for name in sorted(name for name in names if name is not None):
         pid = process.find_pid(run_dir.vm(name))
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
