@@ -6,9 +6,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from vmlaunch.cli.common import Commands, add_json, command, seconds
 from vmlaunch.errors import UsageError
+
+if TYPE_CHECKING:
+    from vmlaunch.host.facts import Host
+    from vmlaunch.spec.model import LabSpec
+    from vmlaunch.spec.throwaway import ExtraShare
 
 log = logging.getLogger("vmlaunch")
 
@@ -102,7 +109,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.kernel is not None:
         if args.spec is not None:
             raise UsageError("run: --kernel takes no SPEC or VM", "vmlaunch run --kernel PATH -- CMD")
-        lab, vm, recipe = _kernel_lab(args, shares, cwd)
+        lab, vm, recipe = _kernel_lab(args, shares, cwd, host)
         options = attrs.evolve(options, shares=(), cwd=str(cwd))
         spec = str(Path(args.kernel).absolute())
         wants = False
@@ -149,12 +156,10 @@ def _say_kept(name: str, vm: str) -> None:
                 vm, name, name, vm, name, vm, name, name)
 
 
-def _kernel_lab(args: argparse.Namespace, shares: list, cwd: object) -> tuple:  # type: ignore[type-arg]
-    from pathlib import Path
-
+def _kernel_lab(args: argparse.Namespace, shares: list[ExtraShare], here: Path, host: Host
+                ) -> tuple[LabSpec, str, dict[str, Any]]:
     from vmlaunch.core.units import parse_size
     from vmlaunch.guests import initramfs
-    from vmlaunch.host.facts import detect_host
     from vmlaunch.runtime.throwaway import homes
     from vmlaunch.spec.throwaway import ExtraShare, kernel_lab, new_name
 
@@ -177,10 +182,8 @@ def _kernel_lab(args: argparse.Namespace, shares: list, cwd: object) -> tuple:  
             raise UsageError(f"--initrd {args.initrd}: no such file")
     else:
         initrd = initramfs.build(kernel, Path(args.modules).absolute() if args.modules else None)
-    here = Path(str(cwd))
     folder = ExtraShare(here, str(here), readonly=not args.rw)
     name = new_name()
-    host = detect_host()
     lab = kernel_lab(kernel, initrd, f"console=ttyS0 {args.append}".strip(), memory, args.cpus, name,
                      homes(host.run_root) / name, [folder, *shares])
     recipe = {"kernel": str(kernel), "initrd": str(initrd), "append": args.append, "memory": memory,

@@ -457,9 +457,10 @@ def _free(path: Path) -> int | None:
     return info.f_bavail * info.f_frsize
 
 
-def _copy(source: Path, target: Path) -> None:
-    """Copy what the source's QEMU has open (`source`: /proc/PID/fd/N) to a clone's new file (its
-    folder was just made, private), sparse, shared by reflink where the file system can."""
+def copy_disk(source: Path, target: Path) -> None:
+    """Copy a disk (for a clone: what the source's QEMU has open, /proc/PID/fd/N) to a new file in a
+    folder just made, private (a clone's, or a throwaway VM's home), sparse, shared by reflink where
+    the file system can."""
     done = subprocess.run(["cp", "--sparse=always", "--reflink=auto", "--no-preserve=all", "--",
                            str(source), str(target)], capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -496,7 +497,7 @@ def _save(run_dir: RunDir, source: str, book: Book, copies: Sequence[tuple[Path,
             finally:
                 os.close(fd)
             with ThreadPoolExecutor(max(1, min(4, len(copies)))) as pool:
-                copying = [pool.submit(_copy, src, dst) for src, dst in copies]
+                copying = [pool.submit(copy_disk, src, dst) for src, dst in copies]
                 try:
                     qmp.cmd("migrate", uri=f"fd:{FD_NAME}")
                 except QmpError as exc:

@@ -206,16 +206,6 @@ def _quiet() -> Iterator[None]:
 # --- disks -----------------------------------------------------------------------------------------
 
 
-def _copy(source: Path, target: Path) -> None:
-    done = subprocess.run(["cp", "--sparse=always", "--reflink=auto", "--no-preserve=all", "--",
-                           str(source), str(target)], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        said = "; ".join(line for line in done.stderr.strip().splitlines() if line.strip())
-        raise RuntimeFailure(f"a copy of {source} for the throwaway VM failed: "
-                             f"{said or f'cp exited with {done.returncode}'}", "is the file system full?")
-    os.chmod(target, 0o600)
-
-
 def overlay(qemu_img: str, backing: Path, fmt: str, target: Path) -> None:
     """A qcow2 overlay at `target` of `backing` (never written through it)."""
     done = subprocess.run([qemu_img, "create", "-q", "-f", "qcow2", "-b", str(backing), "-F", fmt,
@@ -230,13 +220,15 @@ def overlay(qemu_img: str, backing: Path, fmt: str, target: Path) -> None:
 def own_disks(vm: VmSpec, home: Path) -> dict[int, Disk]:
     """Each writable disk of `vm` as the throwaway VM has it: a copy of the file as it stands, in
     `home`, or (a file not made yet) a new one of its size there."""
+    from vmlaunch.runtime.fork import copy_disk
+
     given = {}
     for index, disk in enumerate(vm.disks):
         if disk.readonly:
             continue
         target = home / f"disk{index}.{disk.format.value}"
         if os.path.exists(disk.file):
-            _copy(disk.file, target)
+            copy_disk(disk.file, target)
             given[index] = attrs.evolve(disk, file=target, size=None, block_device=False,
                                         accept_other_owner=False)
         else:
