@@ -309,3 +309,51 @@ def test_a_manager_started_by_up_waits_for_it_to_finish_at_most_its_head_start(
         managerd._after_up(run_dir.path)
         assert time.monotonic() - start >= 0.3
     managerd._after_up(tmp_path / "gone")  # no lock file at all: at once
+
+
+def test_a_quiet_labs_manager_runs_a_full_round_only_when_the_lab_changes(tmp_path: Path) -> None:
+    """Nothing to size or balance, no `up` under way, no VM starting: the next full round waits for a
+    change of the journal or the settings, or IDLE_EVERY; while there is work, one each interval.
+    Rounds, not time: `due` is asked at chosen instants."""
+    import asyncio
+    import time
+
+    import attrs
+
+    from vmlaunch.lab.journal import Entry, Journal, VmEntry, locked
+    from vmlaunch.manager.manager import IDLE_EVERY, Manager
+    from vmlaunch.resources.manager import ManagerRecord
+
+    run_dir = RunDir(tmp_path / "t")
+    run_dir.create()
+    config = ManagerConfig(lab="t", budget_mib=640, vms=(ManagedVm("a", 128, 128, auto=False, balloon=True),))
+    write_config(run_dir, config)
+    journal = Journal(run_dir, spec="/l/lab.toml")
+    journal.add(Entry("manager", "lab", None, ManagerRecord(os.getpid(), 1, str(run_dir.path))))
+    journal.vms["a"] = VmEntry(pid=None, started=0.0, accel="tcg")  # still starting
+    journal.save()
+
+    async def rounds() -> None:
+        manager = Manager(run_dir)
+        now = time.monotonic()
+        assert manager.due(now)
+        await manager.full_round(now)
+        assert not manager.quiet and manager.due(now + 1)  # a VM starting: rounds go on
+        journal.vms["a"] = VmEntry(pid=2 ** 22 + 1, started=0.0, accel="tcg")  # started (and gone)
+        journal.save()
+        assert manager.due(now + 1)
+        await manager.full_round(now + 1)
+        assert manager.quiet
+        assert not manager.due(now + 2) and not manager.due(now + IDLE_EVERY)
+        assert manager.due(now + 1 + IDLE_EVERY)  # at the latest
+        write_config(run_dir, attrs.evolve(config, budget_mib=512))  # an `up` of the lab: at once
+        assert manager.due(now + 2)
+        with locked(run_dir, 5):  # an `up` under way: every interval
+            await manager.full_round(now + 2)
+        assert not manager.quiet and manager.due(now + 3)
+        await manager.full_round(now + 3)
+        assert manager.quiet and not manager.due(now + 4)
+        manager.quiet = False  # an event heard (the listener's doing): its repeats wait for a round
+        assert manager.due(now + 4)
+
+    asyncio.run(rounds())

@@ -331,3 +331,35 @@ def test_a_channel_nobody_answers_or_that_closes_is_an_agent_error(rig: Lab, tmp
         os.rename(tmp_path / "agent", real)
         os.rename(tmp_path / "qga", files.qga)
     assert rig.vm("b").succeed("echo back") == "back\n"
+
+
+def test_an_idle_agent_waits_for_a_client_without_polling(rig: Lab) -> None:
+    """Between clients the sh agent blocks in a write, which the guest's kernel ends when the host side
+    opens: an idle guest starts no process (it polled, a `sleep` each 50 ms to 2 s, before). Counted
+    by the guest's last pid (/proc/loadavg), not timed."""
+    b = rig.vm("b")
+
+    def last_pid() -> int:
+        return int(b.succeed("cat /proc/loadavg").split("/")[-1].split()[1])
+
+    first = last_pid()
+    per_command = last_pid() - first  # the processes one command of the agent starts
+    before = last_pid()
+    time.sleep(3)  # no client: the host side closed
+    idle = last_pid() - before - per_command
+    assert idle <= 2, f"{idle} processes started while the agent had no client"
+
+
+def test_a_balloon_the_manager_does_not_size_reports_its_statistics_seldom(rig: Lab) -> None:
+    """The lab manager turns a balloon's statistics on for `status`, every HELD_STATS seconds where no
+    policy sizes it (each period wakes QEMU and the guest); an auto balloon's come each round."""
+    from vmlaunch.core.wait import wait_until
+    from vmlaunch.manager.manager import BALLOON, HELD_STATS
+    from vmlaunch.qemu.qmp import QuickQmp
+
+    def period() -> object:
+        with QuickQmp(rig.run_dir.vm("b").qmp, timeout=10) as qmp:
+            return qmp.cmd("qom-get", path=BALLOON, property="guest-stats-polling-interval")
+
+    wait_until(lambda: period() != 0, 30, interval=0.5)  # the manager connects in its first rounds
+    assert period() == HELD_STATS

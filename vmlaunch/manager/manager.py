@@ -2,15 +2,16 @@
 `policy = "auto"` VMs and balances them over NUMA nodes when the lab asks for it.
 
 `up` starts it for every lab (`resources/manager.py`) as `python -m vmlaunch.manager RUN_DIR`, and `down`
-stops it (SIGTERM). Every round (`interval`, 1 s) it:
+stops it (SIGTERM). Every round (`interval`, 1 s, while it has work: see "Idle" below) it:
 
 1. reads its settings (`manager.json`, rewritten by each `up`) and the journal: the VMs that run now.
    A VM that appears is connected to on its own QMP monitor (`V.manager.qmp`; the VM's first monitor
    stays free for `status`, `balloon`, `qmp`, the API and a user's tools), its events are listened to
-   and, with a balloon, its guest statistics are turned on; a VM that went away (down, crashed) is
-   dropped;
-2. samples each VM (query-balloon; the balloon's guest-stats: available and free memory, major faults
-   and swap-ins since the last sample), the host (MemTotal, MemAvailable) and the KSM counters;
+   and, with a balloon, its guest statistics are turned on (each round with an auto balloon, every
+   HELD_STATS seconds without: `status` shows them); a VM that went away (down, crashed) is dropped;
+2. where the lab has an auto balloon, samples each VM (query-balloon; the balloon's guest-stats:
+   available and free memory, major faults and swap-ins since the last sample), the host (MemTotal,
+   MemAvailable) and the KSM counters;
 3. asks the pure policy (`balloon_policy.decide`) for new targets, sets them, and logs each change with
    its reason; with NUMA placement, the balancer (`manager/balancer.py`) samples the VMs' runnable vCPUs and,
    every `lab.placement.interval`, moves at most one VM between nodes;
@@ -21,6 +22,15 @@ Events are not left for the rounds: one task per VM waits on its monitor and log
 logging the moment it comes (`lab/events.py`), so that a `status` run just after a VM paused on an
 I/O error finds why in the log, and the events a QEMU sends just before it exits are logged before
 the connection goes. Events a VM sent before the manager connected to it are not in the log.
+
+Idle: a lab with nothing to size or balance costs its guests next to nothing. The statistics (a
+timer in QEMU and a wake-up of the guest's balloon driver each period) come each round only from the
+VMs whose balloon the policy sizes, and VMs are asked over QMP only where the policy runs. A round that leaves
+nothing to do (no auto balloon, no balancer, no `up` or `down` under way, no VM still starting or not
+yet connected, no repeat of an event waiting to be logged: `quiet`) lets the next full round wait up
+to IDLE_EVERY; each `interval` meanwhile it only looks whether the journal or the settings changed
+(an `up` or `down` of the lab writes both), and runs a round at once when they did. Events still come
+as they happen: they are listened to, not asked for.
 
 It keeps nothing that cannot be rebuilt: started again, it reads the journal, QMP and its state file.
 Every event loop and QMP connection is asyncio (`qmp.AsyncQmp`), one loop for the whole lab. Errors of
@@ -60,6 +70,8 @@ BALLOON = "/machine/peripheral/balloon0"
 MIB = 1 << 20
 UNKNOWN = 1 << 63  # QEMU reports a statistic the guest did not send as (uint64) -1
 ORPHAN_AFTER = 60.0  # seconds a manager not in its lab's journal runs before it takes itself for orphaned
+IDLE_EVERY = 10.0  # seconds at most between the full rounds of a quiet lab (see "Idle" above)
+HELD_STATS = 10  # seconds between the statistics of a balloon the policy does not size (`status`'s FREE)
 
 
 @attrs.define
@@ -105,6 +117,10 @@ class Manager:
         self.lab_busy = True  # an `up` or `down` of the lab held its lock at the start of this round
         self.balancer = Balancer()
         self.events = Writer(run_dir)
+        self.quiet = False  # the last round left nothing to do until the lab changes (see "Idle")
+        self.starting = False  # a VM of the journal has no QEMU pid yet
+        self.last_round = float("-inf")  # when the last full round started (monotonic)
+        self.seen: tuple[object, ...] | None = None  # the journal's and the settings' `_signature` then
 
     def _saved_targets(self) -> dict[str, tuple[int, int, int | None]]:
         """name -> (QEMU pid, target, observed floor) from the state file a previous manager of this
@@ -123,10 +139,11 @@ class Manager:
             loop.add_signal_handler(sig, self.stopping.set)
         while not self.stopping.is_set():
             started = time.monotonic()
-            try:
-                await self.round()
-            except Exception:  # a bug must not leave the lab without its manager: log it, go on
-                log.exception("round failed")
+            if self.due(started):
+                try:
+                    await self.full_round(started)
+                except Exception:  # a bug must not leave the lab without its manager: log it, go on
+                    log.exception("round failed")
             interval = self.config.interval if self.config else INTERVAL
             left = max(0.1, interval - (time.monotonic() - started))
             with contextlib.suppress(asyncio.TimeoutError):
@@ -134,6 +151,28 @@ class Manager:
         log.info("stopping: %d VM(s) watched", len(self.watched))
         await asyncio.gather(*(vm.close() for vm in self.watched.values()))
         self.events.close()
+
+    async def full_round(self, now: float) -> None:
+        self.seen = self._signature()  # before the round reads them: a change meanwhile is seen next
+        self.last_round = now
+        await self.round()
+
+    def due(self, now: float) -> bool:
+        """Whether a full round runs now: always while there is work, else when the lab's journal or
+        settings changed, and every IDLE_EVERY at least."""
+        return (not self.quiet or now - self.last_round >= IDLE_EVERY
+                or self._signature() != self.seen)
+
+    def _signature(self) -> tuple[object, ...]:
+        """The journal and the settings as files (inode, size, mtime): what an `up` or `down` changes."""
+        def of(path: Path) -> tuple[int, int, int] | None:
+            try:
+                st = os.stat(path)
+            except OSError:
+                return None
+            return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+        return (of(self.run_dir.state), of(self.run_dir.manager_config))
 
     def _read_config(self) -> ManagerConfig | None:
         try:
@@ -172,6 +211,7 @@ class Manager:
             self.stop(idle)
             return {}
         found = {}
+        self.starting = any(entry.pid is None for entry in journal.vms.values())
         for name, entry in journal.vms.items():
             if entry.pid is None:
                 continue  # still starting: next round
@@ -247,10 +287,11 @@ class Manager:
             if watched is not None:
                 self.watched[vm.name] = watched
         order = [vm for vm in config.vms if vm.name in self.watched]
-        samples = await asyncio.gather(*(self.sample(vm) for vm in order))
+        sizing = any(vm.auto for vm in order)  # the policy runs: it weighs every VM (else none is asked)
+        samples = await asyncio.gather(*(self.sample(vm) for vm in order)) if sizing else []
         guests = [guest for guest in samples if guest is not None]
         host_mem = meminfo()
-        if host_mem is not None and any(vm.auto for vm in order):
+        if host_mem is not None and sizing:
             host = Host(total=host_mem.total, available=host_mem.available)
             for decision in decide(config.budget_mib * MIB, host, guests):
                 await self.set_target(decision.name, decision.target, decision.reason)
@@ -258,14 +299,18 @@ class Manager:
             await self.balancer.round(config, running)
         self.save(config, host_mem)
         self.events.flush()
+        self.quiet = not (sizing or config.balance or self.lab_busy or self.starting
+                          or len(self.watched) < len(wanted) or self.idle_since is not None
+                          or bool(self.events.coalescer.bursts))
 
     async def connect(self, vm: ManagedVm, pid: int) -> Watched | None:
         qmp = AsyncQmp(self.run_dir.vm(vm.name).manager_qmp, timeout=5.0)
         try:
             await qmp.connect()
-            if vm.balloon:
+            if vm.balloon:  # each period a timer in QEMU and a wake-up of the guest: the policy's input
+                period = (self.config.interval if self.config else INTERVAL) if vm.auto else HELD_STATS
                 await qmp.cmd("qom-set", path=BALLOON, property="guest-stats-polling-interval",
-                              value=max(1, round(self.config.interval if self.config else INTERVAL)))
+                              value=max(1, round(period)))
         except QmpError as exc:
             log.debug("%s: not reachable yet: %s", vm.name, exc.message)
             await qmp.close()
@@ -276,7 +321,7 @@ class Manager:
                  f", target {target // MIB} MiB as set before" if target is not None else "",
                  f", its floor {floor // MIB} MiB as seen before" if floor is not None else "")
         watched = Watched(vm.name, pid, qmp, target=target, floor=floor,
-                          console_seen=console_size(self.run_dir.vm(vm.name)))
+                          console_seen=console_size(self.run_dir.vm(vm.name)), seen={"pid": pid})
         watched.listener = asyncio.create_task(self.listen(vm.name, qmp))
         return watched
 
@@ -288,6 +333,7 @@ class Manager:
             if qmp.dropped_events != dropped:  # fell behind by a whole backlog: say so, go on
                 log.warning("%s: %d QMP event(s) dropped unread", name, qmp.dropped_events - dropped)
                 dropped = qmp.dropped_events
+            self.quiet = False  # its repeats are logged when their window closes, by the rounds
             try:
                 self.events.hear(name, message)
             except Exception:  # a bug here must not silence the VM's events for good
