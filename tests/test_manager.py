@@ -357,3 +357,152 @@ def test_a_quiet_labs_manager_runs_a_full_round_only_when_the_lab_changes(tmp_pa
         assert manager.due(now + 4)
 
     asyncio.run(rounds())
+
+
+def test_a_steady_auto_balloon_reports_less_often_and_its_size_comes_from_events(tmp_path: Path) -> None:
+    """An auto balloon the policy left where it is for SETTLE rounds, not moving, on a host whose
+    available memory holds: its statistics come every STEADY_STATS seconds and are read only once the
+    guest can have sent newer ones; any change brings it back to each round. Its actual size is asked
+    once, then kept from BALLOON_CHANGE. Rounds, not time: a stub monitor records what is asked."""
+    import asyncio
+    import time
+    from typing import Any, cast
+
+    from vmlaunch.manager.manager import SETTLE, STEADY_STATS, Manager, Watched, stats_due
+    from vmlaunch.policy.balloon import Host
+
+    class Monitor:
+        def __init__(self) -> None:
+            self.asked: list[tuple[str, dict[str, Any]]] = []
+            self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+            self.dropped_events = 0
+
+        async def cmd(self, command: str, **args: Any) -> Any:
+            self.asked.append((command, args))
+            if command == "query-balloon":
+                return {"actual": 128 * M}
+            if command == "qom-get":
+                return {"last-update": int(time.time()), "stats": {"stat-available-memory": 100 * M}}
+            return {}
+
+        async def next_event(self) -> dict[str, Any]:
+            return await self.events.get()
+
+        async def close(self) -> None:
+            pass
+
+    run_dir = RunDir(tmp_path / "t")
+    run_dir.create()
+    vm = ManagedVm("a", 128, 64, auto=True, balloon=True)
+
+    async def rounds() -> None:
+        manager = Manager(run_dir)
+        monitor = Monitor()
+        watched = Watched("a", 1, cast(Any, monitor), period=1)
+        watched.listener = asyncio.create_task(manager.listen(watched))
+        manager.watched["a"] = watched
+        host = Host(total=1024 * M, available=512 * M)
+
+        def asked(command: str) -> int:
+            return sum(1 for name, _ in monitor.asked if name == command)
+
+        def periods() -> list[int]:
+            return [args["value"] for name, args in monitor.asked if name == "qom-set"]
+
+        for _ in range(SETTLE + 1):  # its first round is its first sight: not yet still
+            await manager.sample(vm)
+            await manager.pace([vm], set(), host)
+        assert asked("query-balloon") == 1 and asked("qom-get") == SETTLE + 1  # each round while settling
+        assert periods() == [STEADY_STATS] and watched.period == STEADY_STATS
+        before = asked("qom-get")
+        for _ in range(3):  # the guest sent none newer since: not asked
+            await manager.sample(vm)
+            await manager.pace([vm], set(), host)
+        assert asked("qom-get") == before and periods() == [STEADY_STATS]
+        await monitor.events.put({"event": "BALLOON_CHANGE", "data": {"actual": 120 * M}})
+        await asyncio.sleep(0)
+        assert watched.actual == 120 * M  # from the event, not asked
+        guest = await manager.sample(vm)
+        assert guest is not None and guest.actual == 120 * M and asked("query-balloon") == 1
+        await manager.pace([vm], set(), host)  # it moved: each round again
+        assert periods() == [STEADY_STATS, 1] and watched.still == 0
+        await manager.sample(vm)
+        assert asked("qom-get") == before + 1
+        for _ in range(SETTLE + 1):
+            await manager.pace([vm], set(), host)
+        assert periods()[-1] == STEADY_STATS
+        await manager.pace([vm], {"a"}, host)  # the policy set it a target
+        assert periods()[-1] == 1
+        for _ in range(SETTLE):
+            await manager.pace([vm], set(), host)
+        await manager.pace([vm], set(), Host(total=1024 * M, available=400 * M))  # the host moved
+        assert periods()[-1] == 1
+        await watched.close()
+
+    asyncio.run(rounds())
+    # When newer statistics can be there: each round at a period of one round; else a period after
+    # their last update (whole seconds), never later than a period from now.
+    now = time.monotonic()
+    assert stats_due({"last-update": int(time.time())}, 1, 1.0) <= time.monotonic()
+    assert now + 4 < stats_due({"last-update": int(time.time())}, 5, 1.0) <= time.monotonic() + 5
+    assert stats_due({"last-update": int(time.time()) - 4}, 5, 1.0) <= time.monotonic() + 2
+    assert now + 4.9 < stats_due({"last-update": 0}, 5, 1.0)
+    assert stats_due({"last-update": int(time.time()) - 60}, 5, 1.0) <= time.monotonic() + 0.5
+
+
+def test_a_busy_labs_rounds_read_the_journal_and_settings_only_when_they_changed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each round of a lab with work needs the VMs that run: the journal is read again only when it
+    changed (or one of the QEMUs it named ended), and the settings only when they changed."""
+    import subprocess
+    import sys
+    from typing import Any
+
+    from vmlaunch.lab.journal import Entry, Journal, VmEntry
+    from vmlaunch.manager.manager import Manager
+    from vmlaunch.qemu.opts import escape
+    from vmlaunch.resources import manager as settings
+    from vmlaunch.resources.manager import ManagerRecord
+
+    run_dir = RunDir(tmp_path / "t")
+    run_dir.create()
+    write_config(run_dir, ManagerConfig(lab="t", budget_mib=640, vms=(ManagedVm("a", 128, 64, auto=True,
+                                                                                  balloon=True),)))
+    qmp = escape(str(run_dir.vm("a").qmp))
+    qemu = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"path={qmp},"])
+    try:
+        journal = Journal(run_dir, spec="/l/lab.toml")
+        journal.add(Entry("manager", "lab", None, ManagerRecord(os.getpid(), 1, str(run_dir.path))))
+        journal.vms["a"] = VmEntry(pid=qemu.pid, started=0.0, accel="tcg")
+        journal.save()
+        loads: list[int] = []
+        reads: list[int] = []
+        real_load, real_read = Journal.load, settings.read_config
+        def load(*args: Any, **kwargs: Any) -> Any:
+            loads.append(1)
+            return real_load(*args, **kwargs)
+
+        def read(*args: Any, **kwargs: Any) -> Any:
+            reads.append(1)
+            return real_read(*args, **kwargs)
+
+        monkeypatch.setattr(Journal, "load", load)
+        monkeypatch.setattr("vmlaunch.manager.manager.read_config", read)
+        manager = Manager(run_dir)
+        manager.lab_busy = False
+        for _ in range(3):
+            manager.config = manager._read_config()
+            assert manager._running() == {"a": qemu.pid}
+        assert len(loads) == 1 and len(reads) == 1
+        journal.save()  # an `up` or `down` of the lab: read again
+        write_config(run_dir, ManagerConfig(lab="t", budget_mib=512, vms=()))
+        manager.config = manager._read_config()
+        assert manager._running() == {"a": qemu.pid}
+        assert manager.config is not None and manager.config.budget_mib == 512
+        assert len(loads) == 2 and len(reads) == 2
+        qemu.kill()
+        qemu.wait()
+        assert manager._running() == {} and len(loads) == 3  # its QEMU ended: the journal is read
+    finally:
+        qemu.kill()
+        qemu.wait()

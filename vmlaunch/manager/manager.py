@@ -9,7 +9,7 @@ stops it (SIGTERM). Every round (`interval`, 1 s, while it has work: see "Idle" 
    stays free for `status`, `balloon`, `qmp`, the API and a user's tools), its events are listened to
    and, with a balloon, its guest statistics are turned on (each round with an auto balloon, every
    HELD_STATS seconds without: `status` shows them); a VM that went away (down, crashed) is dropped;
-2. where the lab has an auto balloon, samples each VM (query-balloon; the balloon's guest-stats:
+2. where the lab has an auto balloon, samples each VM (its balloon's size; its guest-stats:
    available and free memory, major faults and swap-ins since the last sample), the host (MemTotal,
    MemAvailable) and the KSM counters;
 3. asks the pure policy (`balloon_policy.decide`) for new targets, sets them, and logs each change with
@@ -32,6 +32,13 @@ to IDLE_EVERY; each `interval` meanwhile it only looks whether the journal or th
 (an `up` or `down` of the lab writes both), and runs a round at once when they did. Events still come
 as they happen: they are listened to, not asked for.
 
+Where the policy runs, it costs what it needs: a balloon's actual size is asked once and then kept
+from its BALLOON_CHANGE events, and a steady auto balloon (`pace`: SETTLE rounds in which the policy
+set it no target, it did not move and the host's available memory held) reports its statistics every
+STEADY_STATS seconds, read only once the guest can have sent newer ones. Any change brings it back to
+each round. A steady guest that suddenly needs memory is seen up to STEADY_STATS late; until then its
+balloon deflates on OOM by itself (auto balloons have deflate_on_oom).
+
 It keeps nothing that cannot be rebuilt: started again, it reads the journal, QMP and its state file.
 Every event loop and QMP connection is asyncio (`qmp.AsyncQmp`), one loop for the whole lab. Errors of
 one VM (its QEMU gone half-way through a round) never end the manager: that VM is dropped and found
@@ -43,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 import os
@@ -72,6 +80,8 @@ UNKNOWN = 1 << 63  # QEMU reports a statistic the guest did not send as (uint64)
 ORPHAN_AFTER = 60.0  # seconds a manager not in its lab's journal runs before it takes itself for orphaned
 IDLE_EVERY = 10.0  # seconds at most between the full rounds of a quiet lab (see "Idle" above)
 HELD_STATS = 10  # seconds between the statistics of a balloon the policy does not size (`status`'s FREE)
+SETTLE = 5  # rounds an auto balloon is left where it is, at its target, before it counts as steady
+STEADY_STATS = 5  # seconds between the statistics of a steady auto balloon (see "Idle" above)
 
 
 @attrs.define
@@ -89,6 +99,12 @@ class Watched:
     floor: int | None = None  # bytes: where it stopped giving, short of a lower target (observed)
     console_seen: int = 0  # bytes of its console log already looked at for signs of its floor
     listener: asyncio.Task[None] | None = None  # logs its events as they come
+    actual: int | None = None  # bytes: the balloon's actual size, from BALLOON_CHANGE (None: ask QEMU)
+    period: int = 0  # seconds: the statistics period its balloon has now (0: not set by this manager)
+    still: int = 0  # rounds the policy left it where it is, at its target (SETTLE of them: steady)
+    stats: Any = None  # the balloon's guest-stats as last read
+    stats_due: float = float("-inf")  # when the guest will have sent newer ones (monotonic)
+    paced_actual: int | None = None  # bytes: its actual size when `pace` last looked
 
     async def close(self) -> None:
         if self.listener is not None:
@@ -96,6 +112,20 @@ class Watched:
             with contextlib.suppress(asyncio.CancelledError):
                 await self.listener
         await self.qmp.close()
+
+
+def stats_due(stats: Any, period: int, interval: float) -> float:
+    """When (monotonic) a balloon whose statistics come every `period` seconds will have sent newer
+    ones than `stats`, just read: at once (next round) when they come as often as the rounds; else
+    `period` after their `last-update` (whole seconds of the host's clock, hence the second added), and
+    never later than `period` from now (a guest that stopped sending them is not asked each round)."""
+    now = time.monotonic()
+    if period <= interval:
+        return now
+    updated = stats.get("last-update") if isinstance(stats, dict) else None
+    if not isinstance(updated, int) or updated <= 0:
+        return now + period
+    return now + max(interval / 2, min(period, updated + period + 1 - time.time()))
 
 
 def stat(stats: dict[str, Any], key: str) -> int | None:
@@ -121,6 +151,11 @@ class Manager:
         self.starting = False  # a VM of the journal has no QEMU pid yet
         self.last_round = float("-inf")  # when the last full round started (monotonic)
         self.seen: tuple[object, ...] | None = None  # the journal's and the settings' `_signature` then
+        self.config_read: object = None  # the settings file (`_signature`) when it was read last
+        self.running: tuple[object, dict[str, int]] | None = None  # the journal as read last, its QEMUs
+        self.saved: dict[str, Any] | None = None  # the part of the state file that `save` compares
+        self.saved_at = float("-inf")  # when it wrote it last (monotonic)
+        self.host_available: int | None = None  # bytes: the host's MemAvailable at the last round that sized
 
     def _saved_targets(self) -> dict[str, tuple[int, int, int | None]]:
         """name -> (QEMU pid, target, observed floor) from the state file a previous manager of this
@@ -144,13 +179,16 @@ class Manager:
                     await self.full_round(started)
                 except Exception:  # a bug must not leave the lab without its manager: log it, go on
                     log.exception("round failed")
-            interval = self.config.interval if self.config else INTERVAL
-            left = max(0.1, interval - (time.monotonic() - started))
+            left = max(0.1, self.interval - (time.monotonic() - started))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), left)
         log.info("stopping: %d VM(s) watched", len(self.watched))
         await asyncio.gather(*(vm.close() for vm in self.watched.values()))
         self.events.close()
+
+    @property
+    def interval(self) -> float:
+        return self.config.interval if self.config else INTERVAL
 
     async def full_round(self, now: float) -> None:
         self.seen = self._signature()  # before the round reads them: a change meanwhile is seen next
@@ -175,6 +213,9 @@ class Manager:
         return (of(self.run_dir.state), of(self.run_dir.manager_config))
 
     def _read_config(self) -> ManagerConfig | None:
+        read = self._signature()[1]
+        if self.config is not None and read is not None and read == self.config_read:
+            return self.config  # the file as read last
         try:
             config = read_config(self.run_dir)
         except FileNotFoundError:
@@ -182,16 +223,25 @@ class Manager:
         except (OSError, ValueError) as exc:
             log.warning("cannot read %s: %s", self.run_dir.manager_config, exc)
             return self.config
+        self.config_read = read
         if config != self.config:
             auto = ", ".join(vm.name for vm in config.vms if vm.auto) or "none"
             log.info("settings: budget %d MiB, auto balloons: %s", config.budget_mib, auto)
         return config
 
     def _running(self) -> dict[str, int]:
+        """The lab's VMs whose QEMU runs, by the journal; while the journal is the one read last (and
+        named this manager and some VM) and each of those QEMUs still runs, the same without reading
+        it again: a busy lab's rounds each second cost next to nothing."""
         from vmlaunch.errors import VmlaunchError
         from vmlaunch.lab import process as qemu
         from vmlaunch.lab.journal import Journal
 
+        read = self._signature()[0]
+        if self.running is not None and read is not None and read == self.running[0] \
+                and all(qemu.alive(pid) for pid in self.running[1].values()):
+            return dict(self.running[1])
+        self.running = None
         try:
             journal = Journal.load(self.run_dir)
         except VmlaunchError as exc:
@@ -218,6 +268,8 @@ class Manager:
             pid = qemu.find_pid(self.run_dir.vm(name), entry.pid)
             if pid is not None:
                 found[name] = pid
+        if self.journaled and found and not self.starting and len(found) == len(journal.vms):
+            self.running = (read, dict(found))
         return found
 
     def gone(self) -> str | None:
@@ -293,8 +345,11 @@ class Manager:
         host_mem = meminfo()
         if host_mem is not None and sizing:
             host = Host(total=host_mem.total, available=host_mem.available)
+            moved = set()
             for decision in decide(config.budget_mib * MIB, host, guests):
                 await self.set_target(decision.name, decision.target, decision.reason)
+                moved.add(decision.name)
+            await self.pace([vm for vm in order if vm.auto and vm.balloon], moved, host)
         if config.balance:
             await self.balancer.round(config, running)
         self.save(config, host_mem)
@@ -307,10 +362,9 @@ class Manager:
         qmp = AsyncQmp(self.run_dir.vm(vm.name).manager_qmp, timeout=5.0)
         try:
             await qmp.connect()
+            period = max(1, round(self.interval)) if vm.auto else HELD_STATS
             if vm.balloon:  # each period a timer in QEMU and a wake-up of the guest: the policy's input
-                period = (self.config.interval if self.config else INTERVAL) if vm.auto else HELD_STATS
-                await qmp.cmd("qom-set", path=BALLOON, property="guest-stats-polling-interval",
-                              value=max(1, round(period)))
+                await qmp.cmd("qom-set", path=BALLOON, property="guest-stats-polling-interval", value=period)
         except QmpError as exc:
             log.debug("%s: not reachable yet: %s", vm.name, exc.message)
             await qmp.close()
@@ -322,14 +376,22 @@ class Manager:
                  f", its floor {floor // MIB} MiB as seen before" if floor is not None else "")
         watched = Watched(vm.name, pid, qmp, target=target, floor=floor,
                           console_seen=console_size(self.run_dir.vm(vm.name)), seen={"pid": pid})
-        watched.listener = asyncio.create_task(self.listen(vm.name, qmp))
+        if vm.balloon:
+            watched.period = period
+        watched.listener = asyncio.create_task(self.listen(watched))
         return watched
 
-    async def listen(self, name: str, qmp: AsyncQmp) -> None:
-        """Log the VM's events as they come, until its connection is closed (the task cancelled)."""
+    async def listen(self, watched: Watched) -> None:
+        """Log the VM's events as they come, until its connection is closed (the task cancelled); keep
+        its balloon's actual size from BALLOON_CHANGE, so no round has to ask for it."""
         dropped = 0
+        name, qmp = watched.name, watched.qmp
         while True:
             message = await qmp.next_event()
+            if message.get("event") == "BALLOON_CHANGE":
+                actual = (message.get("data") or {}).get("actual")
+                if isinstance(actual, int) and actual >= 0:
+                    watched.actual = actual
             if qmp.dropped_events != dropped:  # fell behind by a whole backlog: say so, go on
                 log.warning("%s: %d QMP event(s) dropped unread", name, qmp.dropped_events - dropped)
                 dropped = qmp.dropped_events
@@ -344,9 +406,13 @@ class Manager:
         watched = self.watched[vm.name]
         maximum = vm.maximum_mib * MIB
         try:
-            actual = int((await watched.qmp.cmd("query-balloon"))["actual"]) if vm.balloon else maximum
-            stats = await watched.qmp.cmd("qom-get", path=BALLOON, property="guest-stats") \
-                if vm.balloon else {}
+            if vm.balloon and watched.actual is None:  # once: BALLOON_CHANGE keeps it from then on
+                watched.actual = int((await watched.qmp.cmd("query-balloon"))["actual"])
+            actual = watched.actual if vm.balloon and watched.actual is not None else maximum
+            if vm.balloon and time.monotonic() >= watched.stats_due:
+                watched.stats = await watched.qmp.cmd("qom-get", path=BALLOON, property="guest-stats")
+                watched.stats_due = stats_due(watched.stats, watched.period, self.interval)
+            stats = watched.stats if vm.balloon else {}
         except QmpError as exc:
             log.info("%s: QMP failed (%s): dropped until it answers again", vm.name, exc.message)
             await self.watched.pop(vm.name).close()
@@ -377,6 +443,36 @@ class Manager:
         # Held where it is: counted against the budget, never moved.
         return Guest(name=vm.name, maximum=actual, minimum=actual, actual=actual, target=None,
                      available=None, free=free, total=None, major_faults=0.0, swap_in=0.0)
+
+    async def pace(self, vms: list[ManagedVm], moved: set[str], host: Host) -> None:
+        """Let a steady auto balloon report its statistics every STEADY_STATS seconds, and a moving one
+        each round. Steady: SETTLE rounds in a row in which the policy set it no target, its balloon did
+        not move and the host's available memory did not move by more than 1/32 of its total. A
+        change of any of these makes it report each round again from the next one."""
+        shifted = self.host_available is not None and \
+            abs(host.available - self.host_available) > host.total // 32
+        self.host_available = host.available
+        base = max(1, round(self.interval))
+        for vm in vms:
+            watched = self.watched.get(vm.name)
+            if watched is None:
+                continue
+            still = not shifted and vm.name not in moved and watched.actual == watched.paced_actual
+            watched.paced_actual = watched.actual
+            watched.still = watched.still + 1 if still else 0
+            period = STEADY_STATS if watched.still >= SETTLE and base < STEADY_STATS else base
+            if period == watched.period:
+                continue
+            try:
+                await watched.qmp.cmd("qom-set", path=BALLOON, property="guest-stats-polling-interval",
+                                      value=period)
+            except QmpError as exc:
+                log.debug("%s: statistics period not set: %s", vm.name, exc.message)
+                continue
+            log.debug("%s: balloon statistics every %d s", vm.name, period)
+            due = stats_due(watched.stats, period, self.interval)  # the guest's next, at the new period
+            watched.stats_due = due if period > watched.period else min(watched.stats_due, due)
+            watched.period = period
 
     def observe_floor(self, watched: Watched, actual: int) -> None:
         """Note the guest's floor when its balloon stopped short of a lower target: it gave some of the
@@ -414,12 +510,18 @@ class Manager:
         log.info("%s: target %s%d MiB: %s", name, shown, target // MIB, reason)
 
     def save(self, config: ManagerConfig, host_mem: Any) -> None:
+        """Write what it saw and set, for `status`: when that changed (the host's and KSM's figures
+        aside), else every IDLE_EVERY seconds."""
+        mine = {"budget": config.budget_mib * MIB, "placement": self.balancer.state or None,
+                "vms": {name: vm.seen for name, vm in self.watched.items()}}
+        now = time.monotonic()
+        if mine == self.saved and now - self.saved_at < IDLE_EVERY:
+            return
         ksm = ksm_counters()
-        doc = {"pid": os.getpid(), "time": time.time(), "budget": config.budget_mib * MIB,
+        doc = {"pid": os.getpid(), "time": time.time(),
                "host": attrs.asdict(host_mem) if host_mem is not None else None,
-               "ksm": ksm.to_json() if ksm is not None else None,
-               "vms": {name: vm.seen for name, vm in self.watched.items()},
-               "placement": self.balancer.state or None}
+               "ksm": ksm.to_json() if ksm is not None else None, **mine}
+        self.saved, self.saved_at = copy.deepcopy(mine), now  # a copy: `seen` is changed in place
         try:
             write_atomic(self.run_dir.manager_state, json.dumps(doc, indent=1) + "\n", durable=False)
         except OSError as exc:
