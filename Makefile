@@ -27,9 +27,12 @@ demo:
 	@tools/demo.sh
 
 # Branch coverage of the package, measured in the test process (see pyproject.toml). Part of the
-# tests: make test PYTEST_ARGS=tests/test_spec.py, make test PYTEST_ARGS="-k snapshot".
+# tests: make test PYTEST_ARGS=tests/test_spec.py, make test PYTEST_ARGS="-k snapshot". It ends with the
+# 25 slowest tests and set-ups, and the run's CPU time (user + system, the QEMUs it started included:
+# tools/cputime.py), so that a change that makes the suite slower shows in its own log.
 test: setup
-	$(PYTEST) --cov --cov-report=term $(PYTEST_ARGS)
+	$(VENV)/bin/python tools/cputime.py --label "make test" -- \
+		$(PYTEST) --cov --cov-report=term --durations=25 $(PYTEST_ARGS)
 
 # The transcripts of the README and the manual (docs/) written anew from the commands' real output
 # (root: the demo lab, in a private network namespace, ~15 s); tests/test_readme.py fails when they
