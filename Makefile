@@ -2,13 +2,14 @@
 #   make demo   set up what the demo needs (QEMU, the package, the test guest), then bring the demo lab
 #               up, look at it and take it down
 #   make test   set up what the tests need (make setup: the demo's and more) and run the tests
+#               (make test-fast: their quick part, for the edit-run cycle)
 # Both end with `make install`'s work (tools/install.sh): `vmlaunch` on PATH and its bash and zsh
 # completion; `make uninstall` removes exactly that, and says what it leaves and how to remove it.
 VENV := .venv
 VMLAUNCH := $(VENV)/bin/vmlaunch
 PYTEST := $(VENV)/bin/python -m pytest
 
-.PHONY: setup demo test lint readme docs docs-serve bench bench-boot bench-density clean install uninstall
+.PHONY: setup demo test test-fast lint readme docs docs-serve bench bench-boot bench-density clean install uninstall
 
 setup:
 	@tools/setup.sh
@@ -33,6 +34,14 @@ demo:
 test: setup
 	$(VENV)/bin/python tools/cputime.py --label "make test" -- \
 		$(PYTEST) --cov --cov-report=term --durations=25 $(PYTEST_ARGS)
+
+# The edit-run cycle, under 3 minutes here: the tests that start no QEMU and the few quick real ones
+# marked `fast` (pyproject.toml's markers), on 2 workers (pytest-xdist; a file's tests stay on one), without
+# coverage. None of them changes a host-wide setting (KSM, hugepages, nftables, cgroups). make test
+# stays the whole suite, the one CI runs. make test-fast PYTEST_ARGS=--lf: what failed last time.
+test-fast: setup
+	$(PYTEST) -n 2 --dist loadfile -m "(not qemu and not guest and not debian and not libvirt) or fast" \
+		--durations=10 $(PYTEST_ARGS)
 
 # The transcripts of the README and the manual (docs/) written anew from the commands' real output
 # (root: the demo lab, in a private network namespace, ~15 s); tests/test_readme.py fails when they

@@ -81,14 +81,9 @@ def _nft_tables() -> set[str]:
             if len(words := line.split()) == 3 and words[2].startswith("vmlaunch-")}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _host_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Each test module leaves the real host's KSM and hugepage settings, and its nftables, as it found
-    them ("never a leftover"); one that does not fails, naming what it changed, and the settings are
-    put back (a table left is removed)."""
-    before = _host_settings()
-    tables = _nft_tables()
-    yield
+def _put_back(before: dict[Path, str], tables: set[str]) -> str:
+    """The host's settings put back as `before` had them, and the nftables tables made since removed:
+    what was so, in words ("" when nothing)."""
     changed = {path: (value, now) for path, value in before.items()
                if (now := _host_settings().get(path)) != value}
     for path, (value, _) in changed.items():
@@ -97,10 +92,127 @@ def _host_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
     left = sorted(_nft_tables() - tables)
     for table in left:
         subprocess.run(["nft", "delete", "table", "bridge", table], capture_output=True, check=False)
-    if changed or left:
-        pytest.fail(f"{request.module.__name__} left host settings changed: "
-                    + ", ".join([f"{path} {value} -> {now}" for path, (value, now) in changed.items()]
-                                + [f"nftables table bridge {table} left" for table in left]))
+    return ", ".join([f"{path} {value} -> {now}" for path, (value, now) in changed.items()]
+                     + [f"nftables table bridge {table} left" for table in left])
+
+
+# On several workers (pytest-xdist: `-n 2`), a module's labs may run while another worker's module
+# starts and ends, so each module holds this lock: shared, or alone for a module marked `host_wide`
+# (one that asserts the host's KSM or hugepage settings, which any lab may change while it runs). Only
+# a module that holds it alone can say that it left the host as it found it; the rest is checked for
+# the whole run, at its end (pytest_sessionfinish). Separate runs of the suite on one host share it too.
+HOST_LOCK = Path(tempfile.gettempdir()) / f"vmlaunch-tests-{os.getuid()}.lock"
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _host_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each test module leaves the real host's KSM and hugepage settings, and its nftables, as it found
+    them ("never a leftover"); one that does not fails, naming what it changed, and the settings are
+    put back (a table left is removed)."""
+    import fcntl
+
+    alone = request.node.get_closest_marker("host_wide") is not None
+    with HOST_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        before = _host_settings()
+        tables = _nft_tables()
+        yield
+        if WORKER and not alone:
+            return
+        if changed := _put_back(before, tables):
+            pytest.fail(f"{request.module.__name__} left host settings changed: {changed}")
+
+
+HOST_BEFORE = pytest.StashKey[tuple[dict[Path, str], set[str]]]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not WORKER:
+        session.stash[HOST_BEFORE] = (_host_settings(), _nft_tables())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The whole run (on any number of workers) left the host as it found it, or fails."""
+    if WORKER or HOST_BEFORE not in session.stash:
+        return
+    if changed := _put_back(*session.stash[HOST_BEFORE]):
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"the tests left host settings changed: {changed}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# The fixtures that boot a guest (or need what boots one), and the marks a test using one must carry
+# (any one of them), so that `-m "not guest"` and `make test-fast` select what they say. `guest_files`
+# is for a test that reads the test guest's kernel or initramfs and boots nothing.
+MARKS_OF_FIXTURES = {
+    "test_guest": ("guest", "guest_files"),
+    "vmlaunch_lab": ("guest",),
+    "vmlaunch_fresh": ("guest",),
+    "libvirt_hosts": ("libvirt",),
+}
+UNMARKED = pytest.StashKey[str]()
+
+
+def unmarked(item: pytest.Item) -> list[str]:
+    """What a test lacks: `FIXTURE needs the mark MARK` for each fixture of MARKS_OF_FIXTURES it uses
+    (itself or through another fixture) without one of its marks."""
+    used = getattr(item, "fixturenames", ())
+    return [f"{fixture} needs the mark {' or '.join(marks)}" for fixture, marks in MARKS_OF_FIXTURES.items()
+            if fixture in used and not any(item.get_closest_marker(mark) for mark in marks)]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that boots a guest without the mark that says so fails, naming what it lacks, before
+    any of its fixtures runs (so the marks stay true: `-m` selects by them)."""
+    for item in items:
+        if lacks := unmarked(item):
+            item.stash[UNMARKED] = ", ".join(lacks)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if UNMARKED in item.stash:
+        pytest.fail(f"{item.nodeid}: {item.stash[UNMARKED]} (pyproject.toml's markers)", pytrace=False)
+
+
+# VMLAUNCH_TEST_CPU=FILE: the whole host's CPU time (user + system, every process: also a lab's
+# detached QEMUs) during each test's set-up, call and tear-down, written to FILE as one tab-separated
+# line per test (seconds of CPU, seconds of wall, the test), and the 25 costliest said at the end. On a
+# quiet machine and one worker it is what each test costs; `make test`'s total is tools/cputime.py's.
+CPU_FILE = os.environ.get("VMLAUNCH_TEST_CPU")
+CPU_COSTS: list[tuple[float, float, str]] = []
+
+
+def host_cpu_seconds() -> float:
+    """The busy time of every CPU since boot (/proc/stat: user, nice, system, irq, softirq, steal)."""
+    with open("/proc/stat") as stat:
+        fields = stat.readline().split()[1:]
+    busy = sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7) if i < len(fields))
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+if CPU_FILE:
+    import time as _time
+
+    CPU_PATH = Path(CPU_FILE)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+        cpu, wall = host_cpu_seconds(), _time.monotonic()
+        yield
+        cost = (host_cpu_seconds() - cpu, _time.monotonic() - wall, item.nodeid)
+        CPU_COSTS.append(cost)
+        with CPU_PATH.open("a") as out:
+            out.write(f"{cost[0]:.2f}\t{cost[1]:.2f}\t{cost[2]}\n")
+
+    def pytest_terminal_summary(terminalreporter: Any) -> None:
+        terminalreporter.write_sep("=", "the 25 tests that cost the host the most CPU (VMLAUNCH_TEST_CPU)")
+        for cpu, wall, nodeid in sorted(CPU_COSTS, reverse=True)[:25]:
+            terminalreporter.write_line(f"{cpu:8.2f}s cpu {wall:8.2f}s wall  {nodeid}")
+        total = sum(cost[0] for cost in CPU_COSTS)
+        terminalreporter.write_line(f"{total:8.2f}s cpu in all, over {len(CPU_COSTS)} tests")
 
 
 def write_spec(tmp_path: Path, text: str, name: str = "lab.toml") -> Path:
