@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from vmlaunch.core.wait import wait_until
 from vmlaunch.errors import AgentError, CommandTimedOut, RuntimeFailure, UsageError
 from vmlaunch.guests import guest_agent
 from vmlaunch.layout.rundir import RunDir
@@ -33,6 +34,15 @@ def run_dir(tmp_path: Path) -> RunDir:
     (folder / "lab").mkdir()
     (folder / "lab" / "a.pid").write_text("1\n")
     return RunDir(folder / "lab")
+
+
+def ended(pid: int) -> bool:
+    """The process is gone, or dead and not reaped yet (a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def serve(path: Path, handler: Callable[[socket.socket], None]) -> threading.Thread:
@@ -101,11 +111,14 @@ def test_the_python_agent_bounds_output_and_kills_on_timeout(python_agent: RunDi
     marker = tmp_path / "survived"
     started = time.monotonic()
     with pytest.raises(CommandTimedOut, match="did not end within 1 s") as caught:
-        agent.run(python_agent, "a", f"echo begun; (sleep 3; touch {marker}) & sleep 30", timeout=1)
+        agent.run(python_agent, "a", f"echo begun; (sleep 30; touch {marker}) & echo $!; sleep 30",
+                  timeout=1)
     assert time.monotonic() - started < 10
-    assert caught.value.result.stdout == b"begun\n"  # type: ignore[attr-defined]
-    time.sleep(3.5)
-    assert not marker.exists()  # the whole process group was killed, its background child too
+    begun, child = caught.value.result.stdout.splitlines()  # type: ignore[attr-defined]
+    assert begun == b"begun"
+    # The whole process group was killed, its background child too (it would sleep for 30 s).
+    wait_until(lambda: ended(int(child)), 5)
+    assert not marker.exists()
 
 
 def test_a_command_whose_host_side_goes_away_is_killed(python_agent: RunDir, tmp_path: Path) -> None:
@@ -116,11 +129,13 @@ def test_a_command_whose_host_side_goes_away_is_killed(python_agent: RunDir, tmp
     conn.connect(str(python_agent.vm("a").agent))
     conn.sendall(b"VLA1 hello n1\n")
     assert conn.recv(100) == b"VLA1 n1 ready 1 py\n"
-    command = f"sleep 2; touch {marker}".encode()
+    started = tmp_path / "pid"
+    command = f"echo $$ >{started}; sleep 30; touch {marker}".encode()
     conn.sendall(b"VLA1 exec r1 %d 0 0 100\n" % len(command) + command + b"VLA1 end r1\n")
-    time.sleep(0.5)
+    wait_until(lambda: started.exists() and started.read_text().strip(), 10)  # it runs
+    pid = int(started.read_text())
     conn.close()
-    time.sleep(3)
+    wait_until(lambda: ended(pid), 5)  # killed with its group (it would sleep for 30 s)
     assert not marker.exists()
     assert agent.run(python_agent, "a", "echo next").stdout == b"next\n"
 
@@ -318,9 +333,11 @@ def hung_up_ok(handler: Callable[[socket.socket], None]) -> Callable[[socket.soc
     return quietly
 
 
-def test_qemus_guest_agent_still_running_forever_times_out(run_dir: RunDir) -> None:
+def test_qemus_guest_agent_still_running_forever_times_out(run_dir: RunDir,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A qemu-ga (or what stands in its place) that answers "still running" to every poll, also after
     the command was killed: the command times out (exit 124) at its timeout and SETTLE."""
+    monkeypatch.setattr(agent, "SETTLE", 1.0)
     seen: dict[str, object] = {"status": {"exited": False}}
     serve(run_dir.vm("a").qga, hung_up_ok(fake_qga(seen)))
     started = time.monotonic()

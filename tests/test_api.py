@@ -31,6 +31,7 @@ def spec(tmp_path: Path, guest: Path) -> Path:
     return path
 
 
+@pytest.mark.fast  # one real boot through the API: `make test-fast`'s
 def test_lab_context_manager(tmp_path: Path, run_dir: Path, test_guest: Path) -> None:
     with vmlaunch.Lab(spec(tmp_path, test_guest)) as lab:
         assert (lab.name, lab.vms) == ("api", ("solo",))
@@ -56,7 +57,9 @@ def test_fixture_tears_down_even_when_the_test_fails(tmp_path: Path, run_dir: Pa
     inner = tmp_path / "test_inner.py"
     inner.write_text("""
 def test_uses_a_lab(vmlaunch_lab):
-    lab = vmlaunch_lab("lab.toml")  # beside this file, wherever pytest runs
+    # beside this file, wherever pytest runs; ready, so that the teardown's ACPI press is heard (one
+    # made while the guest boots is lost, and waited out for 10 s)
+    lab = vmlaunch_lab("lab.toml", wait_for="VMLAUNCH-GUEST-READY")
     assert lab.vm("solo").pid > 0
     raise AssertionError("the test fails; the lab must go down anyway")
 """)

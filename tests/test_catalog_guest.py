@@ -18,7 +18,7 @@ import pytest
 from tests.catalog_mirror import Mirror, catalog_json
 from tests.conftest import ROOT
 
-pytestmark = [pytest.mark.qemu, pytest.mark.guest]
+pytestmark = [pytest.mark.qemu, pytest.mark.guest, pytest.mark.debian]
 BOOT_TIMEOUT = "420"
 
 

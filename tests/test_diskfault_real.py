@@ -1,8 +1,9 @@
 """Disk faults on the project's test guest (busybox, vmlaunch's agent), with the real QEMU under TCG:
 errors at a sector of a raw and of a qcow2 disk (guest offsets both), a write that pauses the VM and
 is retried by `resume`, held writes and their release, a slow disk, faults from the spec, the API's
-context managers, bad input, and a `down` with a held request. One lab for the module; the guest reads
-and writes with O_DIRECT, so each request reaches the disk."""
+context managers, bad input, and a `down` with a held request. One lab for the module, which the
+`rig` fixture brings up for each test (the events test takes it down); the guest reads and writes
+with O_DIRECT, so each request reaches the disk."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ BLOCK = 4096  # the guest reads and writes whole 4 KiB blocks: sector 8*K+j is i
 
 
 @pytest.fixture(scope="module")
-def rig(test_guest: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+def shared(test_guest: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     import tempfile
 
     folder = tmp_path_factory.mktemp("faults")
@@ -76,6 +77,15 @@ errno = "EROFS"
         for leftover in run_root.iterdir():
             pytest.fail(f"left in the run root: {leftover}")
         os.rmdir(run_root)
+
+
+@pytest.fixture
+def rig(shared: Lab) -> Lab:
+    """The module's lab, up: booted again where a test took it down (each test takes off the faults
+    it set, and the spec's are the test's that spends them)."""
+    if not shared.run_dir.path.exists():
+        shared.up()
+    return shared
 
 
 def vmlaunch(*args: str) -> subprocess.CompletedProcess[str]:
@@ -135,6 +145,14 @@ def test_a_fault_from_the_spec_is_there_from_the_start(rig: Lab) -> None:
     assert read_block(rig, "vdc", 10) == 0
 
 
+def at_the_disk(lab: Lab, device: str) -> None:
+    """Once the guest has a request out at `device` (its in-flight count in /proc/diskstats), a moment
+    in which one that is not held would end."""
+    lab.vm("a").succeed(f"while [ \"$(awk '$3 == \"{device}\" {{print $12}}' /proc/diskstats)\" = 0 ]; "
+                        "do sleep 0.05; done", timeout=30)
+    time.sleep(0.5)
+
+
 WRITE = ("sh -c 'printf failing-write > /tmp/block; dd if=/tmp/block of=/dev/vda bs=4096 seek=256 count=1 "
          "conv=sync oflag=direct; echo $? > /tmp/done' >/dev/null 2>&1 &")
 
@@ -143,6 +161,7 @@ def test_a_failed_write_pauses_the_vm_and_resume_retries_it(rig: Lab) -> None:
     """disk0 has on_error.write = "stop": its write at sector 2048 (block 256) fails once; the VM pauses
     in QEMU's io-error, `status` says why, the event log has the error, `resume` retries the write."""
     a, spec = rig.vm("a"), str(rig.spec)
+    earlier = len(rig.events("a"))  # those of other tests
     disk = a.disk("disk0").fail("write", sector=2048 + 5, once=True)
 
     # The write runs detached in the guest, but the VM may pause before the agent's reply is out: the
@@ -170,7 +189,7 @@ def test_a_failed_write_pauses_the_vm_and_resume_retries_it(rig: Lab) -> None:
     assert logged.returncode == 0, logged.stderr
     assert "a BLOCK_IO_ERROR disk0 write: Input/output error (action stop; the VM paused)" in logged.stdout
     assert "a VMLAUNCH_DISK_FAULT disk0 disk fault set error write at sector 2053, once, EIO" in logged.stdout
-    errors = [event for event in rig.events("a") if event.event == "BLOCK_IO_ERROR"
+    errors = [event for event in rig.events("a")[earlier:] if event.event == "BLOCK_IO_ERROR"
               and event.disk == "disk0" and event.data["operation"] == "write"]  # (earlier faults')
     assert len(errors) == 1 and errors[0].data["node-name"] == "disk0-slot"
 
@@ -182,7 +201,7 @@ def test_a_failed_write_pauses_the_vm_and_resume_retries_it(rig: Lab) -> None:
     assert rig.status()["a"].io_error is None
     assert a.succeed("dd if=/dev/vda bs=4096 skip=256 count=1 iflag=direct 2>/dev/null | head -c 13",
                      timeout=60) == "failing-write"  # the retried write is on the disk
-    names = [event.event for event in rig.events("a")]
+    names = [event.event for event in rig.events("a")[earlier:]]
     assert "RESUME" in names[names.index("BLOCK_IO_ERROR"):]  # logged as it came
     assert disk.faults() == []  # the once error fired: it is gone, and no longer keeps a hang away
     with a.disk("disk1").hang("read"):
@@ -210,13 +229,14 @@ def test_a_command_whose_vm_an_io_error_pauses_ends_at_once(rig: Lab) -> None:
 
 def test_held_writes_wait_for_release_while_reads_go_on(rig: Lab) -> None:
     spec, vm = str(rig.spec), rig.vm("a")
+    of_spec = vm.disk("disk2").faults()  # the spec's, unless the test that spends them ran
     assert vmlaunch("fault", spec, "a", "disk1", "hang", "--write").returncode == 0
     twice = vmlaunch("fault", spec, "a", "disk1", "hang", "--write")
     assert twice.returncode == EXIT_USAGE and "holds its writes already" in twice.stderr
     vm.run("rm -f /tmp/w1 /tmp/w2; (dd if=/dev/zero of=/dev/vdb bs=4096 seek=30 count=1 oflag=direct; "
            "touch /tmp/w1; dd if=/dev/zero of=/dev/vdb bs=4096 seek=40 count=1 oflag=direct; touch /tmp/w2)"
            " >/dev/null 2>&1 &")
-    time.sleep(3)
+    at_the_disk(rig, "vdb")
     assert read_block(rig, "vdb", 3) == 0  # reads are not held
     assert vm.run("test -e /tmp/w1").exit_code != 0  # the first write is held
     refused = vmlaunch("fault", spec, "a", "disk1", "error", "--read")
@@ -226,7 +246,7 @@ def test_held_writes_wait_for_release_while_reads_go_on(rig: Lab) -> None:
         not_paused.stderr
     status = json.loads(vmlaunch("status", spec, "--json").stdout)["a"]
     assert status["state"] == "running"
-    assert [disk["faults"] for disk in status["disks"]] == [[], [{"type": "hang", "op": "write"}], []]
+    assert [disk["faults"] for disk in status["disks"]] == [[], [{"type": "hang", "op": "write"}], of_spec]
     assert "disk1 fault: hang write" in vmlaunch("status", spec).stdout
     released = vmlaunch("fault", spec, "a", "disk1", "release")
     assert released.returncode == 0, released.stderr
@@ -243,7 +263,7 @@ def test_reads_and_writes_held_together_are_let_go_together(rig: Lab) -> None:
     assert vmlaunch("fault", spec, "a", "disk1", "hang", "--write").returncode == 0
     vm.run("rm -f /tmp/h1; (dd if=/dev/zero of=/dev/vdb bs=4096 seek=50 count=1 oflag=direct; touch /tmp/h1)"
            " >/dev/null 2>&1 &")
-    time.sleep(2)
+    at_the_disk(rig, "vdb")
     second = vmlaunch("fault", spec, "a", "disk01", "hang", "--read")  # disk01: disk1, said so
     assert second.returncode == 0 and second.stdout.startswith("a disk1: "), second
     pausing = vmlaunch("fault", spec, "a", "disk0", "error", "--write")  # disk0: on_error.write = "stop"
@@ -262,7 +282,7 @@ def test_a_once_error_that_fired_is_not_armed_again(rig: Lab) -> None:
     write = "dd if=/dev/zero of=/dev/vdb bs=4096 seek=20 count=1 oflag=direct"
     with disk.fail("write", sector=160, once=True):
         assert vm.run(write).exit_code != 0 and vm.run(write).exit_code == 0
-        time.sleep(1)  # the lab manager logs the error
+        wait_until(lambda: disk.faults() == [], 30, interval=0.1)  # the lab manager logs the error
         disk.fail("read", sector=900)  # a new set of rules: without the spent one
         assert vm.run(write).exit_code == 0
         assert [fault["op"] for fault in disk.faults()] == ["read"]
@@ -434,10 +454,12 @@ sector = 2048
     assert vmlaunch("status", str(spec)).stdout.splitlines()[1].split()[:2] == ["p", "stopped"]
 
 
-# The last test of the module: it takes the module's lab down.
-
-
 def test_after_down_the_last_runs_events_are_kept(rig: Lab) -> None:
+    """It takes the module's lab down (the next test's `rig` brings it up again)."""
+    disk = rig.vm("a").disk("disk1")
+    with disk.fail("read", sector=8, once=True):  # a run's events of its own, in any order
+        assert read_block(rig, "vdb", 1) != 0
+        wait_until(lambda: disk.faults() == [], 30, interval=0.1)  # the lab manager logs the error
     rig.down()
     logged = vmlaunch("logs", str(rig.spec), "--events", "--json")
     assert logged.returncode == 0, logged.stderr

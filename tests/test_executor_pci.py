@@ -19,7 +19,7 @@ from vmlaunch.host.pci import PciError
 from vmlaunch.runtime import executor
 from vmlaunch.spec.load import load_lab
 
-pytestmark = pytest.mark.qemu
+pytestmark = [pytest.mark.qemu, pytest.mark.fast]
 
 
 def plan_for(tmp_path: Path, driver: str):  # type: ignore[no-untyped-def]

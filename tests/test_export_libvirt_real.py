@@ -368,6 +368,7 @@ ROUND_TRIP_HOST = fake_host(
     hugepage_sizes_kib=frozenset({2048}))
 
 
+@pytest.mark.libvirt
 def test_round_trip_differs_only_where_the_export_guide_says(libvirt: PrivateLibvirt, tmp_path: Path) -> None:
     seen: dict[str, set[str]] = {}
     unexplained = []
@@ -439,6 +440,7 @@ def wait_for_log(libvirt: PrivateLibvirt, path: str, texts: list[str], timeout: 
 
 
 @pytest.mark.guest
+@pytest.mark.libvirt
 def test_libvirt_runs_the_exported_lab(libvirt: PrivateLibvirt, tmp_path: Path, test_guest: Path) -> None:
     spec = e2e_lab(tmp_path, test_guest)
     for vm in ("a", "b"):  # what `vmlaunch up` would create: the exported domains use the files

@@ -1,7 +1,8 @@
 """`vmlaunch fork` on the project's test guest (busybox, vmlaunch's agent), with the real QEMU under
 TCG: clones that are members of the lab with identities of their own, on copies of the source's disk,
 forwarded ports of their own; down of one clone and of the lab; --shared-memory through the API; the
-refusals; a fork killed at any instant undone by the next command. One lab for the module."""
+refusals; a fork killed at any instant undone by the next command. One lab for the module; a test
+that needs clones there, or none, says so by its fixture (`unforked`, `three_clones`, `a_clone`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 
 from vmlaunch.api import Lab
 from vmlaunch.errors import EXIT_RUNTIME, EXIT_SPEC, EXIT_USAGE
+from vmlaunch.lab.journal import Journal
 from vmlaunch.layout.labdir import LabDir
 
 pytestmark = [pytest.mark.qemu, pytest.mark.guest]
@@ -97,7 +99,44 @@ def status(lab: Lab) -> dict[str, Any]:
     return rows
 
 
-def test_clones_are_members_with_identities_of_their_own(lab: Lab) -> None:
+def clones(lab: Lab) -> list[str]:
+    """The clones in the lab now (its journal's VMs past the spec's)."""
+    return sorted(set(Journal.load(lab.run_dir).vms) - {"a", "off"})
+
+
+def down_clones(lab: Lab) -> Lab:
+    if made := clones(lab):
+        assert vmlaunch("down", str(lab.spec), *made, "--timeout", "0").returncode == 0
+    return lab
+
+
+@pytest.fixture
+def unforked(lab: Lab) -> Lab:
+    """The module's lab with no clone: a and off alone."""
+    return down_clones(lab)
+
+
+@pytest.fixture
+def three_clones(lab: Lab) -> Lab:
+    """The module's lab with a's clones a-1, a-2 and a-3 and no other (what the first test leaves)."""
+    if clones(lab) != ["a-1", "a-2", "a-3"]:
+        down_clones(lab)
+        done = vmlaunch("fork", str(lab.spec), "a", "--count", "3")
+        assert done.returncode == 0, done.stderr
+    return lab
+
+
+@pytest.fixture
+def a_clone(lab: Lab) -> Lab:
+    """The module's lab with a's clone a-1 (others may be there too)."""
+    if "a-1" not in clones(lab):
+        done = vmlaunch("fork", str(lab.spec), "a", "--name", "a-{i}")
+        assert done.returncode == 0, done.stderr
+    return lab
+
+
+def test_clones_are_members_with_identities_of_their_own(unforked: Lab) -> None:
+    lab = unforked
     spec = str(lab.spec)
     done = vmlaunch("fork", spec, "a", "--count", "3", "--json")
     assert done.returncode == 0, done.stderr
@@ -145,7 +184,8 @@ def test_clones_are_members_with_identities_of_their_own(lab: Lab) -> None:
     assert "a-1" in {row for row in lab.status()}
 
 
-def test_down_of_a_clone_removes_it_and_its_files(lab: Lab) -> None:
+def test_down_of_a_clone_removes_it_and_its_files(three_clones: Lab) -> None:
+    lab = three_clones
     spec = str(lab.spec)
     folder = LabDir.of(lab.spec, "fk").vm("a-2").path
     assert folder.is_dir()
@@ -160,7 +200,8 @@ def test_down_of_a_clone_removes_it_and_its_files(lab: Lab) -> None:
     assert vmlaunch("exec", spec, "a-2", "--", "true").returncode == EXIT_USAGE  # no such VM any more
 
 
-def test_a_clone_of_a_clone_and_the_api_with_shared_memory(lab: Lab) -> None:
+def test_a_clone_of_a_clone_and_the_api_with_shared_memory(a_clone: Lab) -> None:
+    lab = a_clone
     again = vmlaunch("fork", str(lab.spec), "a-1", "--name", "deep-{i}")
     assert again.returncode == 0, again.stderr
     assert lab.vm("deep-1").succeed("hostname").strip() == "deep-1"
@@ -217,7 +258,8 @@ def test_a_failing_clone_is_named_and_keep_going_keeps_the_others(lab: Lab,
     (["a", "--count", "0"], EXIT_USAGE, "1 to 64"),
     (["off"], EXIT_SPEC, "--same-identity"),  # agent = false: the spec's, as every refusal of its VM
 ])
-def test_refusals_change_nothing(lab: Lab, args: list[str], code: int, words: str) -> None:
+def test_refusals_change_nothing(a_clone: Lab, args: list[str], code: int, words: str) -> None:
+    lab = a_clone
     before = status(lab)
     done = vmlaunch("fork", str(lab.spec), *args)
     assert done.returncode == code, done.stderr

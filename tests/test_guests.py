@@ -3,8 +3,19 @@ two VMs with static addresses on a bridge in a private network namespace, cloud-
 read-only share, a writable share that keeps a guest's root from planting setuid files or devices
 on the host, down/up keeping the machines, reset making one anew.
 
-The image is built once by tools/build_debian.py (mmdebstrap; cached in examples/debian/). One lab is
-booted for the whole module (a boot under TCG is a minute or two) and the tests run in order on it.
+The image is built once by tools/build_debian.py (mmdebstrap; cached in examples/debian/). A Debian
+boot under TCG is a minute or two of CPU, so the module boots one lab (`lab`) and shares it: four cold
+boots in all, the lab's two and the two of the one down/edit/reset/up cycle. The tests run in any
+order (`-p random_order`), each leaving the lab as it found it, both VMs up:
+- a test that damages a guest works on clones of b (`vmlaunch fork`: a save of b loaded into new
+  QEMUs, no boot), downed before it ends;
+- a test that changes a guest's settings or disks undoes it (links, netem, partitions, disk faults);
+- the snapshot test rolls the lab back to the snapshot it saved first (`snapshot restore`, then
+  `up --from-snapshot`: warm starts, no boot);
+- the edit test's cycle removes a's shares from the spec (a lab with a 9p share cannot be
+  snapshotted, and its snapshots come after the cycle). The tests that need the shares take
+  `shared_lab`, which puts them back when they are gone: `down` of a, the spec as it was, `up` of a
+  (one cold boot of a; none in file order, where those tests come first).
 """
 
 from __future__ import annotations
@@ -142,6 +153,34 @@ def lab(debian: dict[str, object], tmp_path_factory: pytest.TempPathFactory) -> 
             assert netns.links() == {"lo"}
 
 
+SHARES = ('[[vm.a.share]]\nsource = "src"\ntarget = "/srv/src"\nreadonly = true\n'
+          '[[vm.a.share]]\nsource = "out"\ntarget = "/srv/out"\n')
+BEFORE_SHARES = 'ip = "10.10.0.11"\n'  # the line of lab_text that a's shares follow
+
+
+def up(netns: Netns, spec: Path, *vms: str) -> None:
+    """A cold `up` (of `vms`, or every VM that is down) that waits for SSH."""
+    done = netns.vmlaunch("up", str(spec), *vms, "--wait", "ssh", "--timeout", BOOT_TIMEOUT, env=netns.env,
+                          timeout=float(BOOT_TIMEOUT) + 60)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture
+def shared_lab(lab: tuple[Netns, Path]) -> tuple[Netns, Path]:
+    """The lab with a's two shares mounted, as the module booted it. The edit test takes them out of
+    the spec; after it they come back here: `down` of a, the spec as it was, a cold `up` of a (b runs
+    on, untouched)."""
+    netns, spec = lab
+    text = spec.read_text()
+    if SHARES not in text:
+        down = netns.vmlaunch("down", str(spec), "a", "--timeout", "60", env=netns.env, timeout=180)
+        assert down.returncode == 0, down.stderr
+        assert text.count(BEFORE_SHARES) == 1
+        spec.write_text(text.replace(BEFORE_SHARES, BEFORE_SHARES + SHARES))
+        up(netns, spec, "a")
+    return lab
+
+
 def _environ() -> dict[str, str]:
     import os
 
@@ -190,8 +229,8 @@ def test_cloud_init_ran_the_spec(lab: tuple[Netns, Path]) -> None:
     assert isinstance(status["a"]["ssh_port"], int)
 
 
-def test_the_share_is_mounted_read_only(lab: tuple[Netns, Path]) -> None:
-    netns, spec = lab
+def test_the_share_is_mounted_read_only(shared_lab: tuple[Netns, Path]) -> None:
+    netns, spec = shared_lab
     assert ssh(netns, spec, "a", "cat", "/srv/src/from-the-host.txt").stdout == "shared\n"
     written = ssh(netns, spec, "a", "sudo", "touch", "/srv/src/from-the-guest")
     assert written.returncode != 0 and "Read-only file system" in written.stderr
@@ -228,11 +267,11 @@ def vm_uids_in(out: Path) -> set[int]:
             confine.uid_range()}
 
 
-def test_a_writable_share_keeps_what_the_guest_sets_off_the_host(lab: tuple[Netns, Path]) -> None:
+def test_a_writable_share_keeps_what_the_guest_sets_off_the_host(shared_lab: tuple[Netns, Path]) -> None:
     """security_model=mapped-xattr: the guest sees the owners, modes and file types it set; the host
     has regular files and folders only, none setuid or setgid, without file capabilities, owned by
     the VM's own uid while it runs, and the folder's owner can read them."""
-    netns, spec = lab
+    netns, spec = shared_lab
     planted = ssh(netns, spec, "a", "sudo", "sh", "-c", PLANT)
     assert planted.returncode == 0, planted.stderr
     assert planted.stdout.strip() == "capability-refused"
@@ -271,25 +310,6 @@ def test_a_writable_share_keeps_what_the_guest_sets_off_the_host(lab: tuple[Netn
     assert as_owner.returncode == 0 and "echo ran" in as_owner.stdout, as_owner.stderr
 
 
-def test_down_then_up_keeps_the_machine_and_reset_makes_it_anew(lab: tuple[Netns, Path]) -> None:
-    netns, spec = lab
-    for vm in ("a", "b"):
-        assert ssh(netns, spec, vm, "sh", "-c", "echo kept > /var/tmp/kept && sync").returncode == 0
-    assert netns.vmlaunch("down", str(spec), env=netns.env, timeout=120).returncode == 0
-    out = spec.parent / "out"  # handed back: the folder's owner has what the guest made, no VM uid
-    assert vm_uids_in(out) == set() and {os.lstat(path).st_uid for path in out.rglob("*")} == {
-        FOLDER_OWNER[0]}
-    assert netns.vmlaunch("reset", str(spec), "b", env=netns.env).returncode == 0
-    up = netns.vmlaunch("up", str(spec), "--wait", "ssh", "--timeout", BOOT_TIMEOUT, env=netns.env,
-                        timeout=float(BOOT_TIMEOUT) + 60)
-    assert up.returncode == 0, up.stderr
-    assert ssh(netns, spec, "a", "cat", "/var/tmp/kept").stdout == "kept\n"  # the same machine
-    status = netns.vmlaunch("status", str(spec), "--json", env=netns.env)
-    boot = json.loads(status.stdout)["a"]["boot"]  # where its boot went (lab/timeline.py)
-    assert {"qemu", "loader", "kernel", "userspace", "cloud-init"} <= set(boot), boot  # UEFI: no firmware log
-    assert ssh(netns, spec, "b", "test", "-e", "/var/tmp/kept").returncode == 1  # a new one
-
-
 API_SCRIPT = """
 import sys
 import vmlaunch
@@ -313,59 +333,13 @@ def test_the_python_api_runs_commands_over_ssh(lab: tuple[Netns, Path]) -> None:
     assert done.stdout.splitlines() == ['"two words|it\'s|"', "3", "b"]
 
 
-def test_a_mounted_share_refuses_a_snapshot(lab: tuple[Netns, Path]) -> None:
+def test_a_mounted_share_refuses_a_snapshot(shared_lab: tuple[Netns, Path]) -> None:
     """QEMU 7.2 blocks RAM snapshots while a 9p share is in use: refused up front, nothing changed.
     (Save, restore and the warm start themselves: tests/test_snapshot.py, on the test guests.)"""
-    netns, spec = lab
+    netns, spec = shared_lab
     refused = netns.vmlaunch("snapshot", str(spec), "save", "before", env=netns.env)
     assert refused.returncode == 2 and "vm.a.share[0]" in refused.stderr, refused.stderr
     assert ssh(netns, spec, "a", "true").returncode == 0  # still running, untouched
-
-
-def test_an_edited_lab_comes_back_and_a_snapshot_takes_it_back_in_time(lab: tuple[Netns, Path]) -> None:
-    """The share removed from the spec between `down` and `up` (the NICs move to other PCI slots,
-    so other interface names in the guest: its network config must follow), then a whole-lab
-    snapshot: saved, a file written, restored (the file is gone, SSH answers at once), and the
-    lab started from it after a `down` (RAM included)."""
-    netns, spec = lab
-    assert netns.vmlaunch("down", str(spec), env=netns.env, timeout=120).returncode == 0
-    text = spec.read_text()
-    shares = '[[vm.a.share]]\nsource = "src"\ntarget = "/srv/src"\nreadonly = true\n' \
-             '[[vm.a.share]]\nsource = "out"\ntarget = "/srv/out"\n'
-    assert shares in text
-    spec.write_text(text.replace(shares, ""))
-    up = netns.vmlaunch("up", str(spec), "--wait", "ssh", "--timeout", BOOT_TIMEOUT, env=netns.env,
-                        timeout=float(BOOT_TIMEOUT) + 60)
-    assert up.returncode == 0, up.stderr
-    assert ssh(netns, spec, "a", "cat", "/var/tmp/kept").stdout == "kept\n"  # the same machine
-    status = netns.vmlaunch("status", str(spec), "--json", env=netns.env)
-    boot = json.loads(status.stdout)["a"]["boot"]  # where its boot went (lab/timeline.py)
-    assert {"qemu", "loader", "kernel", "userspace", "cloud-init"} <= set(boot), boot  # UEFI: no firmware log
-    assert reach(netns, spec, "a", "10.10.0.12") and reach(netns, spec, "b", "10.10.0.11")
-
-    saved = netns.vmlaunch("snapshot", str(spec), "save", "clean", env=netns.env, timeout=300)
-    assert saved.returncode == 0, saved.stderr
-    for vm in ("a", "b"):
-        assert ssh(netns, spec, vm, "sh", "-c", "echo later > /var/tmp/later && sync").returncode == 0
-    restored = netns.vmlaunch("snapshot", str(spec), "restore", "clean", env=netns.env, timeout=300)
-    assert restored.returncode == 0, restored.stderr
-    for vm in ("a", "b"):
-        assert ssh(netns, spec, vm, "test", "-e", "/var/tmp/later").returncode == 1
-    assert reach(netns, spec, "a", "10.10.0.12")
-    listed = netns.vmlaunch("snapshot", str(spec), "list", env=netns.env)
-    assert listed.returncode == 0 and "clean" in listed.stdout
-
-    assert netns.vmlaunch("down", str(spec), env=netns.env, timeout=120).returncode == 0
-    warm = netns.vmlaunch("up", str(spec), "--from-snapshot", "clean", "--wait", "ssh", "--timeout", "120",
-                          env=netns.env, timeout=180)
-    assert warm.returncode == 0, warm.stderr
-    assert ssh(netns, spec, "b", "test", "-e", "/var/tmp/later").returncode == 1
-    assert ssh(netns, spec, "b", "cat", "/var/tmp/kept").returncode == 1  # b was reset before
-    clock = ssh(netns, spec, "a", "date", "+%s")
-    assert clock.returncode == 0 and abs(int(clock.stdout) - int(time.time())) < 60
-    # a new QEMU, a new generation id (vmgenid): the restored kernel knows it is a copy, and reseeds
-    reseeded = ssh(netns, spec, "a", "sudo", "-n", "dmesg")
-    assert "crng reseeded due to virtual machine fork" in reseeded.stdout, reseeded.stdout[-2000:]
 
 
 def leave_qemu_ga_a_reply(netns: Netns, vm: str) -> None:
@@ -380,30 +354,92 @@ def leave_qemu_ga_a_reply(netns: Netns, vm: str) -> None:
         time.sleep(0.2)  # QEMU passes it on before it hears the client went away
 
 
-def test_the_guests_power_off_cleanly_after_a_snapshot_and_a_warm_start(lab: tuple[Netns, Path]) -> None:
-    """A save, a command through the channel (which greets one agent and closes the other) and a
-    qemu-ga left a reply, then `down`: each guest powers off on the power button, well within its
-    60 s; the same after a warm start. The lab is up again at the end, from the snapshot."""
-    netns, spec = lab
-    for step in ("save", "warm start"):
-        if step == "save":
-            saved = netns.vmlaunch("snapshot", str(spec), "save", "off", env=netns.env, timeout=300)
-            assert saved.returncode == 0, saved.stderr
-        else:
-            warm = netns.vmlaunch("up", str(spec), "--from-snapshot", "off", env=netns.env, timeout=300)
-            assert warm.returncode == 0, warm.stderr
-            assert "page cache" not in warm.stderr, warm.stderr  # disks reopened as compiled (item 7)
-        assert run_in(netns, spec, "a", "true").returncode == 0
-        for vm in ("a", "b"):
-            leave_qemu_ga_a_reply(netns, vm)
-        started = time.monotonic()
-        down = netns.vmlaunch("down", str(spec), "--timeout", "60", env=netns.env, timeout=180)
-        assert down.returncode == 0, down.stderr
-        assert "a: powered off" in down.stderr and "b: powered off" in down.stderr, (step, down.stderr)
-        assert time.monotonic() - started < 45, (step, down.stderr)  # systemd's 90 s wait was not it
-    back = netns.vmlaunch("up", str(spec), "--from-snapshot", "off", "--wait", "ssh", "--timeout", "120",
+def down_powers_both_off(netns: Netns, spec: Path, after: str) -> None:
+    """A command through the channel (which greets one agent and closes the other) and a qemu-ga left
+    a reply, then `down`: each guest powers off on the power button, well within its 60 s."""
+    assert run_in(netns, spec, "a", "true").returncode == 0
+    for vm in ("a", "b"):
+        leave_qemu_ga_a_reply(netns, vm)
+    started = time.monotonic()
+    down = netns.vmlaunch("down", str(spec), "--timeout", "60", env=netns.env, timeout=180)
+    assert down.returncode == 0, down.stderr
+    assert "a: powered off" in down.stderr and "b: powered off" in down.stderr, (after, down.stderr)
+    assert time.monotonic() - started < 45, (after, down.stderr)  # systemd's 90 s wait was not it
+
+
+def warm_start(netns: Netns, spec: Path, snapshot: str) -> None:
+    warm = netns.vmlaunch("up", str(spec), "--from-snapshot", snapshot, "--wait", "ssh", "--timeout", "120",
                           env=netns.env, timeout=180)
-    assert back.returncode == 0, back.stderr
+    assert warm.returncode == 0, warm.stderr
+    assert "page cache" not in warm.stderr, warm.stderr  # disks reopened as compiled (item 7)
+
+
+def test_an_edited_lab_comes_back_and_snapshots_take_it_back_in_time(shared_lab: tuple[Netns, Path]) -> None:
+    """The module's one cold down/up cycle, then the snapshots, which need it (a lab with a 9p share
+    cannot be snapshotted).
+
+    The cycle: `down` (what a's guest made in its writable share is handed back to the folder's
+    owner), `reset b`, the shares taken out of the spec (the NICs move to other PCI slots, so other
+    interface names in the guest: its network config must follow), `up`: a is the same machine, its
+    boot timeline has its phases, b is a new one, and they reach each other.
+
+    The snapshots: a whole-lab snapshot saved, a file written, `down` after the save (each guest
+    powers off cleanly); the lab started from the snapshot (RAM included: the file is gone, the clock
+    is set, the kernel reseeds), `down` as clean after the warm start; started from it again, a file
+    written and the snapshot restored (the file is gone, SSH answers at once). The lab is left up,
+    as the cycle made it."""
+    netns, spec = shared_lab
+    for vm in ("a", "b"):
+        assert ssh(netns, spec, vm, "sh", "-c", "echo kept > /var/tmp/kept && sync").returncode == 0
+    made = ssh(netns, spec, "a", "sudo", "sh", "-c", "echo made > /srv/out/before-down && sync")
+    assert made.returncode == 0, made.stderr
+    assert netns.vmlaunch("down", str(spec), env=netns.env, timeout=120).returncode == 0
+    out = spec.parent / "out"  # handed back: the folder's owner has what the guest made, no VM uid
+    assert vm_uids_in(out) == set() and {os.lstat(path).st_uid for path in out.rglob("*")} == {
+        FOLDER_OWNER[0]}
+    (out / "before-down").unlink()  # the share as the writable share's test expects it
+    assert netns.vmlaunch("reset", str(spec), "b", env=netns.env).returncode == 0
+    text = spec.read_text()
+    assert SHARES in text
+    spec.write_text(text.replace(SHARES, ""))
+    up(netns, spec)
+    assert ssh(netns, spec, "a", "cat", "/var/tmp/kept").stdout == "kept\n"  # the same machine
+    status = netns.vmlaunch("status", str(spec), "--json", env=netns.env)
+    boot = json.loads(status.stdout)["a"]["boot"]  # where its boot went (lab/timeline.py)
+    assert {"qemu", "loader", "kernel", "userspace", "cloud-init"} <= set(boot), boot  # UEFI: no firmware log
+    assert ssh(netns, spec, "b", "test", "-e", "/var/tmp/kept").returncode == 1  # a new one
+    assert reach(netns, spec, "a", "10.10.0.12") and reach(netns, spec, "b", "10.10.0.11")
+
+    def write_later() -> None:
+        for vm in ("a", "b"):
+            assert ssh(netns, spec, vm, "sh", "-c", "echo later > /var/tmp/later && sync").returncode == 0
+
+    def later_gone() -> None:
+        for vm in ("a", "b"):
+            assert ssh(netns, spec, vm, "test", "-e", "/var/tmp/later").returncode == 1, vm
+
+    saved = netns.vmlaunch("snapshot", str(spec), "save", "clean", env=netns.env, timeout=300)
+    assert saved.returncode == 0, saved.stderr
+    write_later()
+    down_powers_both_off(netns, spec, "after a save")
+    warm_start(netns, spec, "clean")
+    later_gone()
+    assert ssh(netns, spec, "b", "cat", "/var/tmp/kept").returncode == 1  # b was reset before the save
+    clock = ssh(netns, spec, "a", "date", "+%s")
+    assert clock.returncode == 0 and abs(int(clock.stdout) - int(time.time())) < 60
+    # a new QEMU, a new generation id (vmgenid): the restored kernel knows it is a copy, and reseeds
+    reseeded = ssh(netns, spec, "a", "sudo", "-n", "dmesg")
+    assert "crng reseeded due to virtual machine fork" in reseeded.stdout, reseeded.stdout[-2000:]
+    down_powers_both_off(netns, spec, "after a warm start")
+
+    warm_start(netns, spec, "clean")
+    write_later()
+    restored = netns.vmlaunch("snapshot", str(spec), "restore", "clean", env=netns.env, timeout=300)
+    assert restored.returncode == 0, restored.stderr
+    later_gone()
+    assert reach(netns, spec, "a", "10.10.0.12")
+    listed = netns.vmlaunch("snapshot", str(spec), "list", env=netns.env)
+    assert listed.returncode == 0 and "clean" in listed.stdout
 
 
 # ---------------------------------------------------------------- test rigs: the command channel
@@ -642,34 +678,44 @@ def test_three_clones_of_b_each_a_machine_of_its_own(lab: tuple[Netns, Path]) ->
         for other, address in addresses.items():
             if other != vm:
                 assert reach(netns, spec, vm, address), (vm, other)
-    down = netns.vmlaunch("down", str(spec), *made, env=netns.env, timeout=120)
+    down_clones(netns, spec, made)
+
+
+def down_clones(netns: Netns, spec: Path, clones: list[str]) -> None:
+    """`down` of the clones leaves nothing of them, and the lab's own a and b running."""
+    down = netns.vmlaunch("down", str(spec), *clones, env=netns.env, timeout=120)
     assert down.returncode == 0, down.stderr
     rows = json.loads(netns.vmlaunch("status", str(spec), "--json", env=netns.env).stdout)
-    assert set(rows) == {"a", "b"}
+    assert {vm: row["run_state"] for vm, row in rows.items()} == {"a": "running", "b": "running"}
     assert not [p for p in (spec.parent / ".vmlaunch" / "deb").iterdir() if p.name.startswith("b-")]
     assert not [name for name in os.listdir(netns.run_root / "deb") if name.startswith("b-")]
     assert subprocess.run(["pgrep", "-f", "guest=b-"], capture_output=True, check=False).returncode == 1
 
 
-# The last test of the module: it leaves b panicked, and a's writes held for the `down` that follows.
-
-
 def test_a_panic_reaches_qemu_through_pvpanic(lab: tuple[Netns, Path]) -> None:
     """Debian's kernel loads the pvpanic driver for QEMU's device: a panic pauses the VM in QEMU's
-    run state guest-panicked (-action panic=pause), which `status` shows with the panic line."""
+    run state guest-panicked (-action panic=pause), which `status` shows with the panic line. On two
+    clones of b, so the lab's b runs on: b-1 panics; b-2 has a write held on its root disk; `down`
+    powers both off all the same."""
     netns, spec = lab
-    # in the background, every stream let go: ssh returns before the guest stops answering
-    ssh(netns, spec, "b", "sudo", "sh", "-c",
-        "(sleep 1; echo c > /proc/sysrq-trigger) </dev/null >/dev/null 2>&1 &")
+    done = netns.vmlaunch("fork", str(spec), "b", "--count", "2", "--json", env=netns.env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    clones = list(json.loads(done.stdout))
+    assert clones == ["b-1", "b-2"]
+    try:
+        # in the background, every stream let go: ssh returns before the guest stops answering
+        ssh(netns, spec, "b-1", "sudo", "sh", "-c",
+            "(sleep 1; echo c > /proc/sysrq-trigger) </dev/null >/dev/null 2>&1 &")
 
-    def panicked() -> dict[str, object] | None:
-        rows = json.loads(netns.vmlaunch("status", str(spec), "--json", env=netns.env).stdout)
-        return rows["b"] if rows["b"]["run_state"] == "guest-panicked" else None
+        def panicked() -> dict[str, object] | None:
+            rows = json.loads(netns.vmlaunch("status", str(spec), "--json", env=netns.env).stdout)
+            return rows["b-1"] if rows["b-1"]["run_state"] == "guest-panicked" else None
 
-    row = wait_until(panicked, 120)
-    assert row["state"] == "guest-panicked" and "Kernel panic - not syncing" in str(row["why"]), row
-    # The module's `down` comes with a write held on a's root disk: it must power a off all the same.
-    held = netns.vmlaunch("fault", str(spec), "a", "disk0", "hang", "--write", env=netns.env)
-    assert held.returncode == 0, held.stderr
-    assert ssh(netns, spec, "a", "sh", "-c", "(echo x > /var/tmp/held; sync) </dev/null >/dev/null 2>&1 &"
-               ).returncode == 0
+        row = wait_until(panicked, 120)
+        assert row["state"] == "guest-panicked" and "Kernel panic - not syncing" in str(row["why"]), row
+        held = netns.vmlaunch("fault", str(spec), "b-2", "disk0", "hang", "--write", env=netns.env)
+        assert held.returncode == 0, held.stderr
+        assert ssh(netns, spec, "b-2", "sh", "-c",
+                   "(echo x > /var/tmp/held; sync) </dev/null >/dev/null 2>&1 &").returncode == 0
+    finally:
+        down_clones(netns, spec, clones)

@@ -70,6 +70,7 @@ def test_every_catalog_image_validates_on_every_network(tmp_path: Path, image: s
         assert "the default gives" in (folder / "lab.toml").read_text()
 
 
+@pytest.mark.guest_files
 @pytest.mark.parametrize("vms", [1, 3])
 @pytest.mark.parametrize("network", NETWORKS)
 def test_the_tiny_test_guest_validates_on_every_network(tmp_path: Path, network: str, vms: int,
@@ -105,6 +106,7 @@ def test_defaults_one_vm_on_a_socket_network_in_the_current_folder(
     assert "vmlaunch ssh lab.toml vm1" in err
 
 
+@pytest.mark.guest_files
 def test_next_commands_are_told_on_standard_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                   test_guest: Path) -> None:
     folder = tmp_path / "web"
@@ -122,6 +124,7 @@ def test_next_commands_are_told_on_standard_error(tmp_path: Path, capsys: pytest
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.guest_files
 def test_init_then_cmdline(tmp_path: Path, capsys: pytest.CaptureFixture[str], qemu_binary: str,
                            test_guest: Path) -> None:
     """What init writes compiles: a QEMU command line per VM (nothing boots, nothing is downloaded)."""
@@ -296,6 +299,7 @@ def test_the_lab_name_follows_the_spec_rule(folder: str, name: str) -> None:
 
 @pytest.mark.parametrize("folder", ['q"uote', 'new\nline [vm.evil]\nmemory = "1G"', "tab\there",
                                     'back\\slash', "ünï cödé ✓", '"""', "#comment", "]]", "\x7f\x01"])
+@pytest.mark.guest_files
 def test_a_folder_name_cannot_inject_toml(tmp_path: Path, folder: str, test_guest: Path) -> None:
     target = tmp_path / folder
     assert init(str(target), "--image", "debian-12", "--vms", "2", "--ssh") == 0

@@ -29,12 +29,14 @@ def guest(test_guest: Path) -> tuple[Path, Path]:
     return test_guest / "vmlinuz", folders[0]
 
 
+@pytest.mark.guest_files
 def test_the_release_of_the_test_guests_kernel(guest: tuple[Path, Path]) -> None:
     kernel, modules = guest
     assert initramfs.kernel_release(kernel) == modules.name
     assert modules.name.endswith("-amd64")
 
 
+@pytest.mark.guest_files
 def test_the_release_of_an_elf_vmlinux_with_a_pvh_note(guest: tuple[Path, Path]) -> None:
     kernel, modules = guest
     boot = kernels.boot_of(kernel, build=True)
@@ -42,6 +44,7 @@ def test_the_release_of_an_elf_vmlinux_with_a_pvh_note(guest: tuple[Path, Path])
     assert initramfs.kernel_release(boot.elf) == modules.name
 
 
+@pytest.mark.guest_files
 def test_without_modules_nor_a_config_it_says_to_give_them(guest: tuple[Path, Path], tmp_path: Path) -> None:
     kernel, modules = guest
     if (Path("/lib/modules") / modules.name).exists() or (Path("/boot") / f"config-{modules.name}").exists():
@@ -66,6 +69,7 @@ def test_a_file_that_is_no_kernel_is_refused(tmp_path: Path) -> None:
         initramfs.kernel_release(tmp_path)
 
 
+@pytest.mark.guest_files
 def test_the_modules_are_found_in_order(guest: tuple[Path, Path]) -> None:
     kernel, modules = guest
     found = initramfs.modules_for(kernel, modules)
@@ -87,6 +91,7 @@ def _copy_modules(source: Path, to: Path) -> Path:
     return to
 
 
+@pytest.mark.guest_files
 def test_a_modules_folder_without_9p_is_refused_naming_it(guest: tuple[Path, Path], tmp_path: Path) -> None:
     kernel, modules = guest
     folder = _copy_modules(modules, tmp_path / modules.name)
@@ -101,6 +106,7 @@ def test_a_modules_folder_without_9p_is_refused_naming_it(guest: tuple[Path, Pat
     assert "9p" not in found.names and "9p" in found.builtin
 
 
+@pytest.mark.guest_files
 def test_modules_of_another_kernel_are_refused(guest: tuple[Path, Path], tmp_path: Path) -> None:
     kernel, modules = guest
     folder = _copy_modules(modules, tmp_path / "other")
@@ -113,6 +119,7 @@ def test_modules_of_another_kernel_are_refused(guest: tuple[Path, Path], tmp_pat
         initramfs.modules_for(kernel, folder)
 
 
+@pytest.mark.guest_files
 def test_a_folder_that_holds_no_modules_is_refused(guest: tuple[Path, Path], tmp_path: Path) -> None:
     kernel, _ = guest
     with pytest.raises(UsageError, match=r"--modules .*: no kernel modules folder"):
@@ -140,6 +147,7 @@ def _build_tree(kernel: Path, modules: Path, tree: Path) -> Path:
     return boot / "bzImage"
 
 
+@pytest.mark.guest_files
 def test_a_build_tree_is_read(guest: tuple[Path, Path], tmp_path: Path) -> None:
     kernel, modules = guest
     tree = tmp_path / "linux"
@@ -152,6 +160,7 @@ def test_a_build_tree_is_read(guest: tuple[Path, Path], tmp_path: Path) -> None:
     assert initramfs.modules_for(bzimage, None).folder == tree.resolve()
 
 
+@pytest.mark.guest_files
 def test_the_initramfs_is_cached(guest: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     kernel, modules = guest
     first = initramfs.build(kernel, modules)
@@ -243,6 +252,8 @@ def _agent_runs(agent: Path, command: bytes) -> tuple[int, bytes]:
     return result.exit_code, result.stdout + result.stderr
 
 
+@pytest.mark.qemu
+@pytest.mark.guest
 @pytest.mark.parametrize("booted", ["own", "test-guest"], indirect=True)
 def test_a_kernel_boots_with_it_mounting_the_share(booted: tuple[Path, Path],
                                                    request: pytest.FixtureRequest) -> None:

@@ -15,7 +15,7 @@ from vmlaunch.lab.journal import Journal
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.ksm import CLAIMS_FILE, HOST_CLAIMS_DIR, default_settings
 
-pytestmark = [pytest.mark.qemu]
+pytestmark = [pytest.mark.qemu, pytest.mark.guest, pytest.mark.host_wide]
 KSM = Path("/sys/kernel/mm/ksm")
 READY = "VMLAUNCH-GUEST-READY"
 SETTINGS = ("run", "pages_to_scan", "sleep_millisecs", "advisor_mode", "advisor_target_scan_time",
@@ -87,6 +87,8 @@ def test_ksm_stays_on_while_another_lab_wants_it(
         pytest.skip("KSM runs on this host already")
     first = lab(tmp_path, test_guest, "one")
     second = lab(tmp_path, test_guest, "two", "ksm_pages_to_scan = 300\nksm_sleep_ms = 30\n")
+    # These labs are not waited for, and a guest still booting cannot hear the ACPI button: `down
+    # --timeout 1`, not the 10 s a clean power-off gets (KSM's settings are what is tested).
     assert main(["up", str(first)]) == 0
     try:
         assert main(["up", str(second)]) == 0
@@ -94,12 +96,12 @@ def test_ksm_stays_on_while_another_lab_wants_it(
             now = settings()
             assert now["run"] == "1" and now["pages_to_scan"] == "300" and now["sleep_millisecs"] == "30"
         finally:
-            assert main(["down", str(second)]) == 0
+            assert main(["down", str(second), "--timeout", "1"]) == 0
         wanted = default_settings("advisor_mode" in host_ksm, 2 * 256)  # lab one's rate again
         assert {name: settings()[name] for name in ("run", "pages_to_scan", "sleep_millisecs")} == {
             name: wanted[name] for name in ("run", "pages_to_scan", "sleep_millisecs")}
     finally:
-        assert main(["down", str(first)]) == 0
+        assert main(["down", str(first), "--timeout", "1"]) == 0
     assert settings() == host_ksm
 
 
@@ -169,11 +171,11 @@ def test_labs_under_two_run_roots_share_one_record_of_the_hosts_ksm(
         if record is not None:
             assert shared["saved"] == record["saved"]  # the host's own, from before the first lab
         monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(run_dir))
-        assert main(["down", str(first)]) == 0
+        assert main(["down", str(first), "--timeout", "1"]) == 0
         now = settings()
         assert now["run"] == "1" and int(now["pages_to_scan"]) >= 300, now  # root2 still wants it
         monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(other))
-        assert main(["down", str(second)]) == 0
+        assert main(["down", str(second), "--timeout", "1"]) == 0
         after = claims()
         if record is None:
             assert settings() == before and after is None
@@ -181,7 +183,7 @@ def test_labs_under_two_run_roots_share_one_record_of_the_hosts_ksm(
             assert after is None or not {"root1", "root2"} & {c["lab"] for c in after["labs"]}  # type: ignore
     finally:
         monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(run_dir))
-        main(["down", str(first)])
+        main(["down", str(first), "--timeout", "1"])
         monkeypatch.setenv("VMLAUNCH_RUN_DIR", str(other))
-        main(["down", str(second)])
+        main(["down", str(second), "--timeout", "1"])
         shutil.rmtree(other, ignore_errors=True)

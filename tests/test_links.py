@@ -178,6 +178,7 @@ def test_without_cap_net_admin_a_clear_error() -> None:
 
 
 @pytest.mark.qemu
+@pytest.mark.fast
 def test_qemu_opens_multi_queue_tap_with_two_queues(qemu_binary: str) -> None:
     result = in_netns("qemu_queues", qemu_binary)
     assert result["running"], result["stderr"]

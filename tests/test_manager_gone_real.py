@@ -25,7 +25,7 @@ from vmlaunch.lab.process import alive
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.manager import ManagerRecord
 
-pytestmark = [pytest.mark.qemu]
+pytestmark = [pytest.mark.qemu, pytest.mark.guest]
 ROUNDS = 10.0  # seconds: a few of the manager's 1 s rounds, on a busy host
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from vmlaunch.cli import main
 
-pytestmark = [pytest.mark.qemu]
+pytestmark = [pytest.mark.qemu, pytest.mark.guest, pytest.mark.host_wide]
 POOL = Path("/sys/kernel/mm/hugepages/hugepages-2048kB")
 READY = "VMLAUNCH-GUEST-READY"
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.qemu, pytest.mark.guest]
+pytestmark = [pytest.mark.qemu, pytest.mark.guest, pytest.mark.libvirt]
 
 PING = "for i in $(seq 90); do ping -c 1 -W 1 {peer} >/dev/null && break; done; ping -c 3 -W 3 {peer}"
 

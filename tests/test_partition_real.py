@@ -4,7 +4,7 @@ tc is busybox's, which has no flower filter: the cut fails in the guests after t
 made, as in a guest kernel without cls_flower/act_gact. Nothing may stay cut that the record does not
 name: the failed cut takes its host rules back, a vmlaunch killed between the host and the guests
 leaves a record that `partition` shows and `--heal` and `down` remove. Inside a private network
-namespace; one lab, booted once."""
+namespace; one lab, booted once (again where the test that takes it down is not the last)."""
 
 from __future__ import annotations
 
@@ -59,17 +59,25 @@ def spec_text(name: str, guest: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def rig(tmp_path_factory: pytest.TempPathFactory, test_guest: Path) -> Iterator[Rig]:
+def shared(tmp_path_factory: pytest.TempPathFactory, test_guest: Path) -> Iterator[Rig]:
+    """The module's lab in its namespace, down until a test's `rig` brings it up."""
     name = f"part{uuid.uuid4().hex[:6]}"
     spec = tmp_path_factory.mktemp("partition") / "lab.toml"
     spec.write_text(spec_text(name, test_guest))
     with netns_named() as netns:
         made = Rig(netns, spec, name)
-        made.ok("up", "--wait-for", READY, "--timeout", "300")
         try:
             yield made
         finally:
             made.run("down", "--timeout", "0")
+
+
+@pytest.fixture
+def rig(shared: Rig) -> Rig:
+    """The module's lab up, nothing cut (each test heals what it cut, or takes the lab down)."""
+    if not (shared.netns.run_root / shared.name / "state.json").exists():
+        shared.ok("up", "--wait-for", READY, "--timeout", "300")
+    return shared
 
 
 def test_a_cut_the_guests_cannot_make_leaves_nothing_cut(rig: Rig) -> None:

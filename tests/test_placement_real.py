@@ -20,7 +20,7 @@ from vmlaunch.core.naming import cgroup_name
 from vmlaunch.host.cgroups import detect
 from vmlaunch.host.numa import allowed_cpus, read_numa_maps, read_threads, read_topology, vcpu_index
 
-pytestmark = [pytest.mark.qemu]
+pytestmark = [pytest.mark.qemu, pytest.mark.guest]
 READY = "VMLAUNCH-GUEST-READY"
 
 

@@ -67,6 +67,7 @@ def copy_example(spec: Path, tmp_path: Path, guest: Path) -> Path:
     return lab_dir
 
 
+@pytest.mark.fast
 def test_kvm_probe_bios_reaches_long_mode_under_tcg(qemu_binary: str, tmp_path: Path) -> None:
     """The probe that decides accel=auto works: under TCG it always gets to its exit."""
     bios = tmp_path / "probe.bin"
@@ -78,6 +79,7 @@ def test_kvm_probe_bios_reaches_long_mode_under_tcg(qemu_binary: str, tmp_path: 
     assert done.returncode == 39
 
 
+@pytest.mark.fast
 def test_host_detection(qemu_binary: str) -> None:
     host = detect_host()
     assert host.qemu.version >= (5, 0, 0)
@@ -88,6 +90,8 @@ def test_host_detection(qemu_binary: str) -> None:
     assert (again.qemu, again.kvm) == (host.qemu, host.kvm)
 
 
+@pytest.mark.fast
+@pytest.mark.guest_files
 @pytest.mark.parametrize("spec", sorted(EXAMPLES.glob("*.toml")), ids=lambda p: p.stem)
 def test_qemu_accepts_example(spec: Path, tmp_path: Path, run_dir: Path, test_guest: Path) -> None:
     lab_dir = copy_example(spec, tmp_path, test_guest)
@@ -101,6 +105,7 @@ def test_qemu_accepts_example(spec: Path, tmp_path: Path, run_dir: Path, test_gu
         assert results[vm.name]["replies"]["query-status"]["status"] == "prelaunch"
 
 
+@pytest.mark.guest
 def test_guest_boots_from_compiled_argv(tmp_path: Path, run_dir: Path, test_guest: Path) -> None:
     lab_dir = tmp_path / "lab"
     lab_dir.mkdir()
@@ -135,6 +140,8 @@ network = "out"
     assert "vl: eth0 " + load_lab(lab_dir / "lab.toml").vms[0].nics[0].mac in log
 
 
+@pytest.mark.fast
+@pytest.mark.guest_files
 def test_odd_file_names_open_that_file(tmp_path: Path, run_dir: Path, test_guest: Path) -> None:
     """`a:b,c.img` is a file name to QEMU, not a protocol `a` nor an extra option `c.img`."""
     lab_dir = tmp_path / "lab"
@@ -149,6 +156,8 @@ def test_odd_file_names_open_that_file(tmp_path: Path, run_dir: Path, test_guest
     assert str(lab_dir / "a:b,c.img") in files
 
 
+@pytest.mark.fast
+@pytest.mark.guest_files
 def test_qemu_takes_the_disks_error_policies(tmp_path: Path, run_dir: Path, test_guest: Path) -> None:
     lab_dir = tmp_path / "lab"
     lab_dir.mkdir()

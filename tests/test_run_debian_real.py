@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.qemu, pytest.mark.guest]
+pytestmark = [pytest.mark.qemu, pytest.mark.guest, pytest.mark.debian]
 ROOT = Path(__file__).resolve().parent.parent
 VMLAUNCH = [sys.executable, "-m", "vmlaunch"]
 

@@ -3,6 +3,7 @@ qemu, on real guests under TCG. User and socket networks only: nothing is create
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import pytest
 
 from vmlaunch.compile.compiler import compile_lab
 from vmlaunch.compile.plan import Plan
+from vmlaunch.core.wait import wait_until
 from vmlaunch.errors import RuntimeFailure, UsageError
 from vmlaunch.host.facts import detect_host
 from vmlaunch.lab import process as qemu
@@ -201,15 +203,18 @@ def test_wait_for_times_out_with_the_console_tail(tmp_path: Path, run_dir: Path,
 
 
 def test_progress_while_waiting_for_the_console(tmp_path: Path, run_dir: Path, test_guest: Path,
-                                                 caplog: pytest.LogCaptureFixture) -> None:
-    """Every 5 s: the VM, the seconds waited and the console's last line, cleaned and short."""
+                                                 caplog: pytest.LogCaptureFixture,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every 5 s (2 s here, not to wait for nothing): the VM, the seconds waited and the console's last
+    line, cleaned and short."""
     caplog.set_level(logging.INFO, logger="vmlaunch")
+    monkeypatch.setattr(executor, "wait_until", functools.partial(wait_until, progress_every=2.0))
     plan = plan_of(tmp_path, test_guest, vms=("b",))
-    with pytest.raises(RuntimeFailure, match="timed out after 6 s"):
-        executor.up(plan, spec=tmp_path / "lab.toml", wait_for="never printed", timeout=6)
+    with pytest.raises(RuntimeFailure, match="timed out after 3 s"):
+        executor.up(plan, spec=tmp_path / "lab.toml", wait_for="never printed", timeout=3)
     lines = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].startswith("b: waiting for 'never printed', 5 s: "), lines
-    console = lines[0].split(", 5 s: ", 1)[1]
+    assert len(lines) == 1 and lines[0].startswith("b: waiting for 'never printed', 2 s: "), lines
+    console = lines[0].split(", 2 s: ", 1)[1]
     assert 0 < len(console) <= 60 and "\x1b" not in console and "\r" not in console
 
 
@@ -218,16 +223,18 @@ BLANK = '[lab]\nname = "blank"\n[vm.solo]\nmemory = "64M"\naccel = "tcg"\n' \
 
 
 def test_down_says_which_vm_it_still_waits_for(tmp_path: Path, run_dir: Path,
-                                               caplog: pytest.LogCaptureFixture) -> None:
-    """A VM with nothing to boot ignores the power button: from 2 s on, down says so."""
+                                               caplog: pytest.LogCaptureFixture,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A VM with nothing to boot ignores the power button: from 2 s on (1 s here), down says so."""
     caplog.set_level(logging.INFO, logger="vmlaunch")
+    monkeypatch.setattr(qemu, "PROGRESS_AFTER", 1.0)
     plan = plan_of(tmp_path, tmp_path, BLANK)
     executor.up(plan, spec=tmp_path / "lab.toml", timeout=30)
-    assert executor.down(plan.run_dir, timeout=3)
+    assert executor.down(plan.run_dir, timeout=1.5)
     messages = [r.getMessage() for r in caplog.records]
-    assert "solo: still shutting down, 2 s: the guest has 3 s to power off after the ACPI power " \
+    assert "solo: still shutting down, 1 s: the guest has 1.5 s to power off after the ACPI power " \
            "button" in messages, messages
-    assert "solo: quit (the guest did not power off within 3 s, so its disks were not cleanly unmounted; " \
+    assert "solo: quit (the guest did not power off within 1.5 s, so its disks were not cleanly unmounted; " \
            "give it longer with `vmlaunch down SPEC --timeout S`)" in messages
     quit = next(r for r in caplog.records if r.getMessage().startswith("solo: quit"))
     assert quit.levelno == logging.WARNING  # not a line among the others: the guest lost its shutdown

@@ -424,6 +424,7 @@ def test_a_qemu_without_pidfile_or_pid_is_still_found(tmp_path: Path, run_dir: P
 
 
 @pytest.mark.qemu
+@pytest.mark.guest
 def test_an_interrupt_while_qemus_daemonize_leaves_none(tmp_path: Path, run_dir: Path,
                                                         test_guest: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,7 +2,9 @@
 
 What a snapshot may hold and the refusals are checked on specs alone; the rest on one booted lab of
 two test guests under TCG (a socket network: nothing is created on the host), shared by the tests
-below in their order: save, restore, list, delete, a failing save, then down and a warm start."""
+below: save, restore, list, delete, a failing save, then down and a warm start. Each names the state
+it starts from by its fixture (`rig`: up with the one snapshot "first"; `unsaved`, `down`,
+`down_saved_twice`), which brings the lab there, so they pass in any order."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from vmlaunch.saved import snapshot
 from vmlaunch.spec.load import load_lab
 from vmlaunch.spec.model import LabSpec
 
+pytestmark = [pytest.mark.qemu, pytest.mark.guest]
 READY = "VMLAUNCH-GUEST-READY"
 VM = """
 [vm.NAME]
@@ -320,7 +323,8 @@ class Rig:
 
 
 @pytest.fixture(scope="module")
-def rig(tmp_path_factory: pytest.TempPathFactory, test_guest: Path) -> Iterator[Rig]:
+def shared(tmp_path_factory: pytest.TempPathFactory, test_guest: Path) -> Iterator[Rig]:
+    """The module's lab, booted once; its run root is the module's (VMLAUNCH_RUN_DIR) until the end."""
     folder = tmp_path_factory.mktemp("snap")
     runs = tempfile.mkdtemp(prefix="vl-")  # short: unix socket paths
     with pytest.MonkeyPatch.context() as env:
@@ -375,7 +379,69 @@ def running(rig: Rig) -> list[str]:
     return [qmp_command(rig.run_dir, vm, "query-status")["status"] for vm in ("a", "b")]
 
 
-def test_save_then_restore_brings_both_vms_back(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
+# --- the states a test starts from ---------------------------------------------------------------------
+
+
+def saved_on_disks(rig: Rig) -> dict[str, set[str]]:
+    return {vm: {name for _, name in table(disk_of(rig, vm))} for vm in ("a", "b")}
+
+
+def bring(rig: Rig, *, up: bool, first: bool = True) -> Rig:
+    """The module's lab brought to the state a test starts from: up (a and b running, no clone, no
+    intent) or down; on both disks the one snapshot "first" (its ID 1, each /tmp/x `VM-first` in it),
+    or with `first=False` none. A lab so already costs a look (qemu-img info, QMP query-status); one
+    that is down comes up warm from "first" where it has it."""
+    if rig.run_dir.path.exists() and (set(Journal.load(rig.run_dir).vms) != {"a", "b"}
+                                      or rig.run_dir.intent.exists() or running(rig) != ["running"] * 2):
+        executor.down(rig.run_dir, timeout=1, force=True)  # what a test that failed half-way left
+    have = saved_on_disks(rig)
+    whole = all("first" in names for names in have.values())
+    if (up or (first and not whole)) and not rig.run_dir.path.exists():
+        assert rig.cli("up", *(["--from-snapshot", "first"] if whole
+                               else ["--wait-for", READY, "--timeout", "120"])) == 0
+    keep = {"first"} if first and whole else set()
+    for name in sorted(set().union(*have.values()) - keep):  # any other first too: "first" takes ID 1
+        assert rig.cli("snapshot", "delete", name) == 0
+    if first and not whole:
+        for vm in ("a", "b"):
+            on_console(rig, vm, f"echo {vm}-first > /tmp/x")
+        assert rig.cli("snapshot", "save", "first") == 0
+    if not up and rig.run_dir.path.exists():
+        assert rig.cli("down", "--timeout", "5") == 0
+    return rig
+
+
+@pytest.fixture
+def rig(shared: Rig) -> Rig:
+    """The module's lab up, as its tests leave it: a and b running, "first" their one snapshot."""
+    return bring(shared, up=True)
+
+
+@pytest.fixture
+def unsaved(shared: Rig) -> Rig:
+    """The module's lab up, with no snapshot."""
+    return bring(shared, up=True, first=False)
+
+
+@pytest.fixture
+def down(shared: Rig) -> Rig:
+    """The module's lab down, "first" its one snapshot."""
+    return bring(shared, up=False)
+
+
+@pytest.fixture
+def down_saved_twice(shared: Rig) -> Rig:
+    """The module's lab down, with "first" and DOWN_NAME, each saved while it was up (what
+    test_from_snapshot_is_refused_while_up leaves)."""
+    if shared.run_dir.path.exists() or saved_on_disks(shared) != {vm: {"first", DOWN_NAME} for vm in "ab"}:
+        bring(shared, up=True)
+        assert shared.cli("snapshot", "save", DOWN_NAME) == 0
+        assert shared.cli("down", "--timeout", "5") == 0
+    return shared
+
+
+def test_save_then_restore_brings_both_vms_back(unsaved: Rig, capsys: pytest.CaptureFixture[str]) -> None:
+    rig = unsaved
     for vm in ("a", "b"):
         on_console(rig, vm, f"echo {vm}-first > /tmp/x")
     assert rig.cli("snapshot", "save", "first") == 0
@@ -614,9 +680,10 @@ def test_from_snapshot_is_refused_while_up(rig: Rig, capsys: pytest.CaptureFixtu
     assert rig.cli("down", "--timeout", "5") == 0
 
 
-def test_every_verb_while_the_lab_is_down(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_verb_while_the_lab_is_down(down_saved_twice: Rig, capsys: pytest.CaptureFixture[str]) -> None:
     """save and restore are refused with the lines of the VMs; list and delete read and write the
     disks with qemu-img."""
+    rig = down_saved_twice
     capsys.readouterr()
     spec = rig.spec
     for verb, doing in (("save", "snapshot"), ("restore", "restore")):
@@ -652,10 +719,10 @@ def test_every_verb_while_the_lab_is_down(rig: Rig, capsys: pytest.CaptureFixtur
     assert rig.cli("snapshot", "delete", "1") == 4  # nothing named "1": the ID 1 is not taken for it
     assert "no VM of lab snap has a snapshot '1'" in capsys.readouterr().err
     assert table(disk_of(rig, "a")) == [entry for entry in before if entry[1] != "1"]
-    subprocess.run(["qemu-img", "snapshot", "-c", "1", str(disk_of(rig, "a"))], check=True)  # for later
 
 
-def test_up_from_snapshot_starts_without_booting(rig: Rig, capsys: pytest.CaptureFixture[str]) -> None:
+def test_up_from_snapshot_starts_without_booting(down: Rig, capsys: pytest.CaptureFixture[str]) -> None:
+    rig = down
     assert set(listed(rig, capsys)["first"]) == {"a", "b"}  # read from the disks
     assert rig.cli("up", "--from-snapshot", "first", "--fresh") == 64
     assert "--fresh and --from-snapshot do not go together" in capsys.readouterr().err
@@ -686,6 +753,9 @@ def test_delete_by_a_number_while_up(rig: Rig, capsys: pytest.CaptureFixture[str
         node = next(node for node in nodes if node["node-name"] == "disk0")
         return {snap["name"]: snap["id"] for snap in node["image"].get("snapshots", [])}
 
+    # A snapshot named "1" beside "first", whose ID is 1; of a's disk alone, without RAM (QEMU takes the
+    # device's root node, the disk's fault slot, and makes it on the qcow2 node below).
+    qmp_command(rig.run_dir, "a", "blockdev-snapshot-internal-sync", {"device": "disk0-slot", "name": "1"})
     assert ids()["first"] == "1" and "1" in ids()
     doc = listed(rig, capsys)
     assert set(doc) == {"first", "1"} and doc["1"]["a"]["missing"] == [str(disk_of(rig, "a"))]  # no RAM
@@ -727,7 +797,7 @@ def test_a_warm_start_reads_the_saved_ram_through_the_page_cache() -> None:
     assert reopen == [json.loads(argv[2])]
 
 
-def test_the_example_lab_snapshots(rig: Rig, tmp_path: Path, test_guest: Path,
+def test_the_example_lab_snapshots(shared: Rig, tmp_path: Path, test_guest: Path,
                                    capsys: pytest.CaptureFixture[str]) -> None:
     """examples/snapshots.toml, which the snapshots guide names: up, save, restore, list, down. In
     the run root of the module's lab, up beside it (a host setting such as KSM has one record)."""

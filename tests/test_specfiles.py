@@ -175,6 +175,7 @@ def test_a_short_kernel_file_is_left_to_qemu(tmp_path: Path) -> None:
     load_checked(write_spec(tmp_path, HEAD + '[vm.a]\nmemory = 32\nkernel = "vmlinuz"\n'))
 
 
+@pytest.mark.guest_files
 def test_the_test_guest_in_64m_is_refused_with_its_numbers(tmp_path: Path, test_guest: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """The real kernel: 64M hangs before the first line of the serial log (tried); 96M boots."""

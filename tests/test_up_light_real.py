@@ -19,7 +19,7 @@ from vmlaunch.lab.process import alive
 from vmlaunch.layout.rundir import RunDir
 from vmlaunch.resources.manager import ManagerRecord
 
-pytestmark = [pytest.mark.qemu]
+pytestmark = [pytest.mark.qemu, pytest.mark.guest]
 
 # Loaded by `up` only for a lab that uses them: an event loop (a VM whose guest never ran, stopped),
 # the schema (a spec not validated before), and the classes of resources and features this lab lacks.

@@ -2,7 +2,8 @@
 pinging `b` and `c` in a loop and `b` printing its carrier, both on their consoles (the guests' `vl.run`
 script). `link` takes b's carrier away and back; `partition` cuts c, then b, off through the lab's
 nftables table and heals them; `down`, and `down --force` after the journal is lost, leave no table.
-One lab for every case: the guests boot twice in all."""
+One lab for every case, which the `rig` fixture brings up where a test took it down: the guests boot
+twice in all (three times where the down test is not the last)."""
 
 from __future__ import annotations
 
@@ -94,18 +95,26 @@ def spec_text(name: str, guest: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def rig(tmp_path_factory: pytest.TempPathFactory, test_guest: Path) -> Iterator[Rig]:
+def shared(tmp_path_factory: pytest.TempPathFactory, test_guest: Path) -> Iterator[Rig]:
+    """The module's lab in its namespace, down until a test's `rig` brings it up."""
     name = f"wire{uuid.uuid4().hex[:6]}"
     spec = tmp_path_factory.mktemp("wire") / "lab.toml"
     spec.write_text(spec_text(name, test_guest))
     with netns_named() as netns:
         made = Rig(netns, spec, name)
-        made.ok("up", "--wait-for", READY, "--timeout", "300")
         try:
-            made.pings("1 1")
             yield made
         finally:
             made.run("down", "--timeout", "0")
+
+
+@pytest.fixture
+def rig(shared: Rig) -> Rig:
+    """The module's lab up, a's pings answered by b and c (each test heals what it cut)."""
+    if not (shared.netns.run_root / shared.name / "state.json").exists():
+        shared.ok("up", "--wait-for", READY, "--timeout", "300")
+        shared.pings("1 1")
+    return shared
 
 
 def test_link_down_takes_the_carrier_away_and_up_brings_it_back(rig: Rig) -> None:
