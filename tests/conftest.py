@@ -113,7 +113,9 @@ def _host_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
     import fcntl
 
     alone = request.node.get_closest_marker("host_wide") is not None
-    with HOST_LOCK.open("a") as lock:
+    # never through a symlink another user planted at its name in the shared temporary folder
+    fd = os.open(HOST_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "r+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         before = _host_settings()
         tables = _nft_tables()

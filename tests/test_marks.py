@@ -78,3 +78,21 @@ def test_the_marks_select_what_they_say(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines_random(["*::test_boots PASSED*", "*::test_reads_the_kernel PASSED*",
                                         "*::test_pure PASSED*"])
     assert "::test_rig PASSED" not in result.stdout.str()
+
+
+def test_each_tests_cpu_is_written_and_the_costliest_said(pytester: pytest.Pytester,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """VMLAUNCH_TEST_CPU=FILE: a line per test (CPU seconds, wall seconds, the test) and a summary."""
+    out = pytester.path / "cpu.tsv"
+    monkeypatch.setenv("VMLAUNCH_TEST_CPU", str(out))
+    pytester.makeconftest(CONFTEST.read_text())
+    pytester.makepyfile(test_x="import time\n\ndef test_spins():\n    end = time.monotonic() + 0.3\n"
+                               "    while time.monotonic() < end:\n        pass\n\n"
+                               "def test_pure():\n    pass\n")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    rows = [line.split("\t") for line in out.read_text().splitlines()]
+    assert [row[2] for row in rows] == ["test_x.py::test_spins", "test_x.py::test_pure"]
+    assert float(rows[0][0]) >= 0.1 and float(rows[0][1]) >= 0.3  # it spun a core for 0.3 s
+    result.stdout.fnmatch_lines(["*the 25 tests that cost the host the most CPU*",
+                                 "*cpu in all, over 2 tests*"])
