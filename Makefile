@@ -27,13 +27,17 @@ demo:
 	@tools/setup.sh --for demo
 	@tools/demo.sh
 
-# Branch coverage of the package, measured in the test process (see pyproject.toml). Part of the
-# tests: make test PYTEST_ARGS=tests/test_spec.py, make test PYTEST_ARGS="-k snapshot". It ends with the
-# 25 slowest tests and set-ups, and the run's CPU time (user + system, the QEMUs it started included:
+# Branch coverage of the package, measured in the test processes (see pyproject.toml). Part of the
+# tests: make test PYTEST_ARGS=tests/test_spec.py, make test PYTEST_ARGS="-k snapshot". On TEST_WORKERS
+# workers (pytest-xdist; a file's tests stay on one, the longest files start first: tests/conftest.py),
+# since much of a real test is waiting for a guest; TEST_WORKERS=0 runs it in one process. It ends with
+# the 25 slowest tests and set-ups, and the run's CPU time (user + system, the QEMUs it started included:
 # tools/cputime.py), so that a change that makes the suite slower shows in its own log.
+TEST_WORKERS := 2
 test: setup
 	$(VENV)/bin/python tools/cputime.py --label "make test" -- \
-		$(PYTEST) --cov --cov-report=term --durations=25 $(PYTEST_ARGS)
+		$(PYTEST) -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --cov --cov-report=term \
+		--durations=25 $(PYTEST_ARGS)
 
 # The edit-run cycle, under 3 minutes here: the tests that start no QEMU and the few quick real ones
 # marked `fast` (pyproject.toml's markers), on 2 workers (pytest-xdist; a file's tests stay on one), without

@@ -102,7 +102,16 @@ def _put_back(before: dict[Path, str], tables: set[str]) -> str:
 # a module that holds it alone can say that it left the host as it found it; the rest is checked for
 # the whole run, at its end (pytest_sessionfinish). Separate runs of the suite on one host share it too.
 HOST_LOCK = Path(tempfile.gettempdir()) / f"vmlaunch-tests-{os.getuid()}.lock"
+HOST_GATE = HOST_LOCK.with_suffix(".gate")
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+
+
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+    """A lock file of the shared temporary folder, never opened through a symlink planted at its name."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "r+") as file:
+        yield file
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -113,10 +122,15 @@ def _host_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
     import fcntl
 
     alone = request.node.get_closest_marker("host_wide") is not None
-    # never through a symlink another user planted at its name in the shared temporary folder
-    fd = os.open(HOST_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "r+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    with _opened(HOST_LOCK) as lock, _opened(HOST_GATE) as gate:
+        # the gate: a module that waits to be alone holds it, so that no module starts beside the ones
+        # that run until it had its turn (flock has no queue: a worker going from one module to the next
+        # could otherwise take the shared lock again before the waiting one is woken)
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
         before = _host_settings()
         tables = _nft_tables()
         yield
@@ -165,12 +179,38 @@ def unmarked(item: pytest.Item) -> list[str]:
             if fixture in used and not any(item.get_closest_marker(mark) for mark in marks)]
 
 
+# On several workers, the modules that take longest start first (each worker takes the next module when
+# it is almost done with its own, so a long one started last would leave the other worker idle): the
+# `host_wide` ones before all (they wait for no module to end), then these, by their wall time in a
+# run on one worker (docs/development/index.md), then the rest in file order. `-p random_order`
+# shuffles after this.
+LONGEST_FIRST = (
+    "test_guests", "test_catalog_guest", "test_e2e", "test_multihost_real", "test_run_real",
+    "test_run_debian_real", "test_rig_real", "test_manager_real", "test_diskfault_real", "test_fuzz",
+    "test_boot_real", "test_runtime", "test_fork_real", "test_wire_real", "test_snapshot",
+    "test_guest_resources", "test_screen_real", "test_completion", "test_export_libvirt_real",
+    "test_placement_real", "test_init", "test_sourcemap",
+)
+
+
+def start_rank(item: pytest.Item) -> int:
+    """Where `item`'s module starts on several workers: 0 first."""
+    if item.get_closest_marker("host_wide"):
+        return 0
+    name = Path(str(item.fspath)).stem
+    return 1 + LONGEST_FIRST.index(name) if name in LONGEST_FIRST else 1 + len(LONGEST_FIRST)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that boots a guest without the mark that says so fails, naming what it lacks, before
-    any of its fixtures runs (so the marks stay true: `-m` selects by them)."""
+    any of its fixtures runs (so the marks stay true: `-m` selects by them). On several workers, the
+    longest modules go first (LONGEST_FIRST)."""
     for item in items:
         if lacks := unmarked(item):
             item.stash[UNMARKED] = ", ".join(lacks)
+    if WORKER:
+        items.sort(key=start_rank)  # stable: a module's tests keep their order
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -40,7 +40,7 @@ from tests.conftest import ROOT
 from tests.test_e2e import Netns, netns_named
 from vmlaunch.core.wait import TimedOut, wait_until
 
-pytestmark = [pytest.mark.qemu, pytest.mark.guest]
+pytestmark = [pytest.mark.qemu, pytest.mark.guest, pytest.mark.debian]
 BOOT_TIMEOUT = "420"
 
 

@@ -96,3 +96,11 @@ def test_each_tests_cpu_is_written_and_the_costliest_said(pytester: pytest.Pytes
     assert float(rows[0][0]) >= 0.1 and float(rows[0][1]) >= 0.3  # it spun a core for 0.3 s
     result.stdout.fnmatch_lines(["*the 25 tests that cost the host the most CPU*",
                                  "*cpu in all, over 2 tests*"])
+
+
+def test_the_modules_started_first_are_the_suites() -> None:
+    """LONGEST_FIRST names test modules that exist (a renamed one would silently start last)."""
+    from tests.conftest import LONGEST_FIRST
+
+    missing = [name for name in LONGEST_FIRST if not (CONFTEST.parent / f"{name}.py").is_file()]
+    assert not missing, missing
