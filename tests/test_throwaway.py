@@ -177,6 +177,14 @@ def test_a_run_of_a_vmlaunch_that_is_gone_is_swept(tmp_path: Path) -> None:
     made = throwaway._make_home(tmp_path, "run-0000000e")  # whole, with its owner, from the start
     assert json.loads((made / "owner.json").read_text())["pid"] == os.getpid()
     assert throwaway.sweep(tmp_path) == [] and made.exists()
+    # a home another run has just made, its owner not written yet: left to it (a sweep that removed it
+    # failed that run); without an owner a minute on, its maker died in that moment
+    making = homes / ".run-0000000f"
+    making.mkdir()
+    assert throwaway.sweep(tmp_path) == [] and making.exists()
+    old = time.time() - throwaway.STAGING_GRACE - 1
+    os.utime(making, (old, old))
+    assert throwaway.sweep(tmp_path) == [] and not making.exists()
 
 
 def test_a_kept_run_is_a_lab_by_name(lab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]

@@ -133,6 +133,20 @@ def _make_home(root: Path, name: str) -> Path:
     return home
 
 
+# A home being made has no owner for the moment between its mkdir and the owner's write: one without
+# an owner is a vmlaunch's that died in that moment only once it is this old (seconds).
+STAGING_GRACE = 60.0
+
+
+def _being_made(home: Path) -> bool:
+    """`home` (a staging one) has no owner yet and was made a moment ago: another run is making it."""
+    try:
+        made = home.lstat().st_mtime
+    except OSError:
+        return False
+    return not (home / OWNER).exists() and time.time() - made < STAGING_GRACE
+
+
 def sweep(root: Path, timeout: float = 10.0) -> list[str]:
     """Take down every run whose vmlaunch is gone and that was not kept; return their names."""
     folder = homes(root)
@@ -143,8 +157,9 @@ def sweep(root: Path, timeout: float = 10.0) -> list[str]:
     gone = []
     for name in sorted(names):
         home = folder / name
-        if name.startswith(".") and spec_throwaway.is_throwaway(name[1:]) and not _owner_alive(home):
-            templates.remove(home)  # a home being made by a vmlaunch that is gone
+        if name.startswith(".") and spec_throwaway.is_throwaway(name[1:]):
+            if not _owner_alive(home) and not _being_made(home):
+                templates.remove(home)  # a home being made by a vmlaunch that is gone
             continue
         if not spec_throwaway.is_throwaway(name) or _owner_alive(home):
             continue
