@@ -34,10 +34,10 @@ demo:
 # the 25 slowest tests and set-ups, and the run's CPU time (user + system, the QEMUs it started included:
 # tools/cputime.py), so that a change that makes the suite slower shows in its own log.
 TEST_WORKERS := 2
+WORKERS := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup
 	$(VENV)/bin/python tools/cputime.py --label "make test" -- \
-		$(PYTEST) -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --cov --cov-report=term \
-		--durations=25 $(PYTEST_ARGS)
+		$(PYTEST) $(WORKERS) --cov --cov-report=term --durations=25 $(PYTEST_ARGS)
 
 # The edit-run cycle, under 3 minutes here: the tests that start no QEMU and the few quick real ones
 # marked `fast` (pyproject.toml's markers), on 2 workers (pytest-xdist; a file's tests stay on one), without

@@ -60,9 +60,10 @@ def tour(debian_image: tuple[Path, str], tmp_path_factory: pytest.TempPathFactor
         spec = folder / "lab.toml"
         text = spec.read_text()
         assert text.count("\ncpus = 2\n") == 1, text
-        # one vCPU: under TCG a second one doubles what the boot costs the host (each vCPU a thread that
-        # spins through the guest's waits) and makes it no faster on this 2-core machine; and the suite's
-        # labs leave KSM alone (other runs may share the host)
+        # one vCPU: under TCG init's two cost the host twice the CPU for the boot (185 s of CPU for 164 s
+        # of wall here, where a one-vCPU VM of the same image boots on about 90 s of CPU) and made it no
+        # faster on this 2-core machine; and the suite's labs leave KSM alone (other runs may share the
+        # host)
         spec.write_text(text.replace("\ncpus = 2\n", "\ncpus = 1\n") + "\n[lab.memory]\nksm = false\n")
         pulled = vmlaunch(env, "image", "pull", str(spec), timeout=300)
         assert pulled.returncode == 0, pulled.stderr
