@@ -33,7 +33,7 @@ demo:
 # since much of a real test is waiting for a guest; TEST_WORKERS=0 runs it in one process. It ends with
 # the 25 slowest tests and set-ups, and the run's CPU time (user + system, the QEMUs it started included:
 # tools/cputime.py), so that a change that makes the suite slower shows in its own log.
-TEST_WORKERS := 2
+TEST_WORKERS ?= 2
 WORKERS := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: setup
 	$(VENV)/bin/python tools/cputime.py --label "make test" -- \
