@@ -88,12 +88,23 @@ def nothing_left(root: Path) -> None:
     assert (labs, homes, qemus.stdout) == ([], [], ""), (labs, homes, qemus.stdout)
 
 
+def disk_state(path: Path) -> tuple[int, int, int] | None:
+    """What a run must leave as it found it: the spec's own disk file (made by a test's `up` of the lab)."""
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return None
+    return info.st_ino, info.st_size, info.st_mtime_ns
+
+
 def test_a_cold_run_says_its_status_and_leaves_nothing(spec: Path, run_root: Path) -> None:
+    disk = spec.parent / "data.raw"
+    before = disk_state(disk)
     done = vl("run", str(spec), "a", "--", "sh", "-c", "echo out; echo err >&2; ip -o -4 addr show; exit 7")
     assert done.returncode == 7, done.stderr
     assert done.stdout.startswith("out\n") and "err" in done.stderr and "out" not in done.stderr
     assert "eth0" in done.stdout and "eth1" in done.stdout  # its NICs, on networks of its own
-    assert not (spec.parent / "data.raw").exists()  # the spec's disk, made for the run in its home
+    assert disk_state(disk) == before  # the spec's disk neither made nor touched: the run's is in its home
     nothing_left(run_root)
 
 
