@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,8 +45,11 @@ def tour(debian_image: tuple[Path, str], tmp_path_factory: pytest.TempPathFactor
     image, sha512 = debian_image
     top = tmp_path_factory.mktemp("tour")
     mirror = Mirror(top / "mirror")
+    # a run dir of its own: init names the lab after its folder ("lab"), which another run of the suite
+    # on this host may have up at the same time (a short path: QEMU's sockets live there)
+    run_root = Path(tempfile.mkdtemp(prefix="vl-"))
     env = {**os.environ, "VMLAUNCH_IMAGE_MIRROR": mirror.base, "VMLAUNCH_CACHE_DIR": str(top / "cache"),
-           "PYTHONPATH": str(ROOT)}
+           "VMLAUNCH_RUN_DIR": str(run_root), "PYTHONPATH": str(ROOT)}
     env.pop("VMLAUNCH_IMAGE_KEYRING", None)
     entry = catalog_json(env)["debian-12"]
     where = mirror.path_of(str(entry["url"]))
@@ -78,6 +83,8 @@ def tour(debian_image: tuple[Path, str], tmp_path_factory: pytest.TempPathFactor
     finally:
         down = vmlaunch(env, "down", str(spec))
         assert down.returncode == 0, down.stderr
+        assert not [entry for entry in os.listdir(run_root) if not entry.startswith(".")]
+        shutil.rmtree(run_root, ignore_errors=True)
 
 
 def test_init_pull_up_and_ssh_into_a_catalog_image(tour: tuple[dict[str, str], Path]) -> None:
