@@ -197,7 +197,7 @@ def start_rank(item: pytest.Item) -> int:
     """Where `item`'s module starts on several workers: 0 first."""
     if item.get_closest_marker("host_wide"):
         return 0
-    name = Path(str(item.fspath)).stem
+    name = item.path.stem
     return 1 + LONGEST_FIRST.index(name) if name in LONGEST_FIRST else 1 + len(LONGEST_FIRST)
 
 
